@@ -1,0 +1,50 @@
+"""Errors a user can cause.
+
+Every error raised on purpose by purinec is a `PurinecError`. Its message says what
+was wrong and where (node, IR line and column, file), so the command line can print
+it as one paragraph and exit non-zero without a traceback.
+"""
+
+from __future__ import annotations
+
+
+class PurinecError(Exception):
+    """Base class of every error purinec raises on purpose."""
+
+
+class IRSyntaxError(PurinecError):
+    """Malformed IR text; carries the 1-based line and column."""
+
+    def __init__(self, message: str, line: int, column: int, source: str = "<ir>"):
+        self.line = line
+        self.column = column
+        self.source = source
+        super().__init__(f"{source}:{line}:{column}: {message}")
+
+
+class VerifyError(PurinecError):
+    """A graph breaks an IR invariant (types, SSA, order, attributes)."""
+
+
+class ShapeError(PurinecError):
+    """Operand shapes or dtypes an op cannot accept."""
+
+
+class UnknownOpError(PurinecError):
+    """An op name that is not in the registry."""
+
+
+class ModelError(PurinecError):
+    """A model (bi-graph, zoo name, Python file) that cannot be built or lowered."""
+
+
+class AutodiffError(PurinecError):
+    """A graph that cannot be differentiated as asked."""
+
+
+class ExecutionError(PurinecError):
+    """A failure while running a compiled program."""
+
+
+class DataError(PurinecError):
+    """A data set that cannot be found or read."""

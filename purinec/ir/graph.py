@@ -1,0 +1,196 @@
+"""The IR's data structure: values, nodes and graphs.
+
+A `Graph` is a flat dataflow DAG in SSA form: every `Value` is defined once, either as
+a graph input or as an output of exactly one `Node`, and nodes are kept in topological
+order. State (weights, momentum history) is threaded through: a state input ``%w`` and
+an output named ``w`` in the return list are the same variable before and after one
+run of the graph.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from purinec.ir.types import CPU0, Device, Distribution, TensorType
+
+# Value names: what a user's hierarchical names can look like (``net.conv1.weight``).
+NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
+
+# Roles of graph inputs: fed each run (data), or held by the program between runs.
+INPUT_ROLES = ("data", "param", "state")
+
+
+@dataclass(eq=False)
+class Value:
+    """A tensor in the IR: named, typed and placed."""
+
+    name: str
+    type: TensorType
+    device: Device = CPU0
+    dist: Distribution | None = None
+    producer: "Node | None" = field(default=None, repr=False)
+    role: str | None = None  # for graph inputs: one of INPUT_ROLES
+    init: str | None = None  # for params and state: how to fill it, see purinec.ir.init
+
+    def __repr__(self) -> str:
+        return f"%{self.name}: {self.type} @{self.device}"
+
+
+@dataclass(eq=False)
+class Node:
+    """One operator application. ``loc`` is the user's source line, where known."""
+
+    op: str
+    inputs: list[Value]
+    outputs: list[Value]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    loc: str | None = None
+
+    @property
+    def device(self) -> Device:
+        return self.outputs[0].device if self.outputs else CPU0
+
+    @property
+    def name(self) -> str:
+        """A node is named after its first output, as in the IR text."""
+        return self.outputs[0].name if self.outputs else f"<{self.op}>"
+
+    def __repr__(self) -> str:
+        outs = ", ".join("%" + v.name for v in self.outputs)
+        ins = ", ".join("%" + v.name for v in self.inputs)
+        return f"{outs} = {self.op}({ins})"
+
+
+class Graph:
+    """A named dataflow graph: inputs, nodes in topological order, named outputs."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.inputs: list[Value] = []
+        self.nodes: list[Node] = []
+        self.outputs: list[tuple[str, Value]] = []
+        self._names: set[str] = set()
+
+    # -- building -------------------------------------------------------------------
+
+    def fresh_name(self, base: str) -> str:
+        """``base`` if unused in this graph, else ``base.1``, ``base.2``, ..."""
+        if base not in self._names:
+            return base
+        i = 1
+        while f"{base}.{i}" in self._names:
+            i += 1
+        return f"{base}.{i}"
+
+    def _claim(self, name: str) -> str:
+        if name in self._names:
+            raise ValueError(f"value %{name} is already defined in graph {self.name}")
+        self._names.add(name)
+        return name
+
+    def add_input(self, name: str, type: TensorType, device: Device = CPU0,
+                  role: str = "data", dist: Distribution | None = None,
+                  init: str | None = None) -> Value:
+        if role not in INPUT_ROLES:
+            raise ValueError(f"unknown input role {role!r}")
+        value = Value(self._claim(name), type, device, dist, None, role, init)
+        self.inputs.append(value)
+        return value
+
+    def add_node(self, op: str, inputs: Iterable[Value], attrs: dict | None = None,
+                 names: Iterable[str] | None = None, types: Iterable[TensorType] | None = None,
+                 device: Device | None = None, loc: str | None = None) -> Node:
+        """Append a node. Output types come from the op registry unless given;
+        output names default to fresh names after the op."""
+        from purinec.ir.ops import get_op
+
+        inputs = list(inputs)
+        opdef = get_op(op)
+        attrs = opdef.complete_attrs(attrs or {})
+        if types is None:
+            types = opdef.infer([v.type for v in inputs], attrs)
+        types = list(types)
+        names = list(names) if names is not None else [self.fresh_name(op) for _ in types]
+        if len(names) != len(types):
+            raise ValueError(f"{op}: {len(names)} output names for {len(types)} outputs")
+        if device is None:
+            device = inputs[0].device if inputs else CPU0
+        node = Node(op, inputs, [], attrs, loc)
+        for name, ty in zip(names, types):
+            node.outputs.append(Value(self._claim(name), ty, device, None, node))
+        self.nodes.append(node)
+        return node
+
+    def set_outputs(self, outputs: Iterable[tuple[str, Value]]) -> None:
+        self.outputs = list(outputs)
+
+    # -- queries --------------------------------------------------------------------
+
+    def values(self) -> Iterable[Value]:
+        yield from self.inputs
+        for node in self.nodes:
+            yield from node.outputs
+
+    def value(self, name: str) -> Value:
+        for v in self.values():
+            if v.name == name:
+                return v
+        raise KeyError(name)
+
+    def input(self, name: str) -> Value:
+        for v in self.inputs:
+            if v.name == name:
+                return v
+        raise KeyError(name)
+
+    def output(self, name: str) -> Value:
+        for out_name, v in self.outputs:
+            if out_name == name:
+                return v
+        raise KeyError(name)
+
+    def inputs_with_role(self, *roles: str) -> list[Value]:
+        return [v for v in self.inputs if v.role in roles]
+
+    def users(self) -> dict[Value, list[Node]]:
+        """Map from each value to the nodes that read it, in graph order."""
+        result: dict[Value, list[Node]] = {v: [] for v in self.values()}
+        for node in self.nodes:
+            for v in node.inputs:
+                result.setdefault(v, []).append(node)
+        return result
+
+    def clone(self) -> "Graph":
+        """A deep copy sharing nothing mutable with this graph (attrs are copied)."""
+        new = Graph(self.name)
+        mapping: dict[Value, Value] = {}
+        for v in self.inputs:
+            mapping[v] = new.add_input(v.name, v.type, v.device, v.role, v.dist, v.init)
+        for node in self.nodes:
+            copy = Node(node.op, [mapping[v] for v in node.inputs], [],
+                        _copy_attrs(node.attrs), node.loc)
+            for v in node.outputs:
+                out = Value(new._claim(v.name), v.type, v.device, v.dist, copy)
+                copy.outputs.append(out)
+                mapping[v] = out
+            new.nodes.append(copy)
+        new.outputs = [(name, mapping[v]) for name, v in self.outputs]
+        return new
+
+    def rebuild_names(self) -> None:
+        """Recompute the set of claimed names after a pass removed nodes."""
+        self._names = {v.name for v in self.values()}
+
+    def __str__(self) -> str:
+        from purinec.ir.printer import print_graph
+
+        return print_graph(self)
+
+    def __repr__(self) -> str:
+        return f"<Graph {self.name}: {len(self.inputs)} inputs, {len(self.nodes)} nodes>"
+
+
+def _copy_attrs(attrs: dict) -> dict:
+    return {k: (list(v) if isinstance(v, list) else v) for k, v in attrs.items()}

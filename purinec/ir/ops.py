@@ -1,0 +1,808 @@
+"""The op registry: every IR op is defined once, here.
+
+An `OpDef` says what an op takes (inputs and typed attributes), how its output types
+follow from its input types (`infer`), how it fuses (`FusionKind`, TVM's lattice), how
+it may be split across devices (`split` signatures, OneFlow's SBP idea) and what it
+computes (`reference`, in NumPy: the oracle every generated kernel is tested against).
+Gradient rules live with autodiff (`purinec.passes.autodiff`), kernels with codegen.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from purinec.errors import ShapeError, UnknownOpError, VerifyError
+from purinec.ir.types import DType, TensorType
+
+
+class FusionKind(enum.IntEnum):
+    """TVM's pattern kinds, ordered: a group fuses into a consumer of a higher kind."""
+
+    elementwise = 0
+    broadcast = 1
+    injective = 2
+    reduction = 3
+    out_elementwise_fusable = 4
+    opaque = 5
+
+
+REQUIRED = object()
+
+ATTR_KINDS = ("int", "float", "bool", "str", "ints", "floats")
+
+
+@dataclass(frozen=True)
+class Attr:
+    kind: str
+    default: Any = REQUIRED
+    doc: str = ""
+
+
+# A split signature: one entry per input then one per output, each "B" (broadcast, i.e.
+# replicated), "P" (partial sum) or "S<axis>" (split along axis). For example matmul
+# with (S0, B) -> (S0,) is data parallelism; (B, S0) -> (S1,) splits output features.
+@dataclass(frozen=True)
+class SplitSignature:
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"({', '.join(self.inputs)}) -> ({', '.join(self.outputs)})"
+
+
+InferFn = Callable[[list[TensorType], dict], list[TensorType]]
+SplitFn = Callable[[list[TensorType], dict], list[SplitSignature]]
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    inputs: tuple[str, ...]
+    infer: InferFn
+    reference: Callable[..., tuple]
+    fusion: FusionKind
+    attrs: dict[str, Attr] = field(default_factory=dict)
+    variadic: bool = False  # the last input may repeat (one or more times)
+    split: SplitFn | None = None
+    differentiable: bool = True  # False for backward-only and integer ops
+    doc: str = ""
+
+    def complete_attrs(self, attrs: dict) -> dict:
+        """Check ``attrs`` against the schema, fill defaults, normalise number types."""
+        unknown = set(attrs) - set(self.attrs)
+        if unknown:
+            raise VerifyError(f"op {self.name} has no attribute(s) {', '.join(sorted(unknown))}"
+                              f"; it takes: {', '.join(self.attrs) or 'none'}")
+        result = {}
+        for key, spec in self.attrs.items():
+            if key in attrs:
+                result[key] = _coerce_attr(self.name, key, spec.kind, attrs[key])
+            elif spec.default is REQUIRED:
+                raise VerifyError(f"op {self.name} needs attribute {key} ({spec.kind})")
+            else:
+                result[key] = _coerce_attr(self.name, key, spec.kind, spec.default)
+        return result
+
+    def check_arity(self, n: int) -> None:
+        fixed = len(self.inputs) - (1 if self.variadic else 0)
+        ok = n >= fixed + 1 if self.variadic else n == len(self.inputs)
+        if not ok:
+            want = f"at least {fixed + 1}" if self.variadic else str(len(self.inputs))
+            raise VerifyError(f"op {self.name} takes {want} input(s) "
+                              f"({', '.join(self.inputs)}), got {n}")
+
+    def signatures(self, types: list[TensorType], attrs: dict) -> list[SplitSignature]:
+        return self.split(types, attrs) if self.split else []
+
+
+def _coerce_attr(op: str, key: str, kind: str, value: Any) -> Any:
+    def bad():
+        return VerifyError(f"op {op}: attribute {key} must be {kind}, got {value!r}")
+
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise bad()
+        return int(value)
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+            raise bad()
+        return float(value)
+    if kind == "bool":
+        if not isinstance(value, (bool, np.bool_)):
+            raise bad()
+        return bool(value)
+    if kind == "str":
+        if not isinstance(value, str):
+            raise bad()
+        return value
+    if kind in ("ints", "floats"):
+        if not isinstance(value, (list, tuple)):
+            raise bad()
+        scalar = "int" if kind == "ints" else "float"
+        return [_coerce_attr(op, key, scalar, v) for v in value]
+    raise AssertionError(kind)
+
+
+REGISTRY: dict[str, OpDef] = {}
+
+
+def register(opdef: OpDef) -> OpDef:
+    assert opdef.name not in REGISTRY, opdef.name
+    REGISTRY[opdef.name] = opdef
+    return opdef
+
+
+def get_op(name: str) -> OpDef:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        close = [n for n in REGISTRY if n.startswith(name[:3])]
+        hint = f"; did you mean {', '.join(sorted(close))}?" if close else ""
+        raise UnknownOpError(f"unknown op {name!r}{hint}") from None
+
+
+# ---------------------------------------------------------------------------------------
+# Shape rules and helpers.
+
+
+def _fail(op: str, msg: str) -> ShapeError:
+    return ShapeError(f"{op}: {msg}")
+
+
+def _float(op: str, t: TensorType, what: str = "input") -> None:
+    if not t.dtype.is_float:
+        raise _fail(op, f"{what} must be a float tensor, got {t}")
+
+
+def _integer(op: str, t: TensorType, what: str) -> None:
+    if t.dtype not in (DType.i32, DType.i64):
+        raise _fail(op, f"{what} must be an i32 or i64 tensor, got {t}")
+
+
+def _same(op: str, types: Sequence[TensorType]) -> None:
+    first = types[0]
+    for t in types[1:]:
+        if t != first:
+            raise _fail(op, f"operands must have the same type, got "
+                            f"{', '.join(str(x) for x in types)}")
+
+
+def _rank(op: str, t: TensorType, rank: int, what: str = "input") -> None:
+    if t.rank != rank:
+        raise _fail(op, f"{what} must have rank {rank}, got {t}")
+
+
+def pool_output_size(size: int, kernel: int, stride: int, pad: int) -> int:
+    """Caffe's pooled size: ceil mode, and the last window must start inside the input
+    (plus the leading pad)."""
+    out = -(-(size + 2 * pad - kernel) // stride) + 1
+    if pad > 0 and (out - 1) * stride >= size + pad:
+        out -= 1
+    return out
+
+
+def conv_output_size(size: int, kernel: int, stride: int, pad: int) -> int:
+    return (size + 2 * pad - kernel) // stride + 1
+
+
+def _pair(op: str, attrs: dict, key: str) -> list[int]:
+    value = attrs[key]
+    if len(value) != 2:
+        raise VerifyError(f"op {op}: attribute {key} must have 2 entries, got {value}")
+    return value
+
+
+def _unary_infer(op):
+    def infer(types, attrs):
+        _float(op, types[0])
+        return [types[0]]
+    return infer
+
+
+def _binary_infer(op):
+    def infer(types, attrs):
+        _same(op, types)
+        return [types[0]]
+    return infer
+
+
+def _grad_pair_infer(op):
+    """(y or x, gy) -> gx, all of one type."""
+    def infer(types, attrs):
+        _float(op, types[0])
+        _same(op, types)
+        return [types[0]]
+    return infer
+
+
+def _elementwise_split(types, attrs):
+    """Any split axis, or all replicated; linear ops also pass partial sums through."""
+    rank = types[0].rank
+    n_in = len(types)
+    sigs = [SplitSignature(("S%d" % a,) * n_in, ("S%d" % a,)) for a in range(rank)]
+    sigs.append(SplitSignature(("B",) * n_in, ("B",)))
+    return sigs
+
+
+def _linear_split(types, attrs):
+    """Elementwise ops linear in every input (add, sub, scale) also map P -> P."""
+    return _elementwise_split(types, attrs) + [SplitSignature(("P",) * len(types), ("P",))]
+
+
+def _batch_split(types, attrs):
+    """Ops independent per sample: split the batch axis of every input and output."""
+    return [SplitSignature(("S0",) * len(types), ("S0",)),
+            SplitSignature(("B",) * len(types), ("B",))]
+
+
+# ---------------------------------------------------------------------------------------
+# The ops. NumPy references of the convolution, pooling and LRN families live in
+# `purinec.ir.nnref`; the short ones are written inline.
+
+from purinec.ir import nnref  # noqa: E402  (after the helpers it does not need)
+
+E, B, I, R, O, X = (FusionKind.elementwise, FusionKind.broadcast, FusionKind.injective,
+                    FusionKind.reduction, FusionKind.out_elementwise_fusable,
+                    FusionKind.opaque)
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+register(OpDef("relu", ("x",), _unary_infer("relu"), lambda x: (np.maximum(x, 0).astype(x.dtype),),
+               E, split=_elementwise_split, doc="max(x, 0)"))
+register(OpDef("sigmoid", ("x",), _unary_infer("sigmoid"), lambda x: (_sigmoid(x),), E,
+               split=_elementwise_split, doc="1 / (1 + exp(-x))"))
+register(OpDef("tanh", ("x",), _unary_infer("tanh"), lambda x: (np.tanh(x),), E,
+               split=_elementwise_split))
+register(OpDef("scale", ("x",), _unary_infer("scale"),
+               lambda x, alpha: ((x * x.dtype.type(alpha)),), E,
+               attrs={"alpha": Attr("float")}, split=_linear_split, doc="alpha * x"))
+
+
+def _add_scalar_infer(types, attrs):
+    return [types[0]]
+
+
+register(OpDef("add_scalar", ("x",), _add_scalar_infer,
+               lambda x, value: ((x + x.dtype.type(value)),), E,
+               attrs={"value": Attr("float")}, split=_elementwise_split, differentiable=True,
+               doc="x + value (any dtype; the iteration counter is one)"))
+
+
+def _cast_infer(types, attrs):
+    try:
+        dtype = DType(attrs["dtype"])
+    except ValueError:
+        raise VerifyError(f"op cast: unknown dtype {attrs['dtype']!r}") from None
+    return [TensorType(types[0].shape, dtype)]
+
+
+register(OpDef("cast", ("x",), _cast_infer,
+               lambda x, dtype: (x.astype(DType(dtype).numpy),), E,
+               attrs={"dtype": Attr("str")}, split=_elementwise_split, differentiable=False))
+
+register(OpDef("add", ("a", "b"), _binary_infer("add"), lambda a, b: (a + b,), E,
+               split=_linear_split))
+register(OpDef("sub", ("a", "b"), _binary_infer("sub"), lambda a, b: (a - b,), E,
+               split=_linear_split))
+register(OpDef("mul", ("a", "b"), _binary_infer("mul"), lambda a, b: (a * b,), E,
+               split=_elementwise_split))
+
+register(OpDef("relu_grad", ("x", "gy"), _grad_pair_infer("relu_grad"),
+               lambda x, gy: (np.where(x > 0, gy, 0).astype(gy.dtype),), E,
+               split=_elementwise_split, differentiable=False, doc="gy * (x > 0)"))
+register(OpDef("sigmoid_grad", ("y", "gy"), _grad_pair_infer("sigmoid_grad"),
+               lambda y, gy: (gy * y * (1 - y),), E, split=_elementwise_split,
+               differentiable=False, doc="gy * y * (1 - y), y = sigmoid(x)"))
+register(OpDef("tanh_grad", ("y", "gy"), _grad_pair_infer("tanh_grad"),
+               lambda y, gy: (gy * (1 - y * y),), E, split=_elementwise_split,
+               differentiable=False, doc="gy * (1 - y^2), y = tanh(x)"))
+
+
+def _bias_add_infer(types, attrs):
+    x, b = types
+    _float("bias_add", x)
+    axis = attrs["axis"]
+    if not 0 <= axis < x.rank:
+        raise _fail("bias_add", f"axis {axis} out of range for {x}")
+    if b.shape != (x.shape[axis],) or b.dtype != x.dtype:
+        raise _fail("bias_add", f"bias must be {x.dtype}[{x.shape[axis]}] for input {x} "
+                                f"on axis {axis}, got {b}")
+    return [x]
+
+
+def _bias_add_ref(x, b, axis):
+    shape = [1] * x.ndim
+    shape[axis] = b.shape[0]
+    return (x + b.reshape(shape),)
+
+
+def _bias_add_split(types, attrs):
+    axis = attrs["axis"]
+    sigs = [SplitSignature((f"S{a}", "B"), (f"S{a}",)) for a in range(types[0].rank)
+            if a != axis]
+    sigs.append(SplitSignature((f"S{axis}", "S0"), (f"S{axis}",)))
+    sigs.append(SplitSignature(("B", "B"), ("B",)))
+    sigs.append(SplitSignature(("P", "P"), ("P",)))
+    return sigs
+
+
+register(OpDef("bias_add", ("x", "b"), _bias_add_infer, _bias_add_ref, B,
+               attrs={"axis": Attr("int", 1)}, split=_bias_add_split,
+               doc="x + b broadcast along axis"))
+
+
+def _reduce_sum_infer(types, attrs):
+    x = types[0]
+    axes = attrs["axes"]
+    if len(set(axes)) != len(axes) or any(not 0 <= a < x.rank for a in axes):
+        raise _fail("reduce_sum", f"bad axes {axes} for {x}")
+    if attrs["keepdims"]:
+        shape = [1 if i in axes else d for i, d in enumerate(x.shape)]
+    else:
+        shape = [d for i, d in enumerate(x.shape) if i not in axes]
+    return [x.with_shape(shape)]
+
+
+def _reduce_sum_split(types, attrs):
+    axes = attrs["axes"]
+    sigs = [SplitSignature(("B",), ("B",)), SplitSignature(("P",), ("P",))]
+    for a in range(types[0].rank):
+        if a in axes:
+            sigs.append(SplitSignature((f"S{a}",), ("P",)))
+        elif not attrs["keepdims"]:
+            sigs.append(SplitSignature((f"S{a}",), (f"S{a - sum(x < a for x in axes)}",)))
+        else:
+            sigs.append(SplitSignature((f"S{a}",), (f"S{a}",)))
+    return sigs
+
+
+register(OpDef("reduce_sum", ("x",), _reduce_sum_infer,
+               lambda x, axes, keepdims: (np.sum(x, axis=tuple(axes), keepdims=keepdims)
+                                          .astype(x.dtype),), R,
+               attrs={"axes": Attr("ints"), "keepdims": Attr("bool", False)},
+               split=_reduce_sum_split))
+
+
+def _broadcast_to_infer(types, attrs):
+    x = types[0]
+    shape = attrs["shape"]
+    try:
+        np.broadcast_shapes(x.shape, tuple(shape))
+    except ValueError:
+        raise _fail("broadcast_to", f"cannot broadcast {x} to {shape}") from None
+    if len(shape) < x.rank or np.broadcast_shapes(x.shape, tuple(shape)) != tuple(shape):
+        raise _fail("broadcast_to", f"cannot broadcast {x} to {shape}")
+    return [x.with_shape(shape)]
+
+
+register(OpDef("broadcast_to", ("x",), _broadcast_to_infer,
+               lambda x, shape: (np.ascontiguousarray(np.broadcast_to(x, shape)),), B,
+               attrs={"shape": Attr("ints")}, doc="NumPy broadcasting to shape"))
+
+
+def _reshape_infer(types, attrs):
+    x = types[0]
+    shape = attrs["shape"]
+    if any(d < 0 for d in shape) or int(np.prod(shape, dtype=np.int64)) != x.size:
+        raise _fail("reshape", f"cannot reshape {x} ({x.size} elements) to {shape}")
+    return [x.with_shape(shape)]
+
+
+register(OpDef("reshape", ("x",), _reshape_infer,
+               lambda x, shape: (x.reshape(shape),), I, attrs={"shape": Attr("ints")},
+               split=lambda types, attrs: [SplitSignature(("S0",), ("S0",)),
+                                           SplitSignature(("B",), ("B",))]))
+
+
+def _concat_infer(types, attrs):
+    axis = attrs["axis"]
+    first = types[0]
+    if not 0 <= axis < first.rank:
+        raise _fail("concat", f"axis {axis} out of range for {first}")
+    for t in types[1:]:
+        if (t.dtype != first.dtype or t.rank != first.rank or
+                any(a != b for i, (a, b) in enumerate(zip(t.shape, first.shape)) if i != axis)):
+            raise _fail("concat", f"operands differ outside axis {axis}: "
+                                  f"{', '.join(str(x) for x in types)}")
+    shape = list(first.shape)
+    shape[axis] = sum(t.shape[axis] for t in types)
+    return [first.with_shape(shape)]
+
+
+def _concat_split(types, attrs):
+    axis = attrs["axis"]
+    n = len(types)
+    sigs = [SplitSignature((f"S{a}",) * n, (f"S{a}",)) for a in range(types[0].rank)
+            if a != axis]
+    return sigs + [SplitSignature(("B",) * n, ("B",)), SplitSignature(("P",) * n, ("P",))]
+
+
+register(OpDef("concat", ("xs",), _concat_infer,
+               lambda *xs, axis: (np.concatenate(xs, axis=axis),), I,
+               attrs={"axis": Attr("int", 1)}, variadic=True, split=_concat_split))
+
+
+def _split_infer(types, attrs):
+    x = types[0]
+    axis, sections = attrs["axis"], attrs["sections"]
+    if not 0 <= axis < x.rank:
+        raise _fail("split", f"axis {axis} out of range for {x}")
+    if not sections or any(s <= 0 for s in sections) or sum(sections) != x.shape[axis]:
+        raise _fail("split", f"sections {sections} must be positive and add up to "
+                             f"{x.shape[axis]} (axis {axis} of {x})")
+    out = []
+    for s in sections:
+        shape = list(x.shape)
+        shape[axis] = s
+        out.append(x.with_shape(shape))
+    return out
+
+
+def _split_ref(x, axis, sections):
+    return tuple(np.split(x, np.cumsum(sections)[:-1], axis=axis))
+
+
+register(OpDef("split", ("x",), _split_infer, _split_ref, I,
+               attrs={"axis": Attr("int", 1), "sections": Attr("ints")},
+               doc="slices of x along axis; the inverse of concat"))
+
+
+def _matmul_infer(types, attrs):
+    a, b = types
+    for t, what in ((a, "a"), (b, "b")):
+        _float("matmul", t, what)
+        _rank("matmul", t, 2, what)
+    m, k = a.shape[::-1] if attrs["trans_a"] else a.shape
+    k2, n = b.shape[::-1] if attrs["trans_b"] else b.shape
+    if k != k2 or a.dtype != b.dtype:
+        raise _fail("matmul", f"cannot multiply {a}{'^T' if attrs['trans_a'] else ''} by "
+                              f"{b}{'^T' if attrs['trans_b'] else ''}")
+    return [TensorType((m, n), a.dtype)]
+
+
+def _matmul_ref(a, b, trans_a, trans_b):
+    return ((a.T if trans_a else a) @ (b.T if trans_b else b),)
+
+
+def _matmul_split(types, attrs):
+    # Axes of a and b holding m, k and n, after the transposes.
+    am, ak = (1, 0) if attrs["trans_a"] else (0, 1)
+    bk, bn = (1, 0) if attrs["trans_b"] else (0, 1)
+    return [SplitSignature((f"S{am}", "B"), ("S0",)),
+            SplitSignature(("B", f"S{bn}"), ("S1",)),
+            SplitSignature((f"S{ak}", f"S{bk}"), ("P",)),
+            SplitSignature(("P", "B"), ("P",)),
+            SplitSignature(("B", "P"), ("P",)),
+            SplitSignature(("B", "B"), ("B",))]
+
+
+register(OpDef("matmul", ("a", "b"), _matmul_infer, _matmul_ref, O,
+               attrs={"trans_a": Attr("bool", False), "trans_b": Attr("bool", False)},
+               split=_matmul_split, doc="op(a) @ op(b); inner product is matmul(x, w^T)"))
+
+
+def _conv_check(x: TensorType, w_shape, attrs, op: str):
+    _rank(op, x, 4)
+    groups = attrs["groups"]
+    cout, cin_g, kh, kw = w_shape
+    if groups < 1 or x.shape[1] != cin_g * groups or cout % groups:
+        raise _fail(op, f"input {x} with {groups} group(s) does not fit weight "
+                        f"[{','.join(map(str, w_shape))}] (out, in/groups, kh, kw)")
+    sh, sw = _pair(op, attrs, "stride")
+    ph, pw = _pair(op, attrs, "pad")
+    if sh < 1 or sw < 1 or ph < 0 or pw < 0:
+        raise _fail(op, f"stride must be >= 1 and pad >= 0, got {attrs['stride']}, {attrs['pad']}")
+    oh = conv_output_size(x.shape[2], kh, sh, ph)
+    ow = conv_output_size(x.shape[3], kw, sw, pw)
+    if oh < 1 or ow < 1:
+        raise _fail(op, f"kernel {kh}x{kw} does not fit input {x} with pad {attrs['pad']}")
+    return (x.shape[0], cout, oh, ow)
+
+
+CONV_ATTRS = {"stride": Attr("ints", [1, 1]), "pad": Attr("ints", [0, 0]),
+              "groups": Attr("int", 1)}
+
+
+def _conv2d_infer(types, attrs):
+    x, w = types
+    _float("conv2d", x)
+    _rank("conv2d", w, 4, "weight")
+    if w.dtype != x.dtype:
+        raise _fail("conv2d", f"weight {w} and input {x} differ in dtype")
+    return [x.with_shape(_conv_check(x, w.shape, attrs, "conv2d"))]
+
+
+def _conv2d_split(types, attrs):
+    sigs = [SplitSignature(("S0", "B"), ("S0",)), SplitSignature(("B", "B"), ("B",))]
+    if attrs["groups"] == 1:
+        sigs += [SplitSignature(("B", "S0"), ("S1",)), SplitSignature(("S1", "S1"), ("P",))]
+    return sigs
+
+
+register(OpDef("conv2d", ("x", "w"), _conv2d_infer, nnref.conv2d, O, attrs=dict(CONV_ATTRS),
+               split=_conv2d_split, doc="cross-correlation, NCHW input, OIHW weight"))
+
+
+def _conv2d_grad_input_infer(types, attrs):
+    gy, w = types
+    x = TensorType(tuple(attrs["input_shape"]), gy.dtype)
+    if _conv_check(x, w.shape, attrs, "conv2d_grad_input") != gy.shape:
+        raise _fail("conv2d_grad_input", f"gradient {gy} does not match the output of "
+                                         f"input {x} and weight {w}")
+    return [x]
+
+
+register(OpDef("conv2d_grad_input", ("gy", "w"), _conv2d_grad_input_infer,
+               nnref.conv2d_grad_input, X,
+               attrs={**CONV_ATTRS, "input_shape": Attr("ints")}, split=_batch_split,
+               differentiable=False))
+
+
+def _conv2d_grad_weight_infer(types, attrs):
+    x, gy = types
+    kh, kw = _pair("conv2d_grad_weight", attrs, "kernel")
+    groups = attrs["groups"]
+    w_shape = (gy.shape[1], x.shape[1] // max(groups, 1), kh, kw) if gy.rank == 4 else ()
+    _rank("conv2d_grad_weight", gy, 4, "gradient")
+    if _conv_check(x, w_shape, attrs, "conv2d_grad_weight") != gy.shape:
+        raise _fail("conv2d_grad_weight", f"gradient {gy} does not match the output of "
+                                          f"input {x} with a {kh}x{kw} kernel")
+    return [x.with_shape(w_shape)]
+
+
+register(OpDef("conv2d_grad_weight", ("x", "gy"), _conv2d_grad_weight_infer,
+               nnref.conv2d_grad_weight, X,
+               attrs={**CONV_ATTRS, "kernel": Attr("ints")},
+               split=lambda t, a: [SplitSignature(("S0", "S0"), ("P",)),
+                                   SplitSignature(("B", "B"), ("B",))],
+               differentiable=False))
+
+
+POOL_ATTRS = {"kernel": Attr("ints"), "stride": Attr("ints", [1, 1]),
+              "pad": Attr("ints", [0, 0])}
+
+
+def _pool_shape(op, x: TensorType, attrs):
+    _float(op, x)
+    _rank(op, x, 4)
+    kh, kw = _pair(op, attrs, "kernel")
+    sh, sw = _pair(op, attrs, "stride")
+    ph, pw = _pair(op, attrs, "pad")
+    if min(kh, kw, sh, sw) < 1 or min(ph, pw) < 0 or ph >= kh or pw >= kw:
+        raise _fail(op, f"bad window: kernel {attrs['kernel']}, stride {attrs['stride']}, "
+                        f"pad {attrs['pad']} (pad must be smaller than the kernel)")
+    oh = pool_output_size(x.shape[2], kh, sh, ph)
+    ow = pool_output_size(x.shape[3], kw, sw, pw)
+    if oh < 1 or ow < 1:
+        raise _fail(op, f"window {kh}x{kw} does not fit input {x}")
+    return (x.shape[0], x.shape[1], oh, ow)
+
+
+def _pool_infer(op):
+    def infer(types, attrs):
+        return [types[0].with_shape(_pool_shape(op, types[0], attrs))]
+    return infer
+
+
+def _nc_split(types, attrs):
+    """Per-sample, per-channel ops: batch or channel axis may be split."""
+    n = len(types)
+    return [SplitSignature(("S0",) * n, ("S0",)), SplitSignature(("S1",) * n, ("S1",)),
+            SplitSignature(("B",) * n, ("B",))]
+
+
+register(OpDef("max_pool2d", ("x",), _pool_infer("max_pool2d"), nnref.max_pool2d, X,
+               attrs=dict(POOL_ATTRS), split=_nc_split,
+               doc="max over windows, Caffe's ceil-mode output size"))
+register(OpDef("avg_pool2d", ("x",), _pool_infer("avg_pool2d"), nnref.avg_pool2d, X,
+               attrs=dict(POOL_ATTRS), split=_nc_split,
+               doc="mean over windows, Caffe's ceil-mode size and divisor"))
+
+
+def _max_pool_grad_infer(types, attrs):
+    x, y, gy = types
+    expect = _pool_shape("max_pool2d_grad", x, attrs)
+    if y.shape != expect or gy != y:
+        raise _fail("max_pool2d_grad", f"output {y} and gradient {gy} must be "
+                                       f"{x.dtype}[{','.join(map(str, expect))}]")
+    return [x]
+
+
+register(OpDef("max_pool2d_grad", ("x", "y", "gy"), _max_pool_grad_infer,
+               nnref.max_pool2d_grad, X, attrs=dict(POOL_ATTRS), split=_nc_split,
+               differentiable=False, doc="routes gy to the first maximum of each window"))
+
+
+def _avg_pool_grad_infer(types, attrs):
+    gy = types[0]
+    x = TensorType(tuple(attrs["input_shape"]), gy.dtype)
+    if _pool_shape("avg_pool2d_grad", x, attrs) != gy.shape:
+        raise _fail("avg_pool2d_grad", f"gradient {gy} does not match pooling input {x}")
+    return [x]
+
+
+register(OpDef("avg_pool2d_grad", ("gy",), _avg_pool_grad_infer, nnref.avg_pool2d_grad, X,
+               attrs={**POOL_ATTRS, "input_shape": Attr("ints")}, split=_nc_split,
+               differentiable=False))
+
+
+def _global_avg_pool_infer(types, attrs):
+    x = types[0]
+    _float("global_avg_pool", x)
+    _rank("global_avg_pool", x, 4)
+    return [x.with_shape((x.shape[0], x.shape[1], 1, 1))]
+
+
+register(OpDef("global_avg_pool", ("x",), _global_avg_pool_infer,
+               lambda x: (x.mean(axis=(2, 3), keepdims=True).astype(x.dtype),), R,
+               split=_nc_split, doc="mean over H and W, output N x C x 1 x 1"))
+
+
+def _global_avg_pool_grad_infer(types, attrs):
+    gy = types[0]
+    shape = attrs["input_shape"]
+    if len(shape) != 4 or gy.shape != (shape[0], shape[1], 1, 1):
+        raise _fail("global_avg_pool_grad", f"gradient {gy} does not match input {shape}")
+    return [gy.with_shape(shape)]
+
+
+register(OpDef("global_avg_pool_grad", ("gy",), _global_avg_pool_grad_infer,
+               lambda gy, input_shape: (np.broadcast_to(
+                   gy / gy.dtype.type(input_shape[2] * input_shape[3]), input_shape).copy(),), B,
+               attrs={"input_shape": Attr("ints")}, split=_nc_split, differentiable=False))
+
+LRN_ATTRS = {"size": Attr("int", 5), "alpha": Attr("float", 1e-4),
+             "beta": Attr("float", 0.75), "k": Attr("float", 1.0)}
+
+
+def _lrn_infer(types, attrs):
+    x = types[0]
+    _float("lrn", x)
+    _rank("lrn", x, 4)
+    if attrs["size"] < 1 or attrs["size"] % 2 == 0:
+        raise _fail("lrn", f"size must be odd and positive, got {attrs['size']}")
+    return [x]
+
+
+register(OpDef("lrn", ("x",), _lrn_infer, nnref.lrn, X, attrs=dict(LRN_ATTRS),
+               split=_batch_split,
+               doc="Caffe's across-channel LRN: x * (k + alpha/size * sum x^2)^-beta"))
+register(OpDef("lrn_grad", ("x", "gy"), _grad_pair_infer("lrn_grad"), nnref.lrn_grad, X,
+               attrs=dict(LRN_ATTRS), split=_batch_split, differentiable=False))
+
+
+def _softmax_ref(x, axis):
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return (e / e.sum(axis=axis, keepdims=True),)
+
+
+def _softmax_infer(types, attrs):
+    x = types[0]
+    _float("softmax", x)
+    if not 0 <= attrs["axis"] < x.rank:
+        raise _fail("softmax", f"axis {attrs['axis']} out of range for {x}")
+    return [x]
+
+
+def _softmax_split(types, attrs):
+    n = len(types)
+    return [SplitSignature((f"S{a}",) * n, (f"S{a}",)) for a in range(types[0].rank)
+            if a != attrs["axis"]] + [SplitSignature(("B",) * n, ("B",))]
+
+
+register(OpDef("softmax", ("x",), _softmax_infer, _softmax_ref, X,
+               attrs={"axis": Attr("int", 1)}, split=_softmax_split))
+register(OpDef("softmax_grad", ("y", "gy"), _grad_pair_infer("softmax_grad"),
+               lambda y, gy, axis: (y * (gy - (gy * y).sum(axis=axis, keepdims=True)),), X,
+               attrs={"axis": Attr("int", 1)}, split=_softmax_split, differentiable=False))
+
+
+def _xent_check(op, logits: TensorType, label: TensorType):
+    _float(op, logits, "logits")
+    _rank(op, logits, 2, "logits")
+    _integer(op, label, "label")
+    if label.shape != logits.shape[:1]:
+        raise _fail(op, f"label {label} must hold one class per row of logits {logits}")
+
+
+def _xent_infer(types, attrs):
+    _xent_check("softmax_xent", *types)
+    return [TensorType((), types[0].dtype)]
+
+
+def _xent_ref(logits, label):
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    logp = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    return (np.asarray(-logp[np.arange(len(label)), label].mean(), dtype=logits.dtype),)
+
+
+def _xent_grad_infer(types, attrs):
+    logits, label, gy = types
+    _xent_check("softmax_xent_grad", logits, label)
+    if gy != TensorType((), logits.dtype):
+        raise _fail("softmax_xent_grad", f"gradient must be a {logits.dtype} scalar, got {gy}")
+    return [logits]
+
+
+def _xent_grad_ref(logits, label, gy):
+    (p,) = _softmax_ref(logits, 1)
+    p[np.arange(len(label)), label] -= 1
+    return ((p * (gy / len(label))).astype(logits.dtype),)
+
+
+register(OpDef("softmax_xent", ("logits", "label"), _xent_infer, _xent_ref, X,
+               split=lambda t, a: [SplitSignature(("B", "B"), ("B",))],
+               doc="mean over the batch of -log softmax(logits)[label]"))
+register(OpDef("softmax_xent_grad", ("logits", "label", "gy"), _xent_grad_infer,
+               _xent_grad_ref, X, split=_batch_split, differentiable=False))
+
+
+def _accuracy_infer(types, attrs):
+    _xent_check("accuracy", *types)
+    return [TensorType((), types[0].dtype)]
+
+
+register(OpDef("accuracy", ("logits", "label"), _accuracy_infer,
+               lambda logits, label: (np.asarray((logits.argmax(axis=1) == label).mean(),
+                                                 dtype=logits.dtype),), X,
+               split=lambda t, a: [SplitSignature(("B", "B"), ("B",))], differentiable=False,
+               doc="fraction of rows whose largest logit is the label (first on ties)"))
+
+
+def _fill_infer(types, attrs):
+    try:
+        dtype = DType(attrs["dtype"])
+    except ValueError:
+        raise VerifyError(f"op fill: unknown dtype {attrs['dtype']!r}") from None
+    return [TensorType(tuple(attrs["shape"]), dtype)]
+
+
+register(OpDef("fill", (), _fill_infer,
+               lambda shape, dtype, value: (np.full(shape, value, DType(dtype).numpy),), E,
+               attrs={"shape": Attr("ints"), "dtype": Attr("str", "f32"),
+                      "value": Attr("float", 0.0)},
+               split=lambda t, a: [SplitSignature((), ("B",))], differentiable=False))
+
+
+def _dropout_mask_infer(types, attrs):
+    _rank("dropout_mask", types[0], 0, "iteration counter")
+    _integer("dropout_mask", types[0], "iteration counter")
+    if not 0.0 <= attrs["p"] < 1.0:
+        raise _fail("dropout_mask", f"drop probability must be in [0, 1), got {attrs['p']}")
+    return [TensorType(tuple(attrs["shape"]), DType(attrs["dtype"]))]
+
+
+register(OpDef("dropout_mask", ("iteration",), _dropout_mask_infer, nnref.dropout_mask, E,
+               attrs={"shape": Attr("ints"), "p": Attr("float", 0.5), "seed": Attr("int", 0),
+                      "dtype": Attr("str", "f32")},
+               differentiable=False,
+               doc="0 with probability p, else 1/(1-p); a counter-based hash of (seed, "
+                   "iteration, index), so every backend draws the same mask"))
+
+
+def _sgd_infer(types, attrs):
+    w, h, g = types
+    _float("sgd", w, "weight")
+    _same("sgd", types)
+    return [w, h]
+
+
+def _sgd_ref(w, h, g, lr, momentum, weight_decay):
+    t = w.dtype.type
+    update = t(momentum) * h + t(lr) * (g + t(weight_decay) * w)
+    return (w - update, update)
+
+
+register(OpDef("sgd", ("weight", "history", "grad"), _sgd_infer, _sgd_ref, E,
+               attrs={"lr": Attr("float"), "momentum": Attr("float", 0.0),
+                      "weight_decay": Attr("float", 0.0)},
+               split=_elementwise_split, differentiable=False,
+               doc="Purine's solver: update = momentum*history + lr*(grad + wd*weight); "
+                   "returns (weight - update, update)"))

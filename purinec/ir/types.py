@@ -1,0 +1,126 @@
+"""Types of IR values: element types, tensor types, devices and distributions."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class DType(enum.Enum):
+    """Element types. The value is the spelling used in IR text."""
+
+    f32 = "f32"
+    f64 = "f64"
+    i32 = "i32"
+    i64 = "i64"
+    bool = "bool"
+
+    @property
+    def numpy(self) -> np.dtype:
+        return np.dtype(_NUMPY_NAMES[self])
+
+    @property
+    def is_float(self) -> bool:
+        return self in (DType.f32, DType.f64)
+
+    @staticmethod
+    def from_numpy(dtype) -> "DType":
+        name = np.dtype(dtype).name
+        for dt, np_name in _NUMPY_NAMES.items():
+            if np_name == name:
+                return dt
+        raise ValueError(f"no IR dtype for numpy dtype {name}")
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_NUMPY_NAMES = {
+    DType.f32: "float32",
+    DType.f64: "float64",
+    DType.i32: "int32",
+    DType.i64: "int64",
+    DType.bool: "bool",
+}
+
+
+@dataclass(frozen=True)
+class TensorType:
+    """A dense tensor's shape and element type, printed as ``f32[64,1,28,28]``."""
+
+    shape: tuple[int, ...]
+    dtype: DType
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.numpy.itemsize
+
+    def with_shape(self, shape) -> "TensorType":
+        return TensorType(tuple(shape), self.dtype)
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{','.join(str(d) for d in self.shape)}]"
+
+
+@dataclass(frozen=True, order=True)
+class Device:
+    """Where a value lives and a node runs: a rank (process) and a device on it.
+
+    Printed as ``cpu:0`` on rank 0 and ``r1/cpu:0`` on other ranks.
+    """
+
+    kind: str = "cpu"
+    index: int = 0
+    rank: int = 0
+
+    def __str__(self) -> str:
+        local = f"{self.kind}:{self.index}"
+        return local if self.rank == 0 else f"r{self.rank}/{local}"
+
+
+CPU0 = Device("cpu", 0, 0)
+
+DEVICE_KINDS = ("cpu", "gpu")
+
+
+class DistKind(enum.Enum):
+    replicated = "replicated"
+    split = "split"
+    partial = "partial"
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """How a logical value is laid out over a group of devices.
+
+    ``replicated``: every device holds the whole tensor; ``split``: each holds a slice
+    along ``axis``; ``partial``: each holds a summand of the tensor. Printed as
+    ``split(0)[cpu:0,cpu:1]``. Values without one live whole on their single device.
+    """
+
+    kind: DistKind
+    group: tuple[Device, ...]
+    axis: int | None = None
+
+    def __post_init__(self):
+        if (self.kind is DistKind.split) != (self.axis is not None):
+            raise ValueError("a split distribution needs an axis, others must not have one")
+        if not self.group:
+            raise ValueError("a distribution needs at least one device")
+
+    def __str__(self) -> str:
+        head = f"split({self.axis})" if self.kind is DistKind.split else self.kind.value
+        return f"{head}[{','.join(str(d) for d in self.group)}]"
