@@ -112,7 +112,13 @@ class Graph:
         if types is None:
             types = opdef.infer([v.type for v in inputs], attrs)
         types = list(types)
-        names = list(names) if names is not None else [self.fresh_name(op) for _ in types]
+        if names is None:
+            names = []
+            for _ in types:  # claim as we go, so a multi-output op gets distinct names
+                names.append(self.fresh_name(op))
+                self._names.add(names[-1])
+            self._names.difference_update(names)
+        names = list(names)
         if len(names) != len(types):
             raise ValueError(f"{op}: {len(names)} output names for {len(types)} outputs")
         if device is None:

@@ -1,10 +1,260 @@
-"""NumPy references of the convolution, pooling, LRN and dropout ops (being written)."""
+"""NumPy references of the convolution, pooling, LRN and dropout ops.
+
+These are the oracles generated kernels are tested against, so they are written for
+clarity first: a loop over kernel offsets (or pooling windows) with whole-array NumPy
+slices inside. Every function takes the op's input arrays positionally and its
+attributes by keyword, and returns a tuple of output arrays. Outputs have the dtype of
+the (first float) input; arithmetic happens in that dtype.
+
+Layouts: activations are NCHW, convolution weights OIHW, i.e. ``(Cout, Cin/groups, kh,
+kw)``. Pooling follows Caffe exactly (ceil-mode output size from
+`purinec.ir.ops.pool_output_size`, max windows clipped to the input, Caffe's
+average-pool divisor).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# ---------------------------------------------------------------------------------------
+# Convolution.
 
 
-def _unwritten(*args, **kwargs):
-    raise NotImplementedError("nnref is being written")
+def _pad_hw(x, ph, pw):
+    return np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
 
 
-conv2d = conv2d_grad_input = conv2d_grad_weight = _unwritten
-max_pool2d = max_pool2d_grad = avg_pool2d = avg_pool2d_grad = _unwritten
-lrn = lrn_grad = dropout_mask = _unwritten
+def _grouped(a, groups):
+    """(N, C, H, W) -> (N, groups, C/groups, H, W)."""
+    n, c, h, w = a.shape
+    return a.reshape(n, groups, c // groups, h, w)
+
+
+def _window(a, i, j, oh, ow, sh, sw):
+    """``a[..., i + sh*p, j + sw*q]`` for p < oh, q < ow: one kernel offset's view."""
+    return a[..., i:i + sh * (oh - 1) + 1:sh, j:j + sw * (ow - 1) + 1:sw]
+
+
+def conv2d(x, w, stride, pad, groups):
+    """Cross-correlation with zero padding:
+    ``y[n, o, p, q] = sum_{c, i, j} w[o, c, i, j] * xpad[n, g*Cin_g + c, sh*p + i, sw*q + j]``
+    where ``g = o // (Cout/groups)``."""
+    (sh, sw), (ph, pw) = stride, pad
+    n, _, h, wd = x.shape
+    cout, _, kh, kw = w.shape
+    oh, ow = (h + 2 * ph - kh) // sh + 1, (wd + 2 * pw - kw) // sw + 1
+    xg = _grouped(_pad_hw(x, ph, pw), groups)                      # n g c H W
+    wg = w.reshape(groups, cout // groups, *w.shape[1:])           # g o c kh kw
+    y = np.zeros((n, groups, cout // groups, oh, ow), dtype=x.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            y += np.einsum("goc,ngcpq->ngopq", wg[:, :, :, i, j],
+                           _window(xg, i, j, oh, ow, sh, sw))
+    return (y.reshape(n, cout, oh, ow),)
+
+
+def conv2d_grad_input(gy, w, stride, pad, groups, input_shape):
+    """The adjoint of `conv2d` in x: scatter ``w * gy`` back over every window, crop
+    the padding. Input rows/columns no window reaches get zero."""
+    (sh, sw), (ph, pw) = stride, pad
+    n, cin, h, wd = input_shape
+    cout, _, kh, kw = w.shape
+    oh, ow = gy.shape[2:]
+    gxp = np.zeros((n, groups, cin // groups, h + 2 * ph, wd + 2 * pw), dtype=gy.dtype)
+    gyg = _grouped(gy, groups)                                     # n g o p q
+    wg = w.reshape(groups, cout // groups, *w.shape[1:])           # g o c kh kw
+    for i in range(kh):
+        for j in range(kw):
+            _window(gxp, i, j, oh, ow, sh, sw)[...] += np.einsum(
+                "goc,ngopq->ngcpq", wg[:, :, :, i, j], gyg)
+    gxp = gxp.reshape(n, cin, h + 2 * ph, wd + 2 * pw)
+    return (np.ascontiguousarray(gxp[:, :, ph:ph + h, pw:pw + wd]),)
+
+
+def conv2d_grad_weight(x, gy, stride, pad, groups, kernel):
+    """The gradient of `conv2d` in w:
+    ``gw[o, c, i, j] = sum_{n, p, q} gy[n, o, p, q] * xpad[n, g*Cin_g + c, sh*p + i, sw*q + j]``."""
+    (sh, sw), (ph, pw) = stride, pad
+    kh, kw = kernel
+    n, cin, _, _ = x.shape
+    cout, oh, ow = gy.shape[1:]
+    xg = _grouped(_pad_hw(x, ph, pw), groups)                      # n g c H W
+    gyg = _grouped(gy, groups)                                     # n g o p q
+    gw = np.zeros((groups, cout // groups, cin // groups, kh, kw), dtype=x.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            gw[:, :, :, i, j] = np.einsum("ngopq,ngcpq->goc", gyg,
+                                          _window(xg, i, j, oh, ow, sh, sw))
+    return (gw.reshape(cout, cin // groups, kh, kw),)
+
+
+# ---------------------------------------------------------------------------------------
+# Pooling (Caffe semantics).
+
+
+def _pool_size(size, kernel, stride, pad):
+    from purinec.ir.ops import pool_output_size  # ops imports this module
+
+    return pool_output_size(size, kernel, stride, pad)
+
+
+def _pool_windows(h, w, kernel, stride, pad):
+    """Yield ``(p, q, (h0, h1), (w0, w1), pool_size)`` per output position: the window
+    clipped to the input, and Caffe's average divisor (the window clipped only to the
+    padded input, before clipping to the input)."""
+    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, pad
+    oh, ow = _pool_size(h, kh, sh, ph), _pool_size(w, kw, sw, pw)
+    for p in range(oh):
+        hs = p * sh - ph
+        he = min(hs + kh, h + ph)
+        for q in range(ow):
+            ws = q * sw - pw
+            we = min(ws + kw, w + pw)
+            pool_size = (he - hs) * (we - ws)
+            yield p, q, (max(hs, 0), min(he, h)), (max(ws, 0), min(we, w)), pool_size
+
+
+def _pool_out(x, kernel, stride, pad):
+    n, c, h, w = x.shape
+    oh = _pool_size(h, kernel[0], stride[0], pad[0])
+    ow = _pool_size(w, kernel[1], stride[1], pad[1])
+    return np.zeros((n, c, oh, ow), dtype=x.dtype)
+
+
+def max_pool2d(x, kernel, stride, pad):
+    """Max over each window clipped to the input (padding is never the maximum)."""
+    y = _pool_out(x, kernel, stride, pad)
+    for p, q, (h0, h1), (w0, w1), _ in _pool_windows(*x.shape[2:], kernel, stride, pad):
+        y[:, :, p, q] = x[:, :, h0:h1, w0:w1].max(axis=(2, 3))
+    return (y,)
+
+
+def max_pool2d_grad(x, y, gy, kernel, stride, pad):
+    """Route each ``gy`` to the first maximum (row-major within the clipped window) of
+    its window, as Caffe's forward pass records it; overlapping windows accumulate.
+    ``y`` is accepted for the op's signature; the argmax is recomputed from ``x``."""
+    n, c, h, w = x.shape
+    gx = np.zeros_like(x)
+    nn, cc = np.meshgrid(np.arange(n), np.arange(c), indexing="ij")
+    for p, q, (h0, h1), (w0, w1), _ in _pool_windows(h, w, kernel, stride, pad):
+        win = x[:, :, h0:h1, w0:w1].reshape(n, c, -1)
+        k = win.argmax(axis=2)                       # the first maximum, row-major
+        rows, cols = h0 + k // (w1 - w0), w0 + k % (w1 - w0)
+        np.add.at(gx, (nn, cc, rows, cols), gy[:, :, p, q])
+    return (gx,)
+
+
+def avg_pool2d(x, kernel, stride, pad):
+    """Sum over the window clipped to the input, divided by Caffe's pool size (the
+    window clipped to the padded input only)."""
+    y = _pool_out(x, kernel, stride, pad)
+    for p, q, (h0, h1), (w0, w1), size in _pool_windows(*x.shape[2:], kernel, stride, pad):
+        y[:, :, p, q] = x[:, :, h0:h1, w0:w1].sum(axis=(2, 3)) / x.dtype.type(size)
+    return (y,)
+
+
+def avg_pool2d_grad(gy, kernel, stride, pad, input_shape):
+    """The adjoint of `avg_pool2d`: each ``gy / pool_size`` spread over its clipped
+    window; overlapping windows accumulate."""
+    gx = np.zeros(input_shape, dtype=gy.dtype)
+    for p, q, (h0, h1), (w0, w1), size in _pool_windows(*input_shape[2:], kernel, stride,
+                                                         pad):
+        gx[:, :, h0:h1, w0:w1] += (gy[:, :, p, q] / gy.dtype.type(size))[:, :, None, None]
+    return (gx,)
+
+
+# ---------------------------------------------------------------------------------------
+# Local response normalisation (Caffe's ACROSS_CHANNELS).
+
+
+def _channel_window_sum(a, size):
+    """``s[:, c] = sum of a[:, c']`` for ``|c' - c| <= (size-1)/2``, clipped to [0, C)."""
+    half = (size - 1) // 2
+    c = a.shape[1]
+    s = np.zeros_like(a)
+    for d in range(-half, half + 1):
+        lo, hi = max(0, -d), min(c, c - d)           # c in [lo, hi) has c + d in [0, C)
+        if lo < hi:
+            s[:, lo:hi] += a[:, lo + d:hi + d]
+    return s
+
+
+def _lrn_scale(x, size, alpha, k):
+    t = x.dtype.type
+    return t(k) + t(alpha / size) * _channel_window_sum(x * x, size)
+
+
+def lrn(x, size, alpha, beta, k):
+    """``y = x * scale^-beta``, ``scale_c = k + alpha/size * sum_{|c'-c| <= (size-1)/2} x_c'^2``."""
+    scale = _lrn_scale(x, size, alpha, k)
+    return (x * scale ** x.dtype.type(-beta),)
+
+
+def lrn_grad(x, gy, size, alpha, beta, k):
+    """Exact derivative of `lrn` (the window is symmetric, so its transpose is itself):
+    ``gx_j = gy_j * scale_j^-beta
+    - 2*alpha*beta/size * x_j * sum_{|c-j| <= half} gy_c * x_c * scale_c^(-beta-1)``."""
+    t = x.dtype.type
+    scale = _lrn_scale(x, size, alpha, k)
+    inner = _channel_window_sum(gy * x * scale ** t(-beta - 1), size)
+    return (gy * scale ** t(-beta) - t(2 * alpha * beta / size) * x * inner,)
+
+
+# ---------------------------------------------------------------------------------------
+# Dropout masks from a counter-based hash.
+
+_M64 = 0xFFFFFFFFFFFFFFFF
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+
+def splitmix64(z):
+    """SplitMix64's output function on uint64 (NumPy arrays wrap modulo 2^64):
+    ``z += 0x9E3779B97F4A7C15; z = (z ^ z>>30) * 0xBF58476D1CE4E5B9;
+    z = (z ^ z>>27) * 0x94D049BB133111EB; return z ^ z>>31``.
+    Accepts a Python int (returns an int) or a uint64 array."""
+    if isinstance(z, (int, np.integer)):
+        z = (int(z) + _GOLDEN) & _M64
+        z = ((z ^ (z >> 30)) * _MIX1) & _M64
+        z = ((z ^ (z >> 27)) * _MIX2) & _M64
+        return z ^ (z >> 31)
+    u = np.uint64
+    with np.errstate(over="ignore"):
+        z = z + u(_GOLDEN)
+        z = (z ^ (z >> u(30))) * u(_MIX1)
+        z = (z ^ (z >> u(27))) * u(_MIX2)
+        return z ^ (z >> u(31))
+
+
+def dropout_key(seed: int, iteration: int) -> int:
+    """The per-draw key: ``splitmix64(splitmix64(seed) ^ iteration)``, seed and
+    iteration taken modulo 2^64 (two's complement for negatives)."""
+    return splitmix64(splitmix64(int(seed) & _M64) ^ (int(iteration) & _M64))
+
+
+def dropout_mask(iteration, shape, p, seed, dtype):
+    """A dropout mask of ``shape``: 0 with probability ``p``, else ``1/(1-p)``.
+
+    The exact recipe, which every backend reproduces bit for bit (all arithmetic on
+    uint64, wrapping modulo 2^64)::
+
+        key  = splitmix64(splitmix64(seed) ^ iteration)
+        h[i] = splitmix64(key ^ i)                  # i: flat C-order element index
+        u[i] = (h[i] >> 11) * 2**-53                # float64 in [0, 1), exact
+        mask[i] = 0 if u[i] < p else dtype(1.0 / (1.0 - p))   # quotient in float64
+
+    with ``splitmix64(z)`` as in `splitmix64`. ``u < p`` is the same test as the
+    integer comparison ``(h >> 11) < ceil(p * 2**53)``. ``iteration`` is a 0-d integer
+    array (the program's iteration counter); ``dtype`` an IR dtype name such as "f32".
+    """
+    from purinec.ir.types import DType
+
+    np_dtype = DType(dtype).numpy
+    size = int(np.prod(shape, dtype=np.int64))
+    key = np.uint64(dropout_key(seed, int(np.asarray(iteration))))
+    h = splitmix64(np.arange(size, dtype=np.uint64) ^ key)
+    u = (h >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+    keep = np_dtype.type(1.0 / (1.0 - p))
+    mask = np.where(u < p, np_dtype.type(0), keep).astype(np_dtype)
+    return (mask.reshape(tuple(shape)),)

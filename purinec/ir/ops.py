@@ -180,7 +180,9 @@ def pool_output_size(size: int, kernel: int, stride: int, pad: int) -> int:
     """Caffe's pooled size: ceil mode, and the last window must start inside the input
     (plus the leading pad)."""
     out = -(-(size + 2 * pad - kernel) // stride) + 1
-    if pad > 0 and (out - 1) * stride >= size + pad:
+    # Caffe tests this only when some pad is nonzero; without pad it can fire only when
+    # kernel < stride, where Caffe's last window would be empty (and its average 0/0).
+    if (out - 1) * stride >= size + pad:
         out -= 1
     return out
 

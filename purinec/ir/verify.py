@@ -1,5 +1,284 @@
-"""Being written."""
+"""The IR verifier: checks a graph's invariants and says which node breaks one, and how.
+
+`verify(graph)` raises `VerifyError` on the first problem, in graph order:
+
+- names: the graph's, every value's and every output's match `NAME_RE`;
+- graph inputs: a valid role, no producer, defined once;
+- each node: a registered op, the right number of inputs, attributes complete and
+  normalised (``OpDef.complete_attrs`` leaves them unchanged), inputs defined earlier
+  (a use before definition is reported as a cycle when the nodes form one), outputs
+  defined once with the node as producer, declared output types equal to the types the
+  registry infers from the declared input types;
+- placements: known device kinds, non-negative indices and ranks;
+- locations: one line with no surrounding whitespace (so the text form round-trips);
+- graph outputs: defined values under unique names.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import networkx as nx
+
+from purinec.errors import ShapeError, UnknownOpError, VerifyError
+from purinec.ir.graph import INPUT_ROLES, NAME_RE, Graph, Node, Value
+from purinec.ir.types import DEVICE_KINDS, Device, Distribution, TensorType
 
 
-def verify(*args, **kwargs):
-    raise NotImplementedError("verify is being written")
+def verify(graph: Graph) -> None:
+    """Raise `VerifyError` naming the first node (or input, or output) that breaks an
+    IR invariant; return None when the graph is well formed."""
+    _Verifier(graph).run()
+
+
+def describe(node: Node) -> str:
+    """``%y = relu(%x)``, with `` (at lenet.py:12)`` when the node has a location."""
+    text = repr(node) if node.outputs else repr(node).lstrip(" =")
+    if node.loc:
+        loc = node.loc if isinstance(node.loc, str) and node.loc.isprintable() else repr(node.loc)
+        text += f" (at {loc})"
+    return text
+
+
+class _Verifier:
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.defined_ids: set[int] = set()       # id() of every Value defined so far
+        self.defined_names: dict[str, str] = {}  # name -> where it was defined
+
+    def run(self) -> None:
+        graph = self.graph
+        if not isinstance(graph.name, str) or not NAME_RE.fullmatch(graph.name):
+            raise VerifyError(f"graph name {graph.name!r} is not a valid name; names match "
+                              f"{NAME_RE.pattern}")
+        for value in graph.inputs:
+            self.check_input(value)
+        seen_nodes: set[int] = set()
+        for index, node in enumerate(graph.nodes):
+            if id(node) in seen_nodes:
+                raise VerifyError(f"node {describe(node)} appears twice in graph "
+                                  f"{graph.name}'s node list; keep one copy")
+            seen_nodes.add(id(node))
+            self.check_node(index, node)
+        self.check_outputs()
+
+    # -- inputs ---------------------------------------------------------------------
+
+    def check_input(self, value: Value) -> None:
+        what = f"graph input %{getattr(value, 'name', value)}"
+        self.check_value(value, what)
+        if value.role not in INPUT_ROLES:
+            raise VerifyError(f"{what} has role {value.role!r}; it must be one of "
+                              f"{', '.join(INPUT_ROLES)}")
+        if value.producer is not None:
+            raise VerifyError(f"{what} has producer {describe(value.producer)}; a graph "
+                              f"input must have none (set value.producer = None, or make "
+                              f"it a node output)")
+        if value.init is not None and not isinstance(value.init, str):
+            raise VerifyError(f"{what} has init {value.init!r}; it must be a string or None")
+        self.define(value, what)
+
+    # -- nodes ----------------------------------------------------------------------
+
+    def check_node(self, index: int, node: Node) -> None:
+        from purinec.ir.ops import get_op
+        from purinec.ir.parser import unknown_op_message
+
+        where = f"node {describe(node)}"
+        try:
+            opdef = get_op(node.op)
+        except UnknownOpError:
+            raise VerifyError(f"{where}: {unknown_op_message(node.op)} (use an op of "
+                              f"purinec.ir.ops.REGISTRY, or register this one)") from None
+        try:
+            opdef.check_arity(len(node.inputs))
+        except VerifyError as e:
+            raise VerifyError(f"{where}: {e}") from None
+        self.check_attrs(where, opdef, node)
+        if node.loc is not None:
+            if (not isinstance(node.loc, str) or "\n" in node.loc or "\r" in node.loc
+                    or node.loc != node.loc.rstrip(" \t")):
+                raise VerifyError(f"{where}: location {node.loc!r} must be one line with no "
+                                  f"trailing whitespace, or the text form cannot hold it")
+        for pos, value in enumerate(node.inputs):
+            if id(value) not in self.defined_ids:
+                self.undefined_input(index, node, pos, value)
+        if not node.outputs:
+            raise VerifyError(f"{where}: the node has no outputs; every op has at least one")
+        for value in node.outputs:
+            what = f"output %{getattr(value, 'name', value)} of node {describe(node)}"
+            self.check_value(value, what)
+            if value.producer is not node:
+                other = ("no producer" if value.producer is None
+                         else f"producer {describe(value.producer)}")
+                raise VerifyError(f"{what} has {other}; its producer must be the node that "
+                                  f"defines it (set value.producer = node)")
+            if value.role is not None or value.init is not None:
+                raise VerifyError(f"{what} has role {value.role!r} and init {value.init!r}; "
+                                  f"only graph inputs have a role and an init (set both to "
+                                  f"None)")
+            self.define(value, what)
+        self.check_types(where, opdef, node)
+
+    def check_attrs(self, where: str, opdef, node: Node) -> None:
+        if not isinstance(node.attrs, dict):
+            raise VerifyError(f"{where}: attributes must be a dict, got "
+                              f"{type(node.attrs).__name__}")
+        try:
+            complete = opdef.complete_attrs(node.attrs)
+        except VerifyError as e:
+            raise VerifyError(f"{where}: {e}") from None
+        for key, want in complete.items():
+            if key not in node.attrs:
+                raise VerifyError(f"{where}: attribute {key} is missing; the IR keeps every "
+                                  f"attribute explicit (build nodes with Graph.add_node or "
+                                  f"OpDef.complete_attrs, which fill in the default "
+                                  f"{want!r})")
+            have = node.attrs[key]
+            if not _same_attr(have, want):
+                raise VerifyError(f"{where}: attribute {key}={have!r} is not normalised "
+                                  f"(expected {want!r} of kind {opdef.attrs[key].kind}); "
+                                  f"pass attributes through OpDef.complete_attrs")
+
+    def undefined_input(self, index: int, node: Node, pos: int, value: Value) -> None:
+        where = f"node {describe(node)}"
+        name = getattr(value, "name", repr(value))
+        later = next((i for i, n in enumerate(self.graph.nodes[index:], index)
+                      if any(o is value for o in n.outputs)), None)
+        if later is not None:
+            cycle = _find_cycle(self.graph)
+            if cycle:
+                chain = " -> ".join(describe(n) for n in cycle + cycle[:1])
+                raise VerifyError(f"nodes form a cycle: {chain}; a dataflow graph must be "
+                                  f"acyclic (thread state through a graph output instead)")
+            producer = self.graph.nodes[later]
+            raise VerifyError(f"{where}: input {pos} %{name} is used before it is defined by "
+                              f"node {describe(producer)} (node {later}, this is node "
+                              f"{index}); nodes must be in topological order")
+        if name in self.defined_names:
+            raise VerifyError(f"{where}: input {pos} %{name} is a different Value object "
+                              f"from the %{name} defined as {self.defined_names[name]}; "
+                              f"use that one")
+        raise VerifyError(f"{where}: input {pos} %{name} is not defined in graph "
+                          f"{self.graph.name} (not a graph input nor an output of an earlier "
+                          f"node); add it as an input or compute it first")
+
+    def check_types(self, where: str, opdef, node: Node) -> None:
+        in_types = [v.type for v in node.inputs]
+        try:
+            inferred = opdef.infer(in_types, node.attrs)
+        except (ShapeError, VerifyError) as e:
+            raise VerifyError(f"{where}: inputs of types "
+                              f"{', '.join(map(str, in_types)) or '(none)'} are not accepted: "
+                              f"{e}") from None
+        except (ValueError, TypeError, IndexError, KeyError, ZeroDivisionError) as e:
+            raise VerifyError(f"{where}: type inference failed on inputs "
+                              f"{', '.join(map(str, in_types)) or '(none)'}: "
+                              f"{type(e).__name__}: {e}") from None
+        declared = [v.type for v in node.outputs]
+        if len(inferred) != len(declared):
+            raise VerifyError(f"{where}: op {node.op} has {len(inferred)} output(s) here "
+                              f"({', '.join(map(str, inferred))}) but the node declares "
+                              f"{len(declared)}")
+        for value, want in zip(node.outputs, inferred):
+            if value.type != want:
+                raise VerifyError(f"{where}: output %{value.name} is declared {value.type} but "
+                                  f"op {node.op} gives {want} for inputs "
+                                  f"{', '.join(map(str, in_types)) or '(none)'}; fix the "
+                                  f"declared type or the inputs")
+
+    # -- values ---------------------------------------------------------------------
+
+    def check_value(self, value: Value, what: str) -> None:
+        if not isinstance(value, Value):
+            raise VerifyError(f"{what} is a {type(value).__name__}, not a Value")
+        if not isinstance(value.name, str) or not NAME_RE.fullmatch(value.name):
+            raise VerifyError(f"{what}: name {value.name!r} is not a valid name; names match "
+                              f"{NAME_RE.pattern}")
+        if not isinstance(value.type, TensorType):
+            raise VerifyError(f"{what} has type {value.type!r}, not a TensorType")
+        if any(d < 0 for d in value.type.shape):
+            raise VerifyError(f"{what} has negative dimension(s) in {value.type}")
+        _check_device(value.device, what)
+        if value.dist is not None:
+            if not isinstance(value.dist, Distribution):
+                raise VerifyError(f"{what} has distribution {value.dist!r}, not a "
+                                  f"Distribution")
+            for device in value.dist.group:
+                _check_device(device, f"{what} (distribution {value.dist})")
+            axis = value.dist.axis
+            if axis is not None and not 0 <= axis < value.type.rank:
+                raise VerifyError(f"{what} is split along axis {axis}, which {value.type} "
+                                  f"does not have")
+
+    def define(self, value: Value, what: str) -> None:
+        if id(value) in self.defined_ids:
+            raise VerifyError(f"{what}: this Value object is already defined as "
+                              f"{self.defined_names.get(value.name, 'an earlier value')}; "
+                              f"a value is defined once (make a new Value)")
+        if value.name in self.defined_names:
+            raise VerifyError(f"{what}: value %{value.name} is defined twice (first as "
+                              f"{self.defined_names[value.name]}); rename one "
+                              f"(Graph.fresh_name gives an unused name)")
+        self.defined_ids.add(id(value))
+        self.defined_names[value.name] = what
+
+    # -- outputs --------------------------------------------------------------------
+
+    def check_outputs(self) -> None:
+        names: set[str] = set()
+        for entry in self.graph.outputs:
+            if not (isinstance(entry, tuple) and len(entry) == 2):
+                raise VerifyError(f"graph output {entry!r} must be a (name, Value) pair")
+            name, value = entry
+            vname = getattr(value, "name", repr(value))
+            what = f"graph output {name}=%{vname}"
+            if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+                raise VerifyError(f"{what}: name {name!r} is not a valid name; names match "
+                                  f"{NAME_RE.pattern}")
+            if name in names:
+                raise VerifyError(f"{what}: output name {name} is used twice; output names "
+                                  f"must be unique")
+            names.add(name)
+            if id(value) not in self.defined_ids:
+                raise VerifyError(f"{what}: %{vname} is not a value of graph "
+                                  f"{self.graph.name} (not an input nor a node output)")
+
+
+def _check_device(device: Device, what: str) -> None:
+    if not isinstance(device, Device):
+        raise VerifyError(f"{what} has device {device!r}, not a Device")
+    if device.kind not in DEVICE_KINDS or device.index < 0 or device.rank < 0:
+        raise VerifyError(f"{what} is placed on {device}; devices are "
+                          f"{' or '.join(DEVICE_KINDS)} with a non-negative index and rank")
+
+
+def _same_attr(a: Any, b: Any) -> bool:
+    """Equal and of the same Python type (so 1 is not 1.0 and a tuple is not a list)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same_attr(x, y) for x, y in zip(a, b))
+    if isinstance(a, float):
+        return a == b or (math.isnan(a) and math.isnan(b))
+    return a == b
+
+
+def _find_cycle(graph: Graph) -> list[Node]:
+    """The nodes of one cycle in the dataflow between ``graph.nodes``, or []."""
+    dg = nx.DiGraph()
+    producer: dict[int, int] = {}
+    for i, node in enumerate(graph.nodes):
+        dg.add_node(i)
+        for value in node.outputs:
+            producer[id(value)] = i
+    for i, node in enumerate(graph.nodes):
+        for value in node.inputs:
+            if id(value) in producer:
+                dg.add_edge(producer[id(value)], i)
+    try:
+        edges = nx.find_cycle(dg)
+    except nx.NetworkXNoCycle:
+        return []
+    return [graph.nodes[u] for u, _ in edges]

@@ -1,0 +1,78 @@
+"""Shape inference, dead-code and common-subexpression elimination."""
+
+from __future__ import annotations
+
+from purinec.errors import PurinecError, ShapeError
+from purinec.ir.graph import Graph, Node, Value
+from purinec.ir.ops import get_op
+
+
+def describe(node: Node) -> str:
+    """``%conv1 = conv2d(%data, %conv1.weight)`` plus the user's source line if known."""
+    where = f" ({node.loc})" if node.loc else ""
+    return f"{node!r}{where}"
+
+
+def infer_shapes(graph: Graph) -> Graph:
+    """Recompute every node's output types from its inputs' types, in order.
+
+    After a change of input shapes this propagates the new shapes; a node that cannot
+    take its new inputs raises ShapeError naming the node.
+    """
+    new = graph.clone()
+    for node in new.nodes:
+        opdef = get_op(node.op)
+        try:
+            types = opdef.infer([v.type for v in node.inputs], node.attrs)
+        except PurinecError as err:
+            shapes = ", ".join(str(v.type) for v in node.inputs)
+            raise ShapeError(f"{describe(node)}: {err} (inputs: {shapes})") from None
+        for value, ty in zip(node.outputs, types):
+            value.type = ty
+    return new
+
+
+def dce(graph: Graph) -> Graph:
+    """Drop nodes none of whose outputs reach a graph output."""
+    new = graph.clone()
+    live = {id(v) for _, v in new.outputs}
+    kept = []
+    for node in reversed(new.nodes):
+        if any(id(v) in live for v in node.outputs):
+            kept.append(node)
+            live.update(id(v) for v in node.inputs)
+    new.nodes = kept[::-1]
+    new.rebuild_names()
+    return new
+
+
+def _freeze(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
+def cse(graph: Graph) -> Graph:
+    """Merge nodes that apply the same op with the same attributes to the same inputs.
+
+    Every op in the registry is pure (random masks are a hash of their inputs), so two
+    such nodes always compute the same values; the later one is removed and its users
+    read the earlier one's outputs.
+    """
+    new = graph.clone()
+    replace: dict[int, Value] = {}
+    seen: dict[tuple, Node] = {}
+    kept = []
+    for node in new.nodes:
+        node.inputs = [replace.get(id(v), v) for v in node.inputs]
+        key = (node.op, node.device, tuple(id(v) for v in node.inputs),
+               tuple(sorted((k, _freeze(v)) for k, v in node.attrs.items())))
+        twin = seen.get(key)
+        if twin is None:
+            seen[key] = node
+            kept.append(node)
+            continue
+        for old, kept_value in zip(node.outputs, twin.outputs):
+            replace[id(old)] = kept_value
+    new.nodes = kept
+    new.outputs = [(name, replace.get(id(v), v)) for name, v in new.outputs]
+    new.rebuild_names()
+    return new

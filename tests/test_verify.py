@@ -1,0 +1,302 @@
+"""The verifier: passes on well-formed graphs, names the node for each kind of problem."""
+
+from __future__ import annotations
+
+import pytest
+
+from purinec.errors import VerifyError
+from purinec.ir.graph import Graph, Node, Value
+from purinec.ir.parser import parse
+from purinec.ir.types import CPU0, Device, DistKind, Distribution, DType, TensorType
+from purinec.ir.verify import verify
+
+F32, I32 = DType.f32, DType.i32
+
+
+def T(dtype, *shape):
+    return TensorType(tuple(shape), dtype)
+
+
+def mlp() -> Graph:
+    """x -> matmul(w^T) -> bias_add -> relu -> softmax_xent, plus an sgd step."""
+    g = Graph("mlp.train")
+    x = g.add_input("x", T(F32, 8, 4))
+    label = g.add_input("label", T(I32, 8))
+    w = g.add_input("w", T(F32, 3, 4), role="param", init="xavier")
+    b = g.add_input("b", T(F32, 3), role="param", init="constant(0)")
+    hist = g.add_input("w.hist", T(F32, 3, 4), role="state", init="constant(0)")
+    fc = g.add_node("matmul", [x, w], {"trans_b": True}, names=["fc"], loc="mlp.py:7")
+    biased = g.add_node("bias_add", [fc.outputs[0], b], names=["fc.b"])
+    act = g.add_node("relu", biased.outputs, names=["act"], loc="mlp.py:8")
+    loss = g.add_node("softmax_xent", [act.outputs[0], label], names=["loss"])
+    step = g.add_node("sgd", [w, hist, w], {"lr": 0.1}, names=["w.next", "w.hist.next"])
+    g.set_outputs([("loss", loss.outputs[0]), ("w", step.outputs[0]),
+                   ("w.hist", step.outputs[1])])
+    return g
+
+
+def node(g: Graph, name: str) -> Node:
+    return next(n for n in g.nodes if n.name == name)
+
+
+def fails(g: Graph, *words: str) -> str:
+    with pytest.raises(VerifyError) as info:
+        verify(g)
+    message = str(info.value)
+    for word in words:
+        assert word in message, (word, message)
+    return message
+
+
+# -- valid graphs -------------------------------------------------------------------------
+
+
+def test_valid_graphs_pass():
+    g = mlp()
+    verify(g)
+    verify(g.clone())
+    verify(parse(str(g)))
+    verify(Graph("empty"))
+
+
+def test_distributed_graph_passes():
+    g = mlp()
+    group = (CPU0, Device("cpu", 0, 1))
+    g.input("x").dist = Distribution(DistKind.split, group, 0)
+    node(g, "fc").outputs[0].dist = Distribution(DistKind.partial, group)
+    node(g, "fc").outputs[0].device = Device("gpu", 1, 1)
+    verify(g)
+
+
+# -- ops, arity, attributes -----------------------------------------------------------------
+
+
+def test_unknown_op():
+    g = mlp()
+    node(g, "act").op = "rleu"
+    msg = fails(g, "%act = rleu(%fc.b)", "unknown op 'rleu'", "mlp.py:8")
+    assert "relu" in msg  # a suggestion
+
+
+def test_wrong_arity():
+    g = mlp()
+    node(g, "act").inputs.append(g.input("x"))
+    fails(g, "%act = relu(%fc.b, %x)", "takes 1 input(s)", "got 2")
+
+
+def test_missing_attribute_with_default():
+    g = mlp()
+    del node(g, "fc").attrs["trans_a"]
+    fails(g, "%fc = matmul(%x, %w)", "(at mlp.py:7)", "attribute trans_a is missing",
+          "complete_attrs")
+
+
+def test_missing_required_attribute():
+    g = mlp()
+    del node(g, "w.next").attrs["lr"]
+    fails(g, "%w.next, %w.hist.next = sgd(%w, %w.hist, %w)", "needs attribute lr")
+
+
+def test_unknown_attribute():
+    g = mlp()
+    node(g, "act").attrs["alpha"] = 0.1
+    fails(g, "%act = relu(%fc.b)", "no attribute(s) alpha")
+
+
+def test_attribute_of_wrong_kind():
+    g = mlp()
+    node(g, "fc").attrs["trans_b"] = "yes"
+    fails(g, "%fc = matmul", "trans_b must be bool")
+
+
+def test_attribute_not_normalised():
+    g = mlp()
+    node(g, "w.next").attrs["lr"] = 1  # an int where the schema says float
+    fails(g, "%w.next", "lr=1 is not normalised", "1.0")
+    g = mlp()
+    node(g, "fc.b").attrs["axis"] = True
+    fails(g, "%fc.b = bias_add", "axis")
+
+
+# -- definitions and uses --------------------------------------------------------------------
+
+
+def test_use_before_definition():
+    g = mlp()
+    g.nodes[1], g.nodes[2] = g.nodes[2], g.nodes[1]  # relu before bias_add
+    fails(g, "%act = relu(%fc.b)", "%fc.b is used before it is defined",
+          "%fc.b = bias_add(%fc, %b)", "topological order")
+
+
+def test_undefined_value():
+    g = mlp()
+    ghost = Value("ghost", T(F32, 8, 3))
+    node(g, "act").inputs[0] = ghost
+    fails(g, "%act = relu(%ghost)", "%ghost is not defined in graph mlp.train")
+
+
+def test_stale_value_object_with_a_defined_name():
+    g = mlp()
+    twin = Value("fc.b", T(F32, 8, 3))
+    node(g, "act").inputs[0] = twin
+    fails(g, "%act = relu(%fc.b)", "different Value object")
+
+
+def test_cycle():
+    g = mlp()
+    fc, biased = node(g, "fc"), node(g, "fc.b")
+    fc.inputs[0] = biased.outputs[0]  # fc reads bias_add's output, which reads fc
+    msg = fails(g, "cycle", "%fc = matmul(%fc.b, %w)", "%fc.b = bias_add(%fc, %b)")
+    assert "%act" not in msg
+
+
+def test_self_loop():
+    g = mlp()
+    act = node(g, "act")
+    act.inputs[0] = act.outputs[0]
+    fails(g, "cycle", "%act = relu(%act)")
+
+
+def test_value_name_defined_twice():
+    g = mlp()
+    node(g, "act").outputs[0].name = "fc"
+    fails(g, "output %fc of node %fc = relu(%fc.b)", "%fc is defined twice",
+          "output %fc of node %fc = matmul")
+    g = mlp()
+    g.inputs[1].name = "x"
+    fails(g, "graph input %x", "defined twice")
+
+
+def test_value_object_defined_twice():
+    g = mlp()
+    g.inputs.append(g.inputs[0])
+    fails(g, "graph input %x", "Value object is already defined")
+
+
+def test_node_listed_twice():
+    g = mlp()
+    g.nodes.append(g.nodes[2])
+    fails(g, "%act = relu(%fc.b)", "appears twice")
+
+
+def test_producer_links():
+    g = mlp()
+    node(g, "act").outputs[0].producer = None
+    fails(g, "output %act of node %act = relu(%fc.b)", "no producer")
+    g = mlp()
+    node(g, "act").outputs[0].producer = node(g, "fc")
+    fails(g, "output %act", "producer %fc = matmul")
+    g = mlp()
+    g.input("b").producer = node(g, "fc")
+    fails(g, "graph input %b", "must have none")
+
+
+def test_node_output_with_role():
+    g = mlp()
+    node(g, "w.next").outputs[0].role = "param"
+    fails(g, "output %w.next of node %w.next, %w.hist.next = sgd", "only graph inputs")
+
+
+def test_node_without_outputs():
+    g = mlp()
+    node(g, "loss").outputs.clear()
+    g.outputs = [o for o in g.outputs if o[0] != "loss"]
+    fails(g, "node softmax_xent(%act, %label)", "no outputs")
+
+
+# -- types --------------------------------------------------------------------------------------
+
+
+def test_declared_type_differs_from_inferred():
+    g = mlp()
+    node(g, "act").outputs[0].type = T(F32, 8, 4)
+    fails(g, "%act = relu(%fc.b)", "mlp.py:8", "declared f32[8,4]", "gives f32[8,3]")
+
+
+def test_wrong_number_of_outputs():
+    g = mlp()
+    step = node(g, "w.next")
+    extra = Value("w.extra", T(F32, 3, 4), producer=step)
+    step.outputs.append(extra)
+    fails(g, "%w.next, %w.hist.next, %w.extra = sgd", "2 output(s)", "declares 3")
+
+
+def test_shape_error_reported_with_node():
+    g = mlp()
+    g.input("w").type = T(F32, 3, 5)
+    fails(g, "%fc = matmul(%x, %w)", "(at mlp.py:7)", "f32[8,4], f32[3,5]",
+          "cannot multiply")
+
+
+def test_inference_verify_error_reported_with_node():
+    g = Graph("g")
+    one = g.add_node("fill", [], {"shape": [2]}, names=["one"])
+    one.attrs["dtype"] = "f16"
+    fails(g, "%one = fill()", "unknown dtype 'f16'")
+
+
+def test_parsed_ill_typed_graph_fails():
+    g = parse("graph g(%a: f32[2] @cpu:0) {\n"
+              "  %b = relu(%a) : f32[3] @cpu:0  # here.py:9\n"
+              "  return %b\n}")
+    fails(g, "%b = relu(%a) (at here.py:9)", "declared f32[3]", "gives f32[2]")
+
+
+# -- graph inputs and outputs, names, placement ----------------------------------------------
+
+
+def test_output_of_undefined_value():
+    g = mlp()
+    g.outputs.append(("ghost", Value("ghost", T(F32))))
+    fails(g, "graph output ghost=%ghost", "not a value of graph mlp.train")
+
+
+def test_output_names_unique():
+    g = mlp()
+    g.outputs.append(("loss", node(g, "act").outputs[0]))
+    fails(g, "graph output loss=%act", "used twice")
+
+
+def test_output_name_invalid():
+    g = mlp()
+    g.outputs.append(("bad name", node(g, "act").outputs[0]))
+    fails(g, "graph output bad name=%act", "not a valid name")
+
+
+def test_input_role():
+    g = mlp()
+    g.input("w").role = "weights"
+    fails(g, "graph input %w", "role 'weights'", "data, param, state")
+    g = mlp()
+    g.input("x").role = None
+    fails(g, "graph input %x", "role None")
+
+
+def test_value_names():
+    g = mlp()
+    node(g, "act").outputs[0].name = "1act"
+    fails(g, "'1act' is not a valid name")
+    g = mlp()
+    g.input("x").name = "x y"
+    fails(g, "graph input %x y", "not a valid name")
+    g = mlp()
+    g.name = "my graph"
+    fails(g, "graph name 'my graph'")
+
+
+def test_devices_and_distributions():
+    g = mlp()
+    node(g, "act").outputs[0].device = Device("tpu", 0)
+    fails(g, "output %act", "tpu:0", "cpu or gpu")
+    g = mlp()
+    g.input("b").dist = Distribution(DistKind.split, (CPU0, Device("cpu", 1)), 1)
+    fails(g, "graph input %b", "split along axis 1", "f32[3]")
+    g = mlp()
+    g.input("b").device = Device("cpu", -1)
+    fails(g, "graph input %b", "non-negative")
+
+
+def test_loc_must_fit_on_one_line():
+    g = mlp()
+    node(g, "act").loc = "mlp.py:8\nmore"
+    fails(g, "%act = relu", "one line")
