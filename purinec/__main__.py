@@ -1,0 +1,5 @@
+import sys
+
+from purinec.cli import main
+
+sys.exit(main())

@@ -1,0 +1,136 @@
+"""``load_model``: a zoo name or a Python file defining ``build(batch, ...)``."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+import sys
+import traceback
+import types
+from typing import Callable
+
+from purinec.bigraph import Net
+from purinec.errors import ModelError, PurinecError
+
+# Arguments passed to a user's build() only when its signature takes them.
+OPTIONAL_ARGS = ("input_shape", "num_classes")
+
+
+def load_model(spec: str, batch: int | None = None, **kwargs) -> Net:
+    """Build a `Net` from ``spec``: a name in `ZOO` or a path to a ``.py`` file that
+    defines ``build(batch, ...)``. ``batch`` None means the builder's default;
+    ``input_shape`` and ``num_classes`` reach a file's build() only if it takes them."""
+    from purinec.models import ZOO
+
+    if not isinstance(spec, str) or not spec:
+        raise ModelError(f"a model is a zoo name or a .py file, got {spec!r}")
+    if spec in ZOO:
+        return _call(ZOO[spec], batch, kwargs, f"model {spec}", None, strict=True)
+    if spec.endswith(".py") or "/" in spec or os.sep in spec or os.path.exists(spec):
+        build = _load_file(spec)
+        return _call(build, batch, kwargs, f"build() in {spec}", spec, strict=False)
+    raise ModelError(f"unknown model {spec!r}; the zoo has {', '.join(sorted(ZOO))}, or give "
+                     f"the path of a .py file that defines build(batch, ...)")
+
+
+def _load_file(spec: str) -> Callable:
+    path = os.path.abspath(spec)
+    if not os.path.exists(path):
+        raise ModelError(f"model file {spec} does not exist")
+    if not os.path.isfile(path):
+        raise ModelError(f"model file {spec} is not a file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelError(f"cannot read model file {spec}: {e}") from None
+    try:
+        code = compile(source, path, "exec")
+    except SyntaxError as e:
+        raise ModelError(f"{spec}:{e.lineno}: syntax error in model file: {e.msg}") from None
+    name = "purinec_user_model_" + hashlib.sha1(path.encode()).hexdigest()[:12]
+    module = types.ModuleType(name)
+    module.__file__ = path
+    sys.modules[name] = module
+    try:
+        exec(code, module.__dict__)
+    except PurinecError:
+        raise
+    except (Exception, SystemExit) as e:
+        raise ModelError(f"{_where(e, path, spec)}: loading model file {spec} failed: "
+                         f"{type(e).__name__}: {e}") from e
+    build = module.__dict__.get("build")
+    if build is None:
+        raise ModelError(f"model file {spec} defines no build(batch, ...) function")
+    if not callable(build):
+        raise ModelError(f"model file {spec}: build is a {type(build).__name__}, not a "
+                         f"function build(batch, ...)")
+    return build
+
+
+def _where(exc: BaseException, path: str | None, spec: str | None) -> str:
+    """file:line of the innermost traceback frame in the model file (else outside
+    purinec) that the exception passed through."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if path is not None:
+        mine = [f for f in frames if os.path.abspath(f.filename) == path]
+        if mine:
+            return f"{spec}:{mine[-1].lineno}"
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    outside = [f for f in frames if not os.path.abspath(f.filename).startswith(pkg + os.sep)]
+    chosen = outside[-1] if outside else (frames[-1] if frames else None)
+    return f"{os.path.basename(chosen.filename)}:{chosen.lineno}" if chosen else spec or "?"
+
+
+def _call(build: Callable, batch, kwargs: dict, where: str, path: str | None,
+          strict: bool) -> Net:
+    try:
+        sig = inspect.signature(build)
+    except (TypeError, ValueError):
+        sig = None
+    call_args: list = []
+    call_kwargs: dict = {}
+    if sig is not None:
+        params = sig.parameters
+        var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        positional = [p for p in params.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if batch is not None:
+            if "batch" in params and params["batch"].kind is not params["batch"].POSITIONAL_ONLY:
+                call_kwargs["batch"] = batch
+            elif positional or any(p.kind is p.VAR_POSITIONAL for p in params.values()):
+                call_args.append(batch)
+            elif var_kw:
+                call_kwargs["batch"] = batch
+            else:
+                raise ModelError(f"{where} takes no batch argument; define "
+                                 f"build(batch, ...)")
+        for key, value in kwargs.items():
+            if key in params or var_kw:
+                call_kwargs[key] = value
+            elif key in OPTIONAL_ARGS and not strict:
+                continue
+            else:
+                raise ModelError(f"{where} takes no argument {key!r}; it takes "
+                                 f"{', '.join(params) or 'none'}")
+        try:
+            sig.bind(*call_args, **call_kwargs)
+        except TypeError as e:
+            need = "" if batch is not None else " (no batch size was given)"
+            raise ModelError(f"{where} cannot be called{need}: {e}") from None
+    else:
+        call_kwargs = dict(kwargs)
+        if batch is not None:
+            call_kwargs["batch"] = batch
+    try:
+        net = build(*call_args, **call_kwargs)
+    except PurinecError:
+        raise
+    except Exception as e:
+        abspath = os.path.abspath(path) if path is not None else None
+        raise ModelError(f"{where} failed at {_where(e, abspath, path)}: "
+                         f"{type(e).__name__}: {e}") from e
+    if not isinstance(net, Net):
+        raise ModelError(f"{where} returned {type(net).__name__}, not a purinec.bigraph.Net")
+    return net

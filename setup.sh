@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Sets up everything on a fresh machine and runs the main job on its built-in default:
+#   bash setup.sh              # venv in .venv, purinec and its dependencies, then train
+# Pass --no-run to only install. Safe to run again: it reuses .venv.
+set -euo pipefail
+cd "$(dirname "$0")"
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet -e '.[dev]'
+if [ "${1:-}" != "--no-run" ]; then
+    # The main job: train the MLP on scikit-learn's digits with the reference target.
+    .venv/bin/purinec train mlp --data digits --epochs 10
+fi

@@ -1,0 +1,154 @@
+"""compile(), Program and the reference target, end to end."""
+
+import numpy as np
+import pytest
+
+import purinec
+from purinec.compiler import STAGES, build_graph, load_source
+from purinec.data import load_dataset
+from purinec.errors import ExecutionError, PurinecError
+from purinec.ir import parse
+from purinec.models import ZOO
+from purinec.passes.lower import lower
+from purinec.train import train
+
+
+def _softmax_xent_numpy(logits, label):
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    p = np.exp(shifted) / np.exp(shifted).sum(axis=1, keepdims=True)
+    n = len(label)
+    loss = -np.log(p[np.arange(n), label]).mean()
+    dlogits = p.copy()
+    dlogits[np.arange(n), label] -= 1
+    return loss, dlogits / n
+
+
+def _mlp_step_numpy(params, history, x, y, lr, momentum, wd):
+    """One SGD step of flatten-ip1-relu-ip2-relu-ip3-softmax_xent, written out by hand."""
+    h0 = x.reshape(len(x), -1)
+    a1 = h0 @ params["ip1.weight"].T + params["ip1.bias"]
+    h1 = np.maximum(a1, 0)
+    a2 = h1 @ params["ip2.weight"].T + params["ip2.bias"]
+    h2 = np.maximum(a2, 0)
+    logits = h2 @ params["ip3.weight"].T + params["ip3.bias"]
+    loss, d3 = _softmax_xent_numpy(logits, y)
+    grads = {"ip3.weight": d3.T @ h2, "ip3.bias": d3.sum(0)}
+    d2 = (d3 @ params["ip3.weight"]) * (a2 > 0)
+    grads.update({"ip2.weight": d2.T @ h1, "ip2.bias": d2.sum(0)})
+    d1 = (d2 @ params["ip2.weight"]) * (a1 > 0)
+    grads.update({"ip1.weight": d1.T @ h0, "ip1.bias": d1.sum(0)})
+    new_params, new_history = {}, {}
+    for name, w in params.items():
+        update = momentum * history[name] + lr * (grads[name] + wd * w)
+        new_params[name] = w - update
+        new_history[name] = update
+    return loss, new_params, new_history
+
+
+def test_training_step_matches_handwritten_numpy():
+    lr, momentum, wd = 0.1, 0.9, 0.01
+    program = purinec.compile("mlp", train=purinec.SGD(lr, momentum, wd), batch=6,
+                              input_shape=(1, 3, 3), num_classes=4, seed=3)
+    rng = np.random.default_rng(7)
+    params = {k: v.astype(np.float64) for k, v in program.params.items()}
+    # Random (not zero) biases so every term of the step is exercised.
+    for name in params:
+        if name.endswith(".bias"):
+            params[name] = rng.normal(0, 0.1, params[name].shape)
+            program.params[name] = params[name]
+    history = {k: np.zeros_like(v) for k, v in params.items()}
+    for _ in range(3):  # several steps, so momentum history matters
+        x = rng.normal(0, 1, (6, 1, 3, 3)).astype(np.float32)
+        y = rng.integers(0, 4, 6).astype(np.int32)
+        want_loss, params, history = _mlp_step_numpy(params, history, x.astype(np.float64),
+                                                     y, lr, momentum, wd)
+        loss = program.step({"data": x, "label": y})
+        assert loss == pytest.approx(want_loss, rel=1e-5)
+        for name in params:
+            np.testing.assert_allclose(program.params[name], params[name], rtol=2e-4,
+                                       atol=2e-6, err_msg=name)
+            np.testing.assert_allclose(program.state[f"{name}.history"], history[name],
+                                       rtol=2e-4, atol=2e-6, err_msg=name)
+
+
+def test_mlp_reaches_90_percent_on_digits():
+    data = load_dataset("digits")
+    program = purinec.compile("mlp", train=purinec.SGD(lr=0.05, momentum=0.9,
+                                                       weight_decay=5e-4),
+                              batch=64, input_shape=data.input_shape, num_classes=10)
+    result = train(program, data, epochs=10, batch=64, progress=False)
+    assert result.final.test_accuracy >= 0.90, result.epochs
+    assert result.epochs[-1].loss < result.epochs[0].loss
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.parametrize("training", [False, True])
+def test_every_stage_of_every_zoo_model_round_trips(name, training):
+    seen = []
+
+    def check(stage, graph):
+        text = str(graph)
+        assert str(parse(text)) == text, f"{name} at {stage}"
+        seen.append(stage)
+
+    sgd = purinec.SGD(lr=0.01, momentum=0.9, weight_decay=1e-4) if training else None
+    build_graph(load_source(name, batch=2), sgd, check)
+    expected = [s for s in STAGES if training or s not in ("autodiff", "optimizer")]
+    assert seen == expected
+
+
+def test_run_returns_logits_and_keeps_params():
+    program = purinec.compile("mlp", train=purinec.SGD(lr=0.1), batch=4,
+                              input_shape=(1, 2, 2), num_classes=3)
+    before = {k: v.copy() for k, v in program.params.items()}
+    x = np.random.default_rng(0).normal(size=(4, 1, 2, 2))
+    out = program.run({"data": x})
+    assert set(out) == {"logits"} and out["logits"].shape == (4, 3)
+    for k, v in program.params.items():
+        np.testing.assert_array_equal(v, before[k])
+
+
+def test_feeds_are_checked():
+    program = purinec.compile("mlp", batch=4, input_shape=(1, 2, 2), num_classes=3)
+    with pytest.raises(ExecutionError, match="missing data"):
+        program.run({})
+    with pytest.raises(ExecutionError, match=r"expected f32\[4,1,2,2\]"):
+        program.run({"data": np.zeros((5, 1, 2, 2))})
+    with pytest.raises(ExecutionError, match="unknown extra"):
+        program.run({"data": np.zeros((4, 1, 2, 2)), "extra": 1})
+    with pytest.raises(PurinecError, match="compiled for inference"):
+        program.step({"data": np.zeros((4, 1, 2, 2)), "label": np.zeros(4, np.int32)})
+
+
+def test_params_can_be_set_and_are_checked():
+    program = purinec.compile("mlp", batch=2, input_shape=(1, 2, 2), num_classes=3)
+    w = np.arange(3 * 512, dtype=np.float64).reshape(3, 512)
+    program.params["ip3.weight"] = w
+    assert program.params["ip3.weight"].dtype == np.float32
+    np.testing.assert_array_equal(program.params["ip3.weight"], w.astype(np.float32))
+    with pytest.raises(PurinecError, match="has shape"):
+        program.params["ip3.weight"] = np.zeros((2, 2))
+    with pytest.raises(PurinecError, match="no parameter named"):
+        program.params["nope"] = np.zeros(1)
+
+
+def test_unknown_target_is_refused():
+    with pytest.raises(PurinecError, match="unknown target 'tpu'"):
+        purinec.compile("mlp", target="tpu")
+
+
+def test_pir_file_compiles_and_trains_like_the_model(tmp_path):
+    # The train-mode forward graph: the inference graph has no loss to differentiate.
+    forward = lower(load_source("mlp", batch=4, input_shape=(1, 2, 2), num_classes=3),
+                    mode="train")
+    path = tmp_path / "mlp.pir"
+    path.write_text(str(forward))
+    sgd = purinec.SGD(lr=0.1, momentum=0.5)
+    from_file = purinec.compile(str(path), train=sgd, seed=1)
+    from_zoo = purinec.compile("mlp", train=sgd, batch=4, input_shape=(1, 2, 2),
+                               num_classes=3, seed=1)
+    rng = np.random.default_rng(1)
+    feeds = {"data": rng.normal(size=(4, 1, 2, 2)), "label": np.array([0, 1, 2, 1])}
+    assert from_file.step(feeds) == from_zoo.step(feeds)
+    for name in from_zoo.params:
+        np.testing.assert_array_equal(from_file.params[name], from_zoo.params[name])
