@@ -45,8 +45,9 @@ def test_dump_all_stages_to_files(tmp_path):
     assert result.returncode == 0, result.stderr
     files = sorted(tmp_path.iterdir())
     assert [f.name for f in files] == [
-        "mlp.00-lower.pir", "mlp.01-infer_shapes.pir", "mlp.02-verify.pir",
-        "mlp.03-autodiff.pir", "mlp.04-optimizer.pir", "mlp.05-dce.pir", "mlp.06-cse.pir"]
+        "mlp.train.00-lower.pir", "mlp.train.01-infer_shapes.pir", "mlp.train.02-verify.pir",
+        "mlp.train.03-autodiff.pir", "mlp.train.04-optimizer.pir", "mlp.train.05-dce.pir",
+        "mlp.train.06-cse.pir"]
     for f in files:
         assert f"wrote {f}" in result.stdout
         text = f.read_text()
@@ -85,7 +86,8 @@ def test_cycle_in_pir(tmp_path):
                     "  %a = add(%x, %b) : f32[2] @cpu:0\n"
                     "  %b = relu(%a) : f32[2] @cpu:0\n"
                     "  return %b\n}\n")
-    assert_clean_error(purinec("dump", str(path)), "%b", f"{path}:2:")
+    assert_clean_error(purinec("dump", str(path)), "%b", f"{path}:2:",
+                       "defined later, at line 3", "cycle")
 
 
 def test_type_error_in_pir_names_the_node(tmp_path):

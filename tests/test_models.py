@@ -54,7 +54,7 @@ def test_zoo_names():
 def test_every_model_lowers(lowered, name, mode):
     g = lowered(name, mode)
     batch = DEFAULT_BATCH[name]
-    assert g.name == name
+    assert g.name == (name if mode == "inference" else f"{name}.train")
     data = g.input("data")
     assert data.role == "data" and data.type.dtype is DType.f32 and data.type.shape[0] == batch
     assert g.output("logits").type == TensorType((batch, 10), DType.f32)

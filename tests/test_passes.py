@@ -120,3 +120,12 @@ def test_initializers(spec, check):
 def test_bad_initializers_are_refused(spec):
     with pytest.raises(PurinecError, match="initializer"):
         parse_init(spec)
+
+
+@pytest.mark.parametrize("op, attrs", [
+    ("fill", {"shape": [2, -1]}),
+    ("fill", {"shape": [2], "dtype": "f16"}),
+])
+def test_shape_and_dtype_attributes_are_checked(op, attrs):
+    with pytest.raises(PurinecError, match=op):
+        Graph("g").add_node(op, [], attrs)

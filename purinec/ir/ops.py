@@ -198,6 +198,13 @@ def _pair(op: str, attrs: dict, key: str) -> list[int]:
     return value
 
 
+def _shape_attr(op: str, attrs: dict, key: str = "shape") -> tuple[int, ...]:
+    shape = tuple(attrs[key])
+    if any(d < 0 for d in shape):
+        raise _fail(op, f"attribute {key} must not have negative sizes, got {list(shape)}")
+    return shape
+
+
 def _unary_infer(op):
     def infer(types, attrs):
         _float(op, types[0])
@@ -277,12 +284,16 @@ register(OpDef("add_scalar", ("x",), _add_scalar_infer,
                doc="x + value (any dtype; the iteration counter is one)"))
 
 
-def _cast_infer(types, attrs):
+def _dtype_attr(op: str, attrs: dict) -> DType:
     try:
-        dtype = DType(attrs["dtype"])
+        return DType(attrs["dtype"])
     except ValueError:
-        raise VerifyError(f"op cast: unknown dtype {attrs['dtype']!r}") from None
-    return [TensorType(types[0].shape, dtype)]
+        raise VerifyError(f"op {op}: unknown dtype {attrs['dtype']!r}; use one of "
+                          f"{', '.join(d.value for d in DType)}") from None
+
+
+def _cast_infer(types, attrs):
+    return [TensorType(types[0].shape, _dtype_attr("cast", attrs))]
 
 
 register(OpDef("cast", ("x",), _cast_infer,
@@ -374,13 +385,13 @@ register(OpDef("reduce_sum", ("x",), _reduce_sum_infer,
 
 def _broadcast_to_infer(types, attrs):
     x = types[0]
-    shape = attrs["shape"]
+    shape = _shape_attr("broadcast_to", attrs)
     try:
-        np.broadcast_shapes(x.shape, tuple(shape))
+        fits = np.broadcast_shapes(x.shape, shape) == shape
     except ValueError:
-        raise _fail("broadcast_to", f"cannot broadcast {x} to {shape}") from None
-    if len(shape) < x.rank or np.broadcast_shapes(x.shape, tuple(shape)) != tuple(shape):
-        raise _fail("broadcast_to", f"cannot broadcast {x} to {shape}")
+        fits = False
+    if not fits:
+        raise _fail("broadcast_to", f"cannot broadcast {x} to {list(shape)}")
     return [x.with_shape(shape)]
 
 
@@ -534,7 +545,7 @@ register(OpDef("conv2d", ("x", "w"), _conv2d_infer, nnref.conv2d, O, attrs=dict(
 
 def _conv2d_grad_input_infer(types, attrs):
     gy, w = types
-    x = TensorType(tuple(attrs["input_shape"]), gy.dtype)
+    x = TensorType(_shape_attr("conv2d_grad_input", attrs, "input_shape"), gy.dtype)
     if _conv_check(x, w.shape, attrs, "conv2d_grad_input") != gy.shape:
         raise _fail("conv2d_grad_input", f"gradient {gy} does not match the output of "
                                          f"input {x} and weight {w}")
@@ -624,7 +635,7 @@ register(OpDef("max_pool2d_grad", ("x", "y", "gy"), _max_pool_grad_infer,
 
 def _avg_pool_grad_infer(types, attrs):
     gy = types[0]
-    x = TensorType(tuple(attrs["input_shape"]), gy.dtype)
+    x = TensorType(_shape_attr("avg_pool2d_grad", attrs, "input_shape"), gy.dtype)
     if _pool_shape("avg_pool2d_grad", x, attrs) != gy.shape:
         raise _fail("avg_pool2d_grad", f"gradient {gy} does not match pooling input {x}")
     return [x]
@@ -649,7 +660,7 @@ register(OpDef("global_avg_pool", ("x",), _global_avg_pool_infer,
 
 def _global_avg_pool_grad_infer(types, attrs):
     gy = types[0]
-    shape = attrs["input_shape"]
+    shape = _shape_attr("global_avg_pool_grad", attrs, "input_shape")
     if len(shape) != 4 or gy.shape != (shape[0], shape[1], 1, 1):
         raise _fail("global_avg_pool_grad", f"gradient {gy} does not match input {shape}")
     return [gy.with_shape(shape)]
@@ -759,11 +770,7 @@ register(OpDef("accuracy", ("logits", "label"), _accuracy_infer,
 
 
 def _fill_infer(types, attrs):
-    try:
-        dtype = DType(attrs["dtype"])
-    except ValueError:
-        raise VerifyError(f"op fill: unknown dtype {attrs['dtype']!r}") from None
-    return [TensorType(tuple(attrs["shape"]), dtype)]
+    return [TensorType(_shape_attr("fill", attrs), _dtype_attr("fill", attrs))]
 
 
 register(OpDef("fill", (), _fill_infer,
@@ -778,7 +785,7 @@ def _dropout_mask_infer(types, attrs):
     _integer("dropout_mask", types[0], "iteration counter")
     if not 0.0 <= attrs["p"] < 1.0:
         raise _fail("dropout_mask", f"drop probability must be in [0, 1), got {attrs['p']}")
-    return [TensorType(tuple(attrs["shape"]), DType(attrs["dtype"]))]
+    return [TensorType(_shape_attr("dropout_mask", attrs), _dtype_attr("dropout_mask", attrs))]
 
 
 register(OpDef("dropout_mask", ("iteration",), _dropout_mask_infer, nnref.dropout_mask, E,

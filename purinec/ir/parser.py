@@ -236,9 +236,27 @@ class _Parser:
     def use(self, tok: Token) -> Value:
         value = self.defined.get(tok.text)
         if value is None:
+            later = self.later_definition(tok.text)
+            hint = (f"; it is defined later, at line {later.line}: nodes must come after "
+                    f"what they read, so the graph has a cycle or is out of order"
+                    if later else "")
             raise self.error(f"unknown value %{tok.text}: it is used before any graph input "
-                             f"or earlier node defines it", tok)
+                             f"or earlier node defines it{hint}", tok)
         return value
+
+    def later_definition(self, name: str) -> Token | None:
+        """The token defining %name further on (a node's output before its '='), if any."""
+        for i in range(self.pos, len(self.tokens) - 1):
+            tok = self.tokens[i]
+            if tok.kind == VALUE and tok.text == name:
+                j = i + 1
+                while self.tokens[j].kind in (VALUE, PUNCT) and self.tokens[j].text != "=":
+                    if self.tokens[j].kind == PUNCT and self.tokens[j].text != ",":
+                        break
+                    j += 1
+                if self.tokens[j].kind == PUNCT and self.tokens[j].text == "=":
+                    return tok
+        return None
 
     # -- grammar
 

@@ -30,7 +30,8 @@ _ROLE_ORDER = {"data": 0, "param": 1, "state": 2}
 
 
 def lower(net: Net, mode: str = "inference") -> Graph:
-    """Lower ``net`` to a `purinec.ir.Graph` named after it, for ``mode``
+    """Lower ``net`` to a `purinec.ir.Graph` named after it (plus ``.train`` when
+    training), for ``mode``
     (``"inference"`` or ``"train"``). Raises `ModelError` (a `LayerShapeError` for
     shapes) naming the layer and its source line."""
     if not isinstance(net, Net):
@@ -51,7 +52,9 @@ class Lowering:
         self.net = net
         self.mode = mode
         self.structure: NetStructure = analyze(net)
-        self.graph = Graph(net.name)
+        # "lenet" for inference, "lenet.train" for the training iteration: dumps of the
+        # two then land in different files.
+        self.graph = Graph(net.name if mode == "inference" else f"{net.name}.train")
         self.values: dict[int, Value] = {}
         self.reserved = {b.path for b in self.structure.blobs}
         self._input_keys: dict[int, tuple] = {}
