@@ -791,3 +791,49 @@ def test_unknown_model_name_lists_the_zoo():
     with pytest.raises(ModelError, match="unknown model 'resnet'; the zoo has cifar_quick, "
                                          "inception, lenet, mlp, nin"):
         load_model("resnet")
+
+
+USER_MODELS = {
+    "shape": ('''
+from purinec.bigraph import Blob, Net, Op, SoftmaxWithLoss
+
+def build(batch=8):
+    with Net("mynet") as net:
+        data = Blob("data", (batch, 100))
+        label = Blob("label", (batch,), "i32")
+        w = Blob("w", (10, 99), role="param", init="xavier")
+        logits = [data, w] >> Op("matmul", trans_b=True) >> Blob("logits")
+        net.outputs = [logits, [logits, label] >> SoftmaxWithLoss("loss")]
+    return net
+''', ["mynet.py:9", "cannot multiply f32[8,100] by f32[10,99]^T"]),
+    "cycle": ('''
+from purinec.bigraph import Blob, Eltwise, Net, ReLU
+
+def build(batch=8):
+    with Net("cyc") as net:
+        a = Blob("a")
+        data = Blob("data", (batch, 4))
+        b = [data, a] >> Eltwise("e1", "add")
+        b >> ReLU("r") >> a
+        net.outputs = [b]
+    return net
+''', ["cycle", "layer e1 (mynet.py:8)", "layer r (mynet.py:9)"]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(USER_MODELS))
+def test_user_model_errors_from_the_command_line(kind, tmp_path):
+    """A user's model with a shape mismatch or a cycle: one paragraph naming the layer
+    and its line, exit status 1, no traceback."""
+    import subprocess
+
+    source, fragments = USER_MODELS[kind]
+    (tmp_path / "mynet.py").write_text(source)
+    result = subprocess.run([sys.executable, "-m", "purinec", "dump", "mynet.py"],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith("purinec: error: ")
+    assert result.stderr.strip().count("\n") == 0
+    for fragment in fragments:
+        assert fragment in result.stderr, result.stderr
