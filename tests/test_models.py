@@ -12,9 +12,10 @@ from purinec.ir.types import CPU0, DType, TensorType
 from purinec.models import ZOO, InceptionModule, load_model
 from purinec.passes.lower import lower
 
-DEFAULT_BATCH = {"mlp": 64, "lenet": 64, "cifar_quick": 100, "nin": 128, "inception": 64}
-MODEL_FILE = {"mlp": "mlp.py", "lenet": "lenet.py", "cifar_quick": "cifar.py",
-              "nin": "cifar.py", "inception": "inception.py"}
+DEFAULT_BATCH = {"mlp": 64, "lenet": 64, "convnet": 32, "cifar_quick": 100, "nin": 128,
+                 "inception": 64}
+MODEL_FILE = {"mlp": "mlp.py", "lenet": "lenet.py", "convnet": "convnet.py",
+              "cifar_quick": "cifar.py", "nin": "cifar.py", "inception": "inception.py"}
 
 
 def params(graph) -> dict[str, tuple]:
@@ -46,7 +47,7 @@ def lowered():
 
 
 def test_zoo_names():
-    assert sorted(ZOO) == ["cifar_quick", "inception", "lenet", "mlp", "nin"]
+    assert sorted(ZOO) == ["cifar_quick", "convnet", "inception", "lenet", "mlp", "nin"]
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))
@@ -106,6 +107,16 @@ def test_mlp_input_shape_and_classes(lowered):
     assert params(g)["ip1.weight"] == (512, 3072)
     assert params(g)["ip3.weight"] == (100, 512)
     assert g.output("logits").type.shape == (8, 100)
+
+
+def test_convnet_fits_8x8_digits(lowered):
+    g = lowered("convnet", "train")
+    assert params(g) == {"conv1.weight": (16, 1, 3, 3), "conv1.bias": (16,),
+                         "conv2.weight": (32, 16, 3, 3), "conv2.bias": (32,),
+                         "ip1.weight": (64, 128), "ip1.bias": (64,),
+                         "ip2.weight": (10, 64), "ip2.bias": (10,)}
+    assert shape_of(g, "pool1") == (32, 16, 4, 4)
+    assert shape_of(g, "pool2") == (32, 32, 2, 2)
 
 
 def test_lenet(lowered):

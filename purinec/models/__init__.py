@@ -7,6 +7,7 @@ and parameters ``<layer>.weight`` and ``<layer>.bias``.
 """
 
 from purinec.models.cifar import cifar_quick, nin
+from purinec.models.convnet import convnet
 from purinec.models.inception import InceptionModule, inception
 from purinec.models.lenet import lenet
 from purinec.models.loader import load_model
@@ -15,10 +16,11 @@ from purinec.models.mlp import mlp
 ZOO = {
     "mlp": mlp,
     "lenet": lenet,
+    "convnet": convnet,
     "cifar_quick": cifar_quick,
     "nin": nin,
     "inception": inception,
 }
 
-__all__ = ["ZOO", "load_model", "mlp", "lenet", "cifar_quick", "nin", "inception",
+__all__ = ["ZOO", "load_model", "mlp", "lenet", "convnet", "cifar_quick", "nin", "inception",
            "InceptionModule"]
