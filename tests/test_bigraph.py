@@ -788,7 +788,7 @@ def test_user_model_file_errors(tmp_path):
 
 
 def test_unknown_model_name_lists_the_zoo():
-    with pytest.raises(ModelError, match="unknown model 'resnet'; the zoo has cifar_quick, "
+    with pytest.raises(ModelError, match="unknown model 'resnet'; the zoo has cifar_quick, convnet, "
                                          "inception, lenet, mlp, nin"):
         load_model("resnet")
 

@@ -1,0 +1,377 @@
+"""The memory planner: where every value of a graph lives while the graph runs.
+
+Values are grouped into *alias classes*: a value and the ``reshape`` views of it share
+one piece of memory (a reshape of a C-contiguous array is free). Each class lives in one
+of three places:
+
+- ``external``: the array the caller passes in ``env`` for a graph input, and the next
+  value of a param or state when it can be computed in place in that very array;
+- ``fresh``: a new array each call, for a param or state update that cannot be done in
+  place (the executable returns it);
+- ``arena``: an offset in its device's byte arena. Offsets are assigned by walking the
+  schedule with liveness: a class is live from its producer to its last reader (to the
+  end for graph outputs, which are copied out after the run), and memory of dead classes
+  is reused (best fit, 64-byte aligned). An elementwise node may write its output into
+  an input of the same type that dies at that node (in place).
+
+Reusing memory creates write-after-read hazards: the node that writes a class into
+memory that held another must wait for everything that touched the earlier one. The
+planner lists those pairs (`MemoryPlan.hazards`) so the runtime plan is correct under any
+execution order its dependency counts allow, not only the schedule's order.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from purinec.errors import VerifyError
+from purinec.ir.graph import Graph, Node, Value
+from purinec.ir.ops import REGISTRY, FusionKind
+from purinec.ir.types import Device
+
+ALIGNMENT = 64
+
+ARENA = "arena"
+EXTERNAL = "external"
+FRESH = "fresh"
+
+# How a graph output is handed back: the caller's own array of the variable it updates
+# (in place), the fresh array it was computed in, or a copy taken after the run.
+VARIABLE = "variable"
+COPY = "copy"
+
+VARIABLE_ROLES = ("param", "state")
+
+
+def is_view(node: Node) -> bool:
+    """Nodes whose output is a zero-copy view of their input: no kernel runs for them.
+    A reshape onto another device moves data, so it stays a kernel."""
+    return node.op == "reshape" and node.outputs[0].device == node.inputs[0].device
+
+
+def elementwise(node: Node) -> bool:
+    opdef = REGISTRY.get(node.op)
+    return opdef is not None and opdef.fusion is FusionKind.elementwise
+
+
+def may_alias(node: Node, output: Value, input: Value) -> bool:
+    """Whether ``node``'s kernel stays correct when ``output`` is written into the memory
+    of ``input`` (of the same type). The kernel contract promises that for elementwise
+    ops. In a fused node it holds when one elementwise member writes ``output`` and no
+    other member reads ``input`` (members of a group may run as separate loops)."""
+    if node.body is None:
+        return elementwise(node)
+    writers = [m for m in node.body if output in m.outputs]
+    readers = [m for m in node.body if input in m.inputs]
+    return len(writers) == 1 and readers == writers and elementwise(writers[0])
+
+
+def aligned(nbytes: int) -> int:
+    """Bytes a value takes in an arena: rounded up to the alignment, never zero."""
+    return max(ALIGNMENT, -(-nbytes // ALIGNMENT) * ALIGNMENT)
+
+
+@dataclass(eq=False)
+class AliasClass:
+    """A value and its reshape views: one piece of memory."""
+
+    root: Value
+    writer: Node | None  # the node producing root; None for graph inputs
+    start: int  # schedule position of the writer; -1 for graph inputs
+    end: int  # last schedule position that needs it intact (len(schedule) for outputs)
+    storage: str
+    members: list[Value] = field(default_factory=list)
+    readers: list[Node] = field(default_factory=list)  # kernel nodes reading any member
+    external: Value | None = None  # for external storage: the graph input holding it
+    offset: int = -1  # for arena storage
+    size: int = 0  # for arena storage: aligned bytes
+    donor: "AliasClass | None" = None  # the class whose memory it took over in place
+
+    @property
+    def device(self) -> Device:
+        return self.root.device
+
+    def touchers(self) -> list[Node]:
+        """Every node that reads or writes this class's memory."""
+        return ([self.writer] if self.writer is not None else []) + self.readers
+
+    def where(self) -> str:
+        if self.storage == ARENA:
+            taken = f", in place of %{self.donor.root.name}" if self.donor else ""
+            return f"{self.device} [{self.offset}, {self.offset + self.size}){taken}"
+        if self.storage == EXTERNAL:
+            if self.external is self.root:
+                return "caller's array"
+            return f"in place in the caller's array of %{self.external.name}"
+        return "fresh array each call"
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    name: str
+    value: Value
+    mode: str  # VARIABLE, FRESH or COPY
+
+
+@dataclass
+class MemoryPlan:
+    graph: Graph
+    schedule: list[Node]
+    classes: list[AliasClass]
+    class_of: dict[Value, AliasClass]
+    arena_bytes: dict[Device, int]  # the arena each device needs: its peak
+    naive_bytes: dict[Device, int]  # what giving every class its own memory would take
+    hazards: list[tuple[Node, Node]]  # (a, b): a must finish before b starts
+    outputs: list[OutputSpec]
+
+    @property
+    def saved_bytes(self) -> dict[Device, int]:
+        return {d: self.naive_bytes[d] - self.arena_bytes[d] for d in self.arena_bytes}
+
+    def summary(self) -> str:
+        """A human-readable report: bytes per device, then where every value lives."""
+        lines = [f"memory plan of graph {self.graph.name}:"]
+        for device in sorted(self.arena_bytes):
+            in_place = sum(1 for c in self.classes
+                           if c.device == device and c.donor is not None)
+            lines.append(f"  {device}: peak {_bytes(self.arena_bytes[device])} "
+                         f"(without reuse {_bytes(self.naive_bytes[device])}, saved "
+                         f"{_bytes(self.saved_bytes[device])}; {in_place} in place)")
+        for cls in self.classes:
+            lines.append(f"  %{cls.root.name}: {cls.root.type} {cls.where()}"
+                         + (f"  live {cls.start}..{cls.end}" if cls.storage == ARENA else ""))
+            for view in cls.members[1:]:
+                lines.append(f"    %{view.name}: {view.type} view of %{cls.root.name}")
+        return "\n".join(lines)
+
+
+def _bytes(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    if n < 1024 ** 2:
+        return f"{n / 1024:.1f} KiB"
+    return f"{n / 1024 ** 2:.1f} MiB"
+
+
+def check_schedule(graph: Graph, schedule: Sequence[Node] | None) -> list[Node]:
+    """The schedule as a list: every node of the graph once, each after its inputs."""
+    if schedule is None:
+        return list(graph.nodes)
+    schedule = list(schedule)
+    if len(schedule) != len(graph.nodes) or set(schedule) != set(graph.nodes):
+        raise VerifyError(f"a schedule of graph {graph.name} must list each of its "
+                          f"{len(graph.nodes)} nodes exactly once, got {len(schedule)} entries")
+    defined = set(graph.inputs)
+    for node in schedule:
+        for v in node.inputs:
+            if v not in defined:
+                raise VerifyError(f"the schedule of graph {graph.name} runs {node!r} "
+                                  f"before %{v.name} is computed")
+        defined.update(node.outputs)
+    return schedule
+
+
+def plan_memory(graph: Graph, schedule: Sequence[Node] | None = None,
+                may_alias: Callable[[Node, Value, Value], bool] = may_alias) -> MemoryPlan:
+    """Assign every value of ``graph`` its memory for running ``schedule`` (a topological
+    order of all its nodes; default: graph order). ``may_alias(node, output, input)``
+    says whether a node may write an output over an input (default: `may_alias`)."""
+    schedule = check_schedule(graph, schedule)
+    classes, class_of = _alias_classes(graph, schedule)
+    hazards: set[tuple[Node, Node]] = set()
+    _place_variable_updates(graph, schedule, class_of, may_alias, hazards)
+    arena_bytes, naive_bytes = _place_in_arenas(graph, schedule, classes, class_of,
+                                                may_alias, hazards)
+    position = {node: i for i, node in enumerate(schedule)}
+    return MemoryPlan(graph, schedule, classes, class_of, arena_bytes, naive_bytes,
+                      sorted(hazards, key=lambda h: (position[h[1]], position[h[0]])),
+                      _output_specs(graph, class_of))
+
+
+def _alias_classes(graph: Graph, schedule: list[Node]):
+    """Group values into alias classes and find each class's readers and live range."""
+    classes: list[AliasClass] = []
+    class_of: dict[Value, AliasClass] = {}
+
+    def new_class(root: Value, writer: Node | None, start: int, storage: str) -> None:
+        cls = AliasClass(root, writer, start, start, storage, members=[root],
+                         external=root if storage == EXTERNAL else None)
+        classes.append(cls)
+        class_of[root] = cls
+
+    for value in graph.inputs:
+        new_class(value, None, -1, EXTERNAL)
+    for position, node in enumerate(schedule):
+        if is_view(node):
+            cls = class_of[node.inputs[0]]
+            cls.members.append(node.outputs[0])
+            class_of[node.outputs[0]] = cls
+            continue
+        for cls in dict.fromkeys(class_of[v] for v in node.inputs):
+            cls.readers.append(node)
+            cls.end = position
+        for value in node.outputs:
+            new_class(value, node, position, ARENA)
+    for _, value in graph.outputs:
+        class_of[value].end = len(schedule)  # copied out (or returned) after the run
+    return classes, class_of
+
+
+def _place_variable_updates(graph, schedule, class_of, may_alias, hazards) -> None:
+    """Give each param/state update the caller's array of its variable when that is safe,
+    else a fresh array per call."""
+    position = {node: i for i, node in enumerate(schedule)}
+    variables = {v.name: v for v in graph.inputs if v.role in VARIABLE_ROLES}
+    output_classes = {class_of[v] for _, v in graph.outputs}
+    for name, value in graph.outputs:
+        target = variables.get(name)
+        cls = class_of[value]
+        if target is None or cls.storage != ARENA:
+            continue  # not an update, or an input, or already placed for another output
+        target_cls = class_of[target]
+        if (value.type == target.type and target_cls not in output_classes
+                and _updates_in_place(cls, target_cls, position, class_of, may_alias)):
+            cls.storage = EXTERNAL
+            cls.external = target
+            cls.donor = target_cls
+            output_classes.add(target_cls)  # one update per variable
+            hazards.update((node, cls.writer) for node in target_cls.readers
+                           if node is not cls.writer)
+        else:
+            cls.storage = FRESH
+
+
+def _updates_in_place(cls: AliasClass, target_cls: AliasClass, position, class_of,
+                      may_alias) -> bool:
+    """An update may overwrite its variable when its writer reads the variable as an
+    input it may alias (same type), runs on its device, and every other reader of the
+    variable comes before it in the schedule (the plan makes them finish first)."""
+    writer = cls.writer
+    reads = [v for v in writer.inputs if class_of[v] is target_cls]
+    return (bool(reads) and target_cls.device == cls.device
+            and all(v.type == cls.root.type and may_alias(writer, cls.root, v) for v in reads)
+            and all(position[r] < position[writer] for r in target_cls.readers
+                    if r is not writer))
+
+
+def _place_in_arenas(graph, schedule, classes, class_of, may_alias, hazards):
+    devices = {v.device for v in graph.values()}
+    arenas = {device: _Arena() for device in devices}
+    dying: dict[int, list[AliasClass]] = {}
+    for cls in classes:
+        dying.setdefault(cls.end, []).append(cls)
+    for position, node in enumerate(schedule):
+        if is_view(node):
+            continue
+        donors: set[AliasClass] = set()
+        for value in node.outputs:
+            cls = class_of[value]
+            if cls.storage != ARENA:
+                continue
+            arena = arenas[cls.device]
+            cls.size = aligned(cls.root.type.nbytes)
+            donor = _in_place_donor(node, cls, position, class_of, donors, may_alias)
+            if donor is not None:
+                cls.offset, cls.donor = donor.offset, donor
+                donors.add(donor)
+            else:
+                cls.offset = arena.alloc(cls.size)
+            for previous in arena.occupy(cls.offset, cls.size, cls):
+                hazards.update((n, node) for n in previous.touchers() if n is not node)
+        for cls in dying.get(position, ()):
+            if cls.storage == ARENA and cls not in donors:
+                arenas[cls.device].release(cls.offset, cls.size)
+    naive = {device: 0 for device in devices}
+    for cls in classes:
+        if cls.storage == ARENA:
+            naive[cls.device] += cls.size
+    return {device: arena.top for device, arena in arenas.items()}, naive
+
+
+def _in_place_donor(node: Node, cls: AliasClass, position: int, class_of, taken: set,
+                    may_alias) -> AliasClass | None:
+    """An arena input of ``node`` whose memory ``cls`` can take: same device and type,
+    read by nothing after ``node``, not already taken by another output."""
+    for value in node.inputs:
+        donor = class_of[value]
+        if (donor.storage == ARENA and donor.end == position and donor not in taken
+                and donor.device == cls.device
+                and all(v.type == cls.root.type and may_alias(node, cls.root, v)
+                        for v in node.inputs if class_of[v] is donor)):
+            return donor
+    return None
+
+
+def _output_specs(graph: Graph, class_of) -> list[OutputSpec]:
+    """How each output is returned; no two outputs ever share memory."""
+    variables = {v.name: v for v in graph.inputs if v.role in VARIABLE_ROLES}
+    returned: set[AliasClass] = set()
+    specs = []
+    for name, value in graph.outputs:
+        cls = class_of[value]
+        target = variables.get(name)
+        mode = COPY
+        if target is not None and cls not in returned:
+            if cls.storage == EXTERNAL and cls.external is target and value.type == target.type:
+                mode = VARIABLE
+            elif cls.storage == FRESH:
+                mode = FRESH
+        if mode != COPY:
+            returned.add(cls)
+        specs.append(OutputSpec(name, value, mode))
+    return specs
+
+
+class _Arena:
+    """Offsets in one device's arena: a best-fit free list below a growing top, and the
+    last class that occupied each byte range (to find write-after-read hazards)."""
+
+    def __init__(self):
+        self.top = 0
+        self.free: list[tuple[int, int]] = []  # (offset, size), sorted, coalesced
+        self.segments: list[tuple[int, int, AliasClass]] = []  # (start, end, occupant)
+
+    def alloc(self, size: int) -> int:
+        fits = [(gap, offset) for offset, gap in self.free if gap >= size]
+        if fits:
+            gap, offset = min(fits)
+            self.free.remove((offset, gap))
+            if gap > size:
+                bisect.insort(self.free, (offset + size, gap - size))
+            return offset
+        if self.free and sum(self.free[-1]) == self.top:  # grow the last gap
+            offset, _ = self.free.pop()
+        else:
+            offset = self.top
+        self.top = offset + size
+        return offset
+
+    def release(self, offset: int, size: int) -> None:
+        i = bisect.bisect(self.free, (offset, size))
+        self.free.insert(i, (offset, size))
+        if i + 1 < len(self.free) and offset + size == self.free[i + 1][0]:
+            self.free[i] = (offset, size + self.free.pop(i + 1)[1])
+        if i > 0 and sum(self.free[i - 1]) == offset:
+            prev_offset, prev_size = self.free[i - 1]
+            self.free[i - 1] = (prev_offset, prev_size + self.free.pop(i)[1])
+
+    def occupy(self, offset: int, size: int, cls: AliasClass) -> list[AliasClass]:
+        """Record that ``cls`` now holds [offset, offset + size); return the classes that
+        held any of it before."""
+        end = offset + size
+        previous, kept = [], []
+        for start, stop, occupant in self.segments:
+            if stop <= offset or start >= end:
+                kept.append((start, stop, occupant))
+                continue
+            previous.append(occupant)
+            if start < offset:
+                kept.append((start, offset, occupant))
+            if stop > end:
+                kept.append((end, stop, occupant))
+        kept.append((offset, end, cls))
+        kept.sort(key=lambda segment: segment[0])
+        self.segments = kept
+        return list(dict.fromkeys(previous))

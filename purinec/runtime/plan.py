@@ -1,0 +1,282 @@
+"""The runtime plan: tasks with dependency counts, bound once to their memory.
+
+A task is one unit of work on one queue: a kernel launch now; copies and collectives
+later. It carries the callable, the arrays in the callable's argument slots (inputs then
+outputs; ``Kernel.fn(*inputs, *outputs)``), the tasks it releases and how many tasks it
+waits for. Dependencies are the data dependencies plus the write-after-read hazards the
+memory planner reports, so any execution order the counts allow is correct.
+
+Everything is computed once: views into the arenas sit in the argument lists, and only
+the arrays the caller passes (and fresh arrays for updates that cannot be done in place)
+are written into their slots at each call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from purinec.errors import ExecutionError, PurinecError
+from purinec.ir.graph import Graph, Node, Value
+from purinec.ir.ops import get_op
+from purinec.runtime.devices import COMPUTE, QueueId
+from purinec.runtime.memory import (ALIGNMENT, ARENA, COPY, EXTERNAL, FRESH, VARIABLE,
+                                    MemoryPlan, is_view, may_alias, plan_memory)
+
+KERNEL = "kernel"
+
+
+@dataclass(eq=False)
+class Task:
+    index: int  # position in the plan, which is also a valid serial order
+    kind: str  # KERNEL now; copies and collectives later
+    queue: QueueId
+    fn: Callable[..., object]
+    args: list  # the arrays fn is called with; per-call slots hold None between calls
+    node: Node | None  # the IR node it runs, for errors and traces
+    bytes_moved: int  # kernels: bytes of their operands and results
+    successors: tuple[int, ...] = ()
+    count: int = 0  # how many tasks it waits for
+
+    @property
+    def name(self) -> str:
+        return f"{self.node.op} %{self.node.name}" if self.node is not None else self.kind
+
+    def describe(self) -> str:
+        """The task as an error message names it: node, location, device, inputs."""
+        if self.node is None:
+            return f"{self.kind} task on {self.queue}"
+        node = self.node
+        loc = f" ({node.loc})" if node.loc else ""
+        inputs = ", ".join(f"%{v.name}: {v.type} @{v.device}" for v in node.inputs)
+        return f"node {node!r}{loc} on {node.device} with inputs [{inputs}]"
+
+
+@dataclass
+class _Variable:
+    """A class bound per call: to the caller's array of an input, or a fresh array."""
+
+    root: Value
+    source: str | None  # the env name for external storage, None for a fresh array
+    members: list[tuple[Value, list[tuple[list, int]]]]  # each view and its arg slots
+
+
+class Plan:
+    """Tasks over one graph, bound to memory; reusable for any number of calls."""
+
+    def __init__(self, graph: Graph, kernels: Mapping[Node, Callable],
+                 schedule: Sequence[Node] | None = None,
+                 may_alias: Callable[[Node, Value, Value], bool] = may_alias):
+        self.graph = graph
+        self.memory: MemoryPlan = plan_memory(graph, schedule, may_alias)
+        self.arenas = {device: _aligned_bytes(n)
+                       for device, n in self.memory.arena_bytes.items()}
+        self._static = self._arena_views()
+        self.tasks = self._make_tasks(kernels)
+        self._link()
+        self.initial_counts = tuple(task.count for task in self.tasks)
+        self.roots = tuple(task.index for task in self.tasks if task.count == 0)
+        self.queues = tuple(sorted({task.queue for task in self.tasks}))
+        self._inputs = self._input_checks()
+        self._current: dict[Value, np.ndarray] = {}
+
+    # -- building ---------------------------------------------------------------------
+
+    def _arena_views(self) -> dict[Value, np.ndarray]:
+        views = {}
+        for cls in self.memory.classes:
+            if cls.storage != ARENA:
+                continue
+            raw = self.arenas[cls.device][cls.offset:cls.offset + cls.root.type.nbytes]
+            for value in cls.members:
+                views[value] = raw.view(value.type.dtype.numpy).reshape(value.type.shape)
+        return views
+
+    def _make_tasks(self, kernels: Mapping[Node, Callable]) -> list[Task]:
+        slots: dict[Value, list[tuple[list, int]]] = {}
+        tasks = []
+        for node in self.memory.schedule:
+            if is_view(node):
+                continue
+            fn = kernels.get(node)
+            if not callable(fn):
+                raise PurinecError(f"no kernel for node {node!r} of graph {self.graph.name} "
+                                   f"(got {type(fn).__name__})")
+            operands = [*node.inputs, *node.outputs]
+            args = []
+            for value in operands:
+                if value not in self._static:
+                    slots.setdefault(value, []).append((args, len(args)))
+                args.append(self._static.get(value))
+            tasks.append(Task(len(tasks), KERNEL, QueueId(node.device, COMPUTE), fn, args,
+                              node, sum(v.type.nbytes for v in operands)))
+        self._variables = [
+            _Variable(cls.root, cls.external.name if cls.storage == EXTERNAL else None,
+                      [(v, slots.get(v, [])) for v in cls.members])
+            for cls in self.memory.classes if cls.storage in (EXTERNAL, FRESH)]
+        return tasks
+
+    def _link(self) -> None:
+        """Successors and counts from data dependencies and memory hazards."""
+        task_of = {task.node: task.index for task in self.tasks}
+        edges = set()
+        for task in self.tasks:
+            for value in task.node.inputs:
+                writer = self.memory.class_of[value].writer
+                if writer is not None:
+                    edges.add((task_of[writer], task.index))
+        edges.update((task_of[a], task_of[b]) for a, b in self.memory.hazards)
+        # Every edge points forward in the schedule, so the counts can always reach zero.
+        assert all(a < b for a, b in edges), "dependency against the schedule"
+        successors: dict[int, list[int]] = {}
+        for a, b in sorted(edges):
+            successors.setdefault(a, []).append(b)
+            self.tasks[b].count += 1
+        for task in self.tasks:
+            task.successors = tuple(successors.get(task.index, ()))
+
+    def _input_checks(self):
+        written = {cls.external for cls in self.memory.classes
+                   if cls.storage == EXTERNAL and cls.external is not cls.root}
+        return [(v.name, v.type.shape, v.type.dtype.numpy, v in written, str(v.type))
+                for v in self.graph.inputs]
+
+    # -- each call --------------------------------------------------------------------
+
+    def bind(self, env: Mapping[str, np.ndarray]) -> None:
+        """Check the caller's arrays and put them (and fresh arrays) into their slots."""
+        self._check_env(env)
+        current = self._current
+        for var in self._variables:
+            if var.source is not None:
+                base = env[var.source]
+            else:
+                base = np.empty(var.root.type.shape, var.root.type.dtype.numpy)
+            for value, slots in var.members:
+                array = base if value.type.shape == base.shape else base.reshape(value.type.shape)
+                current[value] = array
+                for args, position in slots:
+                    args[position] = array
+
+    def _check_env(self, env: Mapping[str, np.ndarray]) -> None:
+        owners: dict[int, list[tuple[str, bool]]] = {}  # by the object owning the memory
+        for name, shape, dtype, is_written, type_text in self._inputs:
+            array = env.get(name)
+            if array is None:
+                raise ExecutionError(f"no array given for input %{name} of graph "
+                                     f"{self.graph.name}")
+            if (type(array) is not np.ndarray or array.shape != shape or array.dtype != dtype
+                    or not array.flags.c_contiguous):
+                if type(array) is not np.ndarray:
+                    got = f"a {type(array).__name__}"
+                else:
+                    layout = "" if array.flags.c_contiguous else "non-contiguous "
+                    got = f"a {layout}{array.dtype}{list(array.shape)} array"
+                raise ExecutionError(f"input %{name} of graph {self.graph.name} must be a "
+                                     f"C-contiguous {type_text} array, got {got}")
+            if is_written and not array.flags.writeable:
+                raise ExecutionError(f"input %{name} of graph {self.graph.name} is "
+                                     "updated in place but its array is read-only")
+            owner = array if array.base is None else array.base
+            owners.setdefault(id(owner), []).append((name, is_written))
+        for arrays in owners.values():
+            if len(arrays) > 1:
+                self._check_no_overlap(env, arrays)
+
+    def _check_no_overlap(self, env, arrays: list[tuple[str, bool]]) -> None:
+        """Arrays updated in place must not overlap any other input's array."""
+        for i, (name, is_written) in enumerate(arrays):
+            for other, other_written in arrays[i + 1:]:
+                if ((is_written or other_written)
+                        and np.may_share_memory(env[name], env[other])):
+                    raise ExecutionError(
+                        f"inputs %{name} and %{other} of graph {self.graph.name} share "
+                        f"memory, but one is updated in place: pass separate arrays")
+
+    def outputs(self, env: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The graph's outputs after a run: updated variables as computed, copies of the
+        rest (arena memory is reused by the next call)."""
+        result = {}
+        for spec in self.memory.outputs:
+            array = self.array(spec.value)
+            if spec.mode == VARIABLE:
+                result[spec.name] = env[spec.name]
+            elif spec.mode == FRESH:
+                result[spec.name] = array
+            else:
+                assert spec.mode == COPY
+                result[spec.name] = array.copy()
+        return result
+
+    def array(self, value: Value) -> np.ndarray:
+        """The array holding ``value``: its arena view, or during a call its bound array."""
+        array = self._static.get(value)
+        return array if array is not None else self._current[value]
+
+    def unbind(self) -> None:
+        """Drop every reference to the caller's arrays and this call's fresh arrays."""
+        self._current.clear()
+        for var in self._variables:
+            for _, slots in var.members:
+                for args, position in slots:
+                    args[position] = None
+
+    # -- reporting --------------------------------------------------------------------
+
+    def summary(self) -> str:
+        lines = [f"plan of graph {self.graph.name}: {len(self.tasks)} tasks, "
+                 f"{sum(len(t.successors) for t in self.tasks)} dependencies"]
+        for queue in self.queues:
+            count = sum(1 for t in self.tasks if t.queue == queue)
+            lines.append(f"  {queue}: {count} tasks")
+        return "\n".join(lines) + "\n" + self.memory.summary()
+
+
+def _aligned_bytes(nbytes: int) -> np.ndarray:
+    """A byte array whose first byte is ALIGNMENT-aligned."""
+    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+    shift = -raw.ctypes.data % ALIGNMENT
+    return raw[shift:shift + nbytes]
+
+
+def reference_results(node: Node, inputs: Sequence[np.ndarray]) -> Sequence[np.ndarray]:
+    """What ``node`` computes by the NumPy references; a fused node runs its members."""
+    if node.body is None:
+        return get_op(node.op).reference(*inputs, **node.attrs)
+    values = dict(zip(node.inputs, inputs))
+    for member in node.body:
+        results = get_op(member.op).reference(*[values[v] for v in member.inputs],
+                                               **member.attrs)
+        values.update(zip(member.outputs, results))
+    return [values[v] for v in node.outputs]
+
+
+def reference_kernel(node: Node) -> Callable[..., None]:
+    """The kernel calling convention around the NumPy references: ``fn(*inputs,
+    *outputs)`` computes the results, then copies each into its output. Correct even when
+    an output aliases an input, since every result is computed before any copy."""
+    n_inputs = len(node.inputs)
+
+    def kernel(*arrays):
+        results = reference_results(node, arrays[:n_inputs])
+        outputs = arrays[n_inputs:]
+        if len(results) != len(outputs):
+            raise ValueError(f"reference of {node.op} returned {len(results)} results "
+                             f"for {len(outputs)} outputs")
+        for out, result in zip(outputs, results):
+            result = np.asarray(result)
+            if result.shape != out.shape or result.dtype != out.dtype:
+                raise ValueError(f"reference of {node.op} returned {result.dtype}"
+                                 f"{list(result.shape)} for an output of {out.dtype}"
+                                 f"{list(out.shape)}")
+            np.copyto(out, result)
+
+    kernel.__name__ = kernel.__qualname__ = f"reference_{node.op}"
+    return kernel
+
+
+def reference_kernels(graph: Graph) -> dict[Node, Callable[..., None]]:
+    """A reference kernel for every node of ``graph``."""
+    return {node: reference_kernel(node) for node in graph.nodes}

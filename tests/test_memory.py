@@ -1,0 +1,265 @@
+"""The memory planner: reuse by liveness, in-place updates, views, outputs that survive."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from purinec.ir.graph import Graph
+from purinec.ir.ops import REGISTRY, FusionKind
+from purinec.ir.types import DType, Device, TensorType
+from purinec.runtime.executor import Executable
+from purinec.runtime.memory import (ALIGNMENT, ARENA, COPY, EXTERNAL, FRESH, VARIABLE,
+                                    aligned, is_view, plan_memory)
+from purinec.runtime.plan import reference_kernels
+from purinec.runtime.reference import execute
+from test_runtime import assert_same, copied, random_env, random_graph
+
+F32 = DType.f32
+T44 = TensorType((4, 4), F32)
+
+
+def matmul_chain(length: int) -> Graph:
+    graph = Graph("chain")
+    v = graph.add_input("x", T44)
+    for _ in range(length):
+        v = graph.add_node("matmul", [v, v]).outputs[0]
+    graph.set_outputs([("y", v)])
+    return graph
+
+
+def test_liveness_reuse_lowers_the_peak_on_a_chain():
+    memory = plan_memory(matmul_chain(6))
+    cpu = Device()
+    # A matmul cannot write over its input, so two buffers take turns.
+    assert memory.arena_bytes[cpu] == 2 * aligned(T44.nbytes)
+    assert memory.naive_bytes[cpu] == 6 * aligned(T44.nbytes)
+    assert memory.saved_bytes[cpu] == 4 * aligned(T44.nbytes)
+    assert "peak 128 B" in memory.summary()
+
+
+def test_an_elementwise_chain_runs_in_one_buffer():
+    graph = Graph("chain")
+    v = graph.add_input("x", T44)
+    v = graph.add_node("scale", [v], {"alpha": 2.0}).outputs[0]
+    for op in ("relu", "tanh", "sigmoid"):
+        v = graph.add_node(op, [v]).outputs[0]
+    graph.set_outputs([("y", v)])
+    memory = plan_memory(graph)
+    assert memory.arena_bytes[Device()] == aligned(T44.nbytes)
+    assert sum(1 for c in memory.classes if c.donor is not None) == 3
+    env = random_env(graph)
+    assert_same(execute(graph, copied(env)), Executable(graph, reference_kernels(graph))(env))
+
+
+def independent_liveness(graph: Graph) -> tuple[dict, dict]:
+    """Live ranges recomputed from the graph alone: a value is live from the node that
+    writes its memory to its last reader (to the end for outputs)."""
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    start, end = {}, {}
+    for node in graph.nodes:
+        for value in node.outputs:
+            writer = node
+            while is_view(writer) and writer.inputs[0].producer is not None:
+                writer = writer.inputs[0].producer
+            start[value] = end[value] = position[writer]
+        if not is_view(node):
+            for value in node.inputs:
+                if value in end:
+                    end[value] = max(end[value], position[node])
+    for _, value in graph.outputs:
+        if value in end:
+            end[value] = len(graph.nodes)
+    # A view keeps its base alive and the other way round.
+    changed = True
+    while changed:
+        changed = False
+        for node in graph.nodes:
+            if is_view(node) and node.inputs[0] in end:
+                a, b = node.inputs[0], node.outputs[0]
+                if end[a] != end[b]:
+                    end[a] = end[b] = max(end[a], end[b])
+                    changed = True
+    return start, end
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), n_nodes=st.integers(1, 25),
+       n_devices=st.integers(1, 2))
+def test_no_two_live_values_overlap(seed, n_nodes, n_devices):
+    graph = random_graph(seed, n_nodes, n_devices)
+    memory = plan_memory(graph)
+    start, end = independent_liveness(graph)
+    arena = [v for v in start if memory.class_of[v].storage == ARENA]
+    for v in arena:
+        cls = memory.class_of[v]
+        assert cls.offset % ALIGNMENT == 0 and cls.device == v.device
+        assert cls.offset + v.type.nbytes <= memory.arena_bytes[v.device]
+    for i, a in enumerate(arena):
+        for b in arena[i + 1:]:
+            ca, cb = memory.class_of[a], memory.class_of[b]
+            if ca is cb or a.device != b.device:
+                continue
+            if ca.offset >= cb.offset + cb.size or cb.offset >= ca.offset + ca.size:
+                continue
+            # Overlapping memory: one must be dead before the other is written, or the
+            # later one is written in place by the elementwise node that last reads it.
+            first, second = (a, b) if start[a] <= start[b] else (b, a)
+            if end[first] < start[second]:
+                continue
+            writer = second.producer
+            while is_view(writer):
+                writer = writer.inputs[0].producer
+            assert end[first] == start[second], (first, second)
+            assert REGISTRY[writer.op].fusion is FusionKind.elementwise
+            assert any(memory.class_of[u] is memory.class_of[first] for u in writer.inputs)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_variables_updated_in_place_only_when_safe(seed):
+    graph = random_graph(seed, 12, 2)
+    memory = plan_memory(graph)
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    for cls in memory.classes:
+        if cls.storage == EXTERNAL and cls.external is not cls.root:
+            variable = memory.class_of[cls.external]
+            assert REGISTRY[cls.writer.op].fusion is FusionKind.elementwise
+            assert cls.writer in variable.readers
+            assert all(position[r] <= position[cls.writer] for r in variable.readers)
+            assert all(v is not cls.external for _, v in graph.outputs)
+
+
+def sgd_graph(late_reader: bool) -> Graph:
+    graph = Graph("train")
+    x = graph.add_input("x", T44)
+    w = graph.add_input("w", T44, role="param")
+    h = graph.add_input("w.history", T44, role="state")
+    y = graph.add_node("matmul", [x, w]).outputs[0]
+    grad = graph.add_node("matmul", [x, y], {"trans_a": True}).outputs[0]
+    sgd = graph.add_node("sgd", [w, h, grad], {"lr": 0.1, "momentum": 0.9},
+                         names=["w.next", "w.history.next"])
+    outputs = [("y", y), ("w", sgd.outputs[0]), ("w.history", sgd.outputs[1])]
+    if late_reader:  # reads the old weight after the update: no longer safe in place
+        outputs.append(("late", graph.add_node("relu", [w]).outputs[0]))
+    graph.set_outputs(outputs)
+    return graph
+
+
+def test_sgd_updates_the_params_own_array():
+    graph = sgd_graph(late_reader=False)
+    memory = plan_memory(graph)
+    assert {o.name: o.mode for o in memory.outputs} == {
+        "y": COPY, "w": VARIABLE, "w.history": VARIABLE}
+    exe = Executable(graph, reference_kernels(graph))
+    env = random_env(graph)
+    expected = execute(graph, copied(env))
+    for _ in range(2):
+        outputs = exe(env)
+        assert outputs["w"] is env["w"] and outputs["w.history"] is env["w.history"]
+        assert_same(expected, outputs)
+        env = {**env, "x": env["x"]}
+        expected = execute(graph, copied(env))
+
+
+def test_an_unsafe_update_gets_a_fresh_array():
+    graph = sgd_graph(late_reader=True)
+    memory = plan_memory(graph)
+    modes = {o.name: o.mode for o in memory.outputs}
+    assert modes["w"] == FRESH and modes["w.history"] == VARIABLE
+    exe = Executable(graph, reference_kernels(graph))
+    env = random_env(graph)
+    w_before = env["w"].copy()
+    expected = execute(graph, copied(env))
+    first = exe(env)
+    assert_same(expected, first)
+    np.testing.assert_array_equal(env["w"], w_before)
+    assert first["w"] is not env["w"]
+    second = exe({**env, "w": first["w"]})
+    assert second["w"] is not first["w"]  # fresh each call
+
+
+def test_reshape_outputs_are_views():
+    graph = Graph("views")
+    x = graph.add_input("x", T44)
+    a = graph.add_node("matmul", [x, x]).outputs[0]
+    r = graph.add_node("reshape", [a], {"shape": [16]}).outputs[0]
+    r2 = graph.add_node("reshape", [r], {"shape": [2, 8]}).outputs[0]
+    t = graph.add_node("tanh", [r2]).outputs[0]
+    xr = graph.add_node("reshape", [x], {"shape": [2, 8]}).outputs[0]
+    s = graph.add_node("add", [t, xr]).outputs[0]
+    graph.set_outputs([("s", s)])
+    memory = plan_memory(graph)
+    assert memory.class_of[r] is memory.class_of[r2] is memory.class_of[a]
+    assert memory.class_of[xr].storage == EXTERNAL
+    assert "%reshape.1: f32[2,8] view of %matmul" in memory.summary()
+    exe = Executable(graph, reference_kernels(graph))
+    assert np.shares_memory(exe.plan.array(a), exe.plan.array(r2))
+    assert len(exe.plan.tasks) == 3  # no kernel for a view
+    env = random_env(graph)
+    assert_same(execute(graph, copied(env)), exe(env))
+
+
+def test_outputs_survive_and_are_fresh():
+    graph = Graph("outputs")
+    x = graph.add_input("x", T44)
+    early = graph.add_node("matmul", [x, x]).outputs[0]
+    v = early
+    for _ in range(5):  # plenty of later values that could reuse memory
+        v = graph.add_node("matmul", [v, x]).outputs[0]
+        v = graph.add_node("tanh", [v]).outputs[0]
+    graph.set_outputs([("early", early), ("late", v), ("x", x)])
+    memory = plan_memory(graph)
+    assert memory.class_of[early].end == len(graph.nodes)
+    exe = Executable(graph, reference_kernels(graph))
+    env = random_env(graph)
+    first = exe(env)
+    assert_same(execute(graph, env), first)
+    arena = exe.plan.arenas[Device()]
+    for name, array in first.items():
+        assert not np.shares_memory(array, arena), name
+    assert first["x"] is not env["x"]  # not a state update: a copy
+    kept = {k: a.copy() for k, a in first.items()}
+    exe(random_env(graph, seed=1))
+    assert_same(kept, first)
+
+
+def test_a_value_returned_twice_is_returned_as_two_arrays():
+    graph = Graph("twice")
+    x = graph.add_input("x", T44)
+    w = graph.add_input("w", T44, role="param")
+    v = graph.add_input("v", T44, role="param")
+    both = graph.add_node("add", [w, x]).outputs[0]
+    graph.set_outputs([("w", both), ("v", both), ("y", both)])
+    exe = Executable(graph, reference_kernels(graph))
+    env = random_env(graph)
+    expected = execute(graph, copied(env))
+    outputs = exe(env)
+    assert_same(expected, outputs)
+    assert outputs["w"] is env["w"]
+    assert not np.shares_memory(outputs["v"], outputs["w"])
+    assert not np.shares_memory(outputs["y"], outputs["w"])
+
+
+def test_fused_nodes_alias_only_through_their_one_elementwise_reader():
+    graph = Graph("fused")
+    x = graph.add_input("x", T44)
+    a = graph.add_node("matmul", [x, x]).outputs[0]
+    b = graph.add_node("matmul", [x, a]).outputs[0]
+    relu = graph.make_node("relu", [a])  # the only member reading %a: may write over it
+    tanh = graph.make_node("tanh", [b])  # %b is read by two members: nothing over it
+    add = graph.make_node("add", [relu.outputs[0], b])
+    outputs = [relu.outputs[0], tanh.outputs[0], add.outputs[0]]
+    graph.add_fused([relu, tanh, add], [a, b], outputs, kernel="fused_relu_tanh_add")
+    graph.set_outputs([(f"y{i}", v) for i, v in enumerate(outputs)])
+    memory = plan_memory(graph)
+    donors = {cls.root: cls.donor.root for cls in memory.classes if cls.donor is not None}
+    assert donors == {relu.outputs[0]: a}
+    env = random_env(graph)
+    x_ = env["x"]
+    a_ = x_ @ x_
+    b_ = x_ @ a_
+    relu_ = np.maximum(a_, 0)
+    expected = {"y0": relu_, "y1": np.tanh(b_), "y2": relu_ + b_}
+    assert_same(expected, Executable(graph, reference_kernels(graph))(env))
