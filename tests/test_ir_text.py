@@ -56,23 +56,35 @@ def assert_same_graph(a: Graph, b: Graph) -> None:
         assert y.producer is None
     assert len(a.nodes) == len(b.nodes)
     for m, n in zip(a.nodes, b.nodes):
-        where = repr(m)
-        assert m.op == n.op, where
-        assert m.loc == n.loc, (where, m.loc, n.loc)
-        assert list(m.attrs) == list(n.attrs) or set(m.attrs) == set(n.attrs), where
-        for key in m.attrs:
-            assert same_attr(m.attrs[key], n.attrs[key]), (where, key, m.attrs[key],
-                                                          n.attrs[key])
-        assert [v.name for v in m.inputs] == [v.name for v in n.inputs], where
-        assert len(m.outputs) == len(n.outputs), where
-        for x, y in zip(m.outputs, n.outputs):
-            assert_same_value(x, y, f"output %{x.name} of {where}")
-            assert y.producer is n
-        for v in n.inputs:  # inputs are the very values defined earlier in b
-            assert b.value(v.name) is v
+        assert_same_node(m, n, b)
     assert [(k, v.name) for k, v in a.outputs] == [(k, v.name) for k, v in b.outputs]
     for _, v in b.outputs:
         assert b.value(v.name) is v
+
+
+def assert_same_node(m, n, b: Graph) -> None:
+    where = repr(m)
+    assert m.op == n.op, where
+    assert m.loc == n.loc, (where, m.loc, n.loc)
+    assert list(m.attrs) == list(n.attrs) or set(m.attrs) == set(n.attrs), where
+    for key in m.attrs:
+        assert same_attr(m.attrs[key], n.attrs[key]), (where, key, m.attrs[key],
+                                                      n.attrs[key])
+    assert [v.name for v in m.inputs] == [v.name for v in n.inputs], where
+    for v in n.inputs:  # inputs are the very values defined earlier in b
+        assert b.value(v.name) is v
+    assert len(m.outputs) == len(n.outputs), where
+    assert (m.body is None) == (n.body is None), where
+    if n.body is not None:  # a fused node exports its members' very values
+        assert len(m.body) == len(n.body), where
+        for x, y in zip(m.body, n.body):
+            assert_same_node(x, y, b)
+        for x, y in zip(m.outputs, n.outputs):
+            assert x.name == y.name and b.value(y.name) is y, where
+        return
+    for x, y in zip(m.outputs, n.outputs):
+        assert_same_value(x, y, f"output %{x.name} of {where}")
+        assert y.producer is n
 
 
 def assert_round_trips(g: Graph) -> Graph:
@@ -610,3 +622,127 @@ def test_syntax_error_positions_spelled_out():
         parse('graph g(%x: f32[2] @cpu:0 {param, init="abc\n}) {\n  return\n}')
     assert (info.value.line, info.value.column) == (1, 40)
     assert "unterminated" in str(info.value)
+
+
+# -- fused nodes ------------------------------------------------------------------------
+
+
+def fused_graph() -> Graph:
+    """matmul -> bias_add -> relu as one fused node exporting two values, then softmax."""
+    g = Graph("net")
+    x = g.add_input("x", T(F32, 2, 3))
+    w = g.add_input("w", T(F32, 4, 3), role="param", init="xavier")
+    b = g.add_input("b", T(F32, 4), role="param")
+    fc = g.make_node("matmul", [x, w], {"trans_b": True}, names=["fc"], loc="net.py:3")
+    biased = g.make_node("bias_add", [fc.outputs[0], b], names=["fc.b"], loc="net.py:3")
+    act = g.make_node("relu", biased.outputs, names=["act"], loc="net.py:4")
+    g.add_fused([fc, biased, act], [x, w, b], [biased.outputs[0], act.outputs[0]],
+                "fused_matmul_bias_add_relu")
+    prob = g.add_node("softmax", act.outputs, names=["prob"])
+    g.set_outputs([("prob", prob.outputs[0]), ("pre", biased.outputs[0])])
+    return g
+
+
+FUSED_TEXT = """\
+graph net(
+    %x: f32[2,3] @cpu:0,
+    %w: f32[4,3] @cpu:0 {param, init="xavier"},
+    %b: f32[4] @cpu:0 {param}
+) {
+  %fc.b, %act = fused(%x, %w, %b) {kernel="fused_matmul_bias_add_relu"} : \
+f32[2,4] @cpu:0, f32[2,4] @cpu:0 {
+    %fc = matmul(%x, %w) {trans_a=false, trans_b=true} : f32[2,4] @cpu:0  # net.py:3
+    %fc.b = bias_add(%fc, %b) {axis=1} : f32[2,4] @cpu:0  # net.py:3
+    %act = relu(%fc.b) : f32[2,4] @cpu:0  # net.py:4
+  }
+  %prob = softmax(%act) {axis=1} : f32[2,4] @cpu:0
+  return %prob, pre=%fc.b
+}"""
+
+
+def test_fused_node_text():
+    g = fused_graph()
+    verify(g)
+    assert print_graph(g) == FUSED_TEXT
+
+
+def test_fused_node_parses_back():
+    back = assert_round_trips(fused_graph())
+    verify(back)
+    fused = back.nodes[0]
+    assert [m.name for m in fused.body] == ["fc", "fc.b", "act"]
+    assert fused.outputs == [fused.body[1].outputs[0], fused.body[2].outputs[0]]
+    assert fused.inputs == back.inputs
+    assert back.value("fc").producer is fused.body[0]
+    assert fused.body[2].loc == "net.py:4" and fused.loc is None
+    assert [v.name for v in back.values()] == ["x", "w", "b", "fc.b", "act", "prob"]
+    assert [n.name for n in back.flat_nodes()] == ["fc", "fc.b", "act", "prob"]
+
+
+def test_fused_node_with_a_location_and_clone():
+    g = fused_graph()
+    g.nodes[0].loc = "net.py:2"
+    text = print_graph(g)
+    assert '{kernel="fused_matmul_bias_add_relu"} : f32[2,4] @cpu:0, f32[2,4] @cpu:0 {  # ' \
+           'net.py:2\n' in text
+    assert_round_trips(g)
+    copy = g.clone()
+    assert print_graph(copy) == text
+    assert copy.nodes[0].body[0] is not g.nodes[0].body[0]
+    assert copy.nodes[0].outputs[1] is copy.nodes[0].body[2].outputs[0]
+
+
+FUSED_BAD = [
+    # a member reads a value the fused node does not take
+    ("fused(%x, %w, %b)", "fused(%x, %w)", "%b)", ["a member of fused node %fc.b reads %b",
+                                                   "not an input of the fused node"]),
+    # the header exports a value no member defines
+    ("%fc.b, %act = fused", "%fc.b, %zz = fused", "%zz", ["exports %zz", "no member"]),
+    ("%fc.b, %act = fused", "%x, %act = fused", "%x", ["exports %x", "no member"]),
+    # the header's types disagree with the member's
+    ("f32[2,4] @cpu:0, f32[2,4] @cpu:0 {", "f32[2,4] @cpu:0, f32[2,5] @cpu:0 {", "f32[2,5]",
+     ["declares output %act as f32[2,5] @cpu:0", "defines it as f32[2,4] @cpu:0"]),
+    ("f32[2,4] @cpu:0, f32[2,4] @cpu:0 {", "f32[2,4] @cpu:0, f32[2,4] @cpu:1 {", "f32[2,4] @cpu:1",
+     ["declares output %act as f32[2,4] @cpu:1"]),
+    # nesting, bodies where none belong, a missing body
+    ("    %act = relu(%fc.b)", "    %act = fused(%fc.b)", "fused(%fc.b)", ["do not nest"]),
+    ("%prob = softmax(%act) {axis=1} : f32[2,4] @cpu:0", "%prob = softmax(%act) {axis=1} : "
+     "f32[2,4] @cpu:0 {  # m.py:1", "{  #", ["op softmax takes no body"]),
+    ("    %act = relu(%fc.b) : f32[2,4] @cpu:0  #", "    %act = relu(%fc.b) : f32[2,4] @cpu:0 {"
+     "  #", "{", ["op relu takes no body"]),
+    ("f32[2,4] @cpu:0, f32[2,4] @cpu:0 {\n", "f32[2,4] @cpu:0, f32[2,4] @cpu:0\n", "%fc =",
+     ["expected '{' to open the body of fused node %fc.b"]),
+    ("  }\n", "", "return", ["expected '}' to close the body of fused node %fc.b"]),
+    # names: defined twice, members out of order, internal values read outside
+    ("    %fc = matmul", "    %x = matmul", "%x = ", ["%x is defined twice"]),
+    ("    %fc.b = bias_add(%fc, %b)", "    %fc.b = bias_add(%act, %b)", "%act, %b",
+     ["unknown value %act", "defined later"]),
+    ("return %prob, pre=%fc.b", "return %prob, pre=%fc", "%fc\n", ["%fc is internal to fused "
+                                                                  "node %fc.b"]),
+    ("softmax(%act)", "softmax(%fc)", "%fc)", ["%fc is internal to fused node %fc.b"]),
+    # the kernel attribute
+    ('{kernel="fused_matmul_bias_add_relu"}', "", "fused(", ["needs attribute kernel"]),
+    ('kernel="fused_matmul_bias_add_relu"', "kernel=3", "3}", ["attribute kernel must be str"]),
+]
+
+
+@pytest.mark.parametrize("old, new, needle, words", FUSED_BAD, ids=[b[1] for b in FUSED_BAD])
+def test_syntax_errors_in_fused_nodes(old, new, needle, words):
+    assert FUSED_TEXT.count(old) == 1, old
+    text = FUSED_TEXT.replace(old, new)
+    with pytest.raises(IRSyntaxError) as info:
+        parse(text, source="bad.ir")
+    err = info.value
+    line_start = text.rfind("\n", 0, text.index(new)) + 1 if new else 0
+    expect = at(text, needle, line_start)
+    assert (err.line, err.column) == expect, (str(err), expect)
+    for word in words:
+        assert word in str(err), (word, str(err))
+
+
+def test_empty_fused_body_is_refused():
+    text = FUSED_TEXT.split("{\n    %fc = ")[0] + "{\n  }\n  return\n}"
+    with pytest.raises(IRSyntaxError) as info:
+        parse(text)
+    assert "fused node %fc.b has an empty body" in str(info.value)
+    assert (info.value.line, info.value.column) == (7, 3)

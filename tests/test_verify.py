@@ -300,3 +300,138 @@ def test_loc_must_fit_on_one_line():
     g = mlp()
     node(g, "act").loc = "mlp.py:8\nmore"
     fails(g, "%act = relu", "one line")
+
+
+# -- fused nodes -----------------------------------------------------------------------------
+
+
+def fused_mlp() -> Graph:
+    """mlp() with matmul -> bias_add -> relu as one fused node exporting %act."""
+    g = mlp()
+    fc, biased, act = g.nodes[:3]
+    g.nodes[:3] = []
+    g.add_fused([fc, biased, act], [g.input("x"), g.input("w"), g.input("b")],
+                [act.outputs[0]], "fused_matmul_bias_add_relu")
+    g.nodes.insert(0, g.nodes.pop())
+    return g
+
+
+def fused(g: Graph) -> Node:
+    return next(n for n in g.nodes if n.body is not None)
+
+
+def member(g: Graph, name: str) -> Node:
+    return next(m for m in fused(g).body if m.name == name)
+
+
+def test_fused_graph_passes():
+    g = fused_mlp()
+    verify(g)
+    verify(g.clone())
+    verify(parse(str(g)))
+
+
+def test_member_reading_an_undeclared_outside_value():
+    g = fused_mlp()
+    fused(g).inputs.remove(g.input("b"))
+    fails(g, "%fc.b = bias_add(%fc, %b) in the body of fused node %act",
+          "%b is not an input of the fused node", "add %b to the fused node's inputs")
+    g = fused_mlp()
+    member(g, "act").inputs[0] = Value("ghost", T(F32, 8, 3))
+    fails(g, "%act = relu(%ghost)", "not defined before the fused node")
+
+
+def test_fused_inputs_are_exactly_what_members_read_in_first_use_order():
+    g = fused_mlp()
+    fused(g).inputs.append(g.input("label"))
+    fails(g, "fused node %act = fused(", "%label are read by no member", "(%x, %w, %b)")
+    g = fused_mlp()
+    fused(g).inputs.reverse()
+    fails(g, "not in first-use order", "(%x, %w, %b)")
+    g = fused_mlp()
+    fused(g).inputs.append(g.input("x"))
+    fails(g, "an input is listed twice")
+
+
+def test_fused_outputs_are_member_outputs():
+    g = fused_mlp()
+    fused(g).outputs.append(g.input("x"))
+    fails(g, "output %x is not defined by any member")
+    g = fused_mlp()
+    fused(g).outputs.append(fused(g).outputs[0])
+    fails(g, "an output is listed twice")
+    g = fused_mlp()
+    fused(g).outputs.clear()
+    fails(g, "exports no outputs")
+
+
+def test_values_a_fused_node_does_not_export_are_invisible_after_it():
+    g = fused_mlp()
+    node(g, "loss").inputs[0] = member(g, "fc.b").outputs[0]
+    fails(g, "%loss = softmax_xent(%fc.b, %label)", "%fc.b is internal to fused node",
+          "add it to them")
+    g = fused_mlp()
+    g.outputs.append(("pre", member(g, "fc").outputs[0]))
+    fails(g, "graph output pre=%fc", "internal to fused node")
+
+
+def test_members_are_checked_like_any_node():
+    g = fused_mlp()
+    member(g, "act").outputs[0].type = T(F32, 8, 4)
+    fails(g, "%act = relu(%fc.b) (at mlp.py:8) in the body of fused node",
+          "declared f32[8,4]", "gives f32[8,3]")
+    g = fused_mlp()
+    body = fused(g).body
+    body[1], body[2] = body[2], body[1]
+    fails(g, "%act = relu(%fc.b)", "used before the member that defines it")
+    g = fused_mlp()
+    member(g, "act").outputs[0].producer = fused(g)
+    fails(g, "output %act of node %act = relu(%fc.b)", "its producer must be the node")
+
+
+def test_no_nested_fused_nodes():
+    g = fused_mlp()
+    outer = fused(g)
+    inner_members = outer.body[1:]
+    inner = Node("fused", [outer.body[0].outputs[0], g.input("b")],
+                 [inner_members[1].outputs[0]], {"kernel": "inner"}, body=inner_members)
+    outer.body[1:] = [inner]
+    fails(g, "fused node %act", "fused nodes do not nest")
+
+
+def test_fused_node_needs_a_body_and_only_it_has_one():
+    g = fused_mlp()
+    fused(g).body = []
+    fails(g, "non-empty list of member nodes")
+    g = fused_mlp()
+    fused(g).body = None
+    fails(g, "non-empty list of member nodes")
+    g = mlp()
+    node(g, "act").body = [node(g, "fc")]
+    fails(g, "op relu has a body", "only op fused")
+
+
+def test_members_run_on_one_device():
+    g = fused_mlp()
+    member(g, "act").outputs[0].device = Device("cpu", 1)
+    fails(g, "output %act is placed on cpu:1", "the fused node runs on cpu:0")
+
+
+def test_kernel_names_are_identifiers_and_unique():
+    g = fused_mlp()
+    fused(g).attrs["kernel"] = "fused.relu"
+    fails(g, "kernel name 'fused.relu' must be an identifier")
+    g = fused_mlp()
+    step = node(g, "w.next")
+    g.nodes.remove(step)
+    g.add_fused([step], step.inputs, step.outputs, "fused_matmul_bias_add_relu")
+    fails(g, "kernel name fused_matmul_bias_add_relu is also the name of")
+    g = fused_mlp()
+    del fused(g).attrs["kernel"]
+    fails(g, "needs attribute kernel")
+
+
+def test_a_member_cannot_also_be_a_graph_node():
+    g = fused_mlp()
+    g.nodes.append(member(g, "act"))
+    fails(g, "appears twice")

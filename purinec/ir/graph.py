@@ -5,6 +5,14 @@ a graph input or as an output of exactly one `Node`, and nodes are kept in topol
 order. State (weights, momentum history) is threaded through: a state input ``%w`` and
 an output named ``w`` in the return list are the same variable before and after one
 run of the graph.
+
+A *fused* node (op ``fused``, made by `purinec.passes.fuse`) is one kernel holding a
+``body``: its member nodes in execution order. Members live in the graph's namespace
+(their values keep their names and the member is each value's producer); the fused
+node's inputs are the outside values its members read, in first-use order, and its
+outputs are those member outputs read outside it or returned, the very same `Value`
+objects. Graph-level queries (`Graph.nodes`, `values`, `users`) see the fused node;
+`flat_nodes` sees its members instead. Fused nodes do not nest.
 """
 
 from __future__ import annotations
@@ -38,15 +46,27 @@ class Value:
         return f"%{self.name}: {self.type} @{self.device}"
 
 
+FUSED = "fused"
+
+
 @dataclass(eq=False)
 class Node:
-    """One operator application. ``loc`` is the user's source line, where known."""
+    """One operator application. ``loc`` is the user's source line, where known.
+    ``body`` is None except for fused nodes, which hold their members there."""
 
     op: str
     inputs: list[Value]
     outputs: list[Value]
     attrs: dict[str, Any] = field(default_factory=dict)
     loc: str | None = None
+    body: "list[Node] | None" = None
+
+    def defined_values(self) -> list[Value]:
+        """Every value this node defines: its outputs, or for a fused node all its
+        members' outputs (the ones it exports and the internal ones)."""
+        if self.body is None:
+            return list(self.outputs)
+        return [v for member in self.body for v in member.outputs]
 
     @property
     def device(self) -> Device:
@@ -104,6 +124,15 @@ class Graph:
                  device: Device | None = None, loc: str | None = None) -> Node:
         """Append a node. Output types come from the op registry unless given;
         output names default to fresh names after the op."""
+        node = self.make_node(op, inputs, attrs, names, types, device, loc)
+        self.nodes.append(node)
+        return node
+
+    def make_node(self, op: str, inputs: Iterable[Value], attrs: dict | None = None,
+                  names: Iterable[str] | None = None, types: Iterable[TensorType] | None = None,
+                  device: Device | None = None, loc: str | None = None) -> Node:
+        """A node as `add_node` builds it (its output names claimed in this graph), but
+        not appended: for the members of a fused node's body."""
         from purinec.ir.ops import get_op
 
         inputs = list(inputs)
@@ -126,6 +155,13 @@ class Graph:
         node = Node(op, inputs, [], attrs, loc)
         for name, ty in zip(names, types):
             node.outputs.append(Value(self._claim(name), ty, device, None, node))
+        return node
+
+    def add_fused(self, body: Iterable[Node], inputs: Iterable[Value],
+                  outputs: Iterable[Value], kernel: str, loc: str | None = None) -> Node:
+        """Append a fused node over ``body`` (members made with `make_node`, or taken
+        from this graph's nodes) exporting ``outputs``, values the members define."""
+        node = Node(FUSED, list(inputs), list(outputs), {"kernel": kernel}, loc, list(body))
         self.nodes.append(node)
         return node
 
@@ -135,14 +171,28 @@ class Graph:
     # -- queries --------------------------------------------------------------------
 
     def values(self) -> Iterable[Value]:
+        """Graph inputs and node outputs (of a fused node: the values it exports)."""
         yield from self.inputs
         for node in self.nodes:
             yield from node.outputs
 
+    def flat_nodes(self) -> Iterable[Node]:
+        """The nodes in execution order, each fused node replaced by its members."""
+        for node in self.nodes:
+            if node.body is None:
+                yield node
+            else:
+                yield from node.body
+
     def value(self, name: str) -> Value:
-        for v in self.values():
+        """The value named ``name``, wherever it is defined (inside fused nodes too)."""
+        for v in self.inputs:
             if v.name == name:
                 return v
+        for node in self.flat_nodes():
+            for v in node.outputs:
+                if v.name == name:
+                    return v
         raise KeyError(name)
 
     def input(self, name: str) -> Value:
@@ -175,19 +225,29 @@ class Graph:
         for v in self.inputs:
             mapping[v] = new.add_input(v.name, v.type, v.device, v.role, v.dist, v.init)
         for node in self.nodes:
-            copy = Node(node.op, [mapping[v] for v in node.inputs], [],
-                        _copy_attrs(node.attrs), node.loc)
-            for v in node.outputs:
-                out = Value(new._claim(v.name), v.type, v.device, v.dist, copy)
-                copy.outputs.append(out)
-                mapping[v] = out
-            new.nodes.append(copy)
+            new.nodes.append(new._copy_node(node, mapping))
         new.outputs = [(name, mapping[v]) for name, v in self.outputs]
         return new
 
+    def _copy_node(self, node: Node, mapping: dict[Value, Value]) -> Node:
+        """A copy of ``node`` in this graph, reading ``mapping``'s copies of its inputs;
+        adds the copies of the values it defines to ``mapping``."""
+        inputs = [mapping[v] for v in node.inputs]
+        if node.body is not None:
+            body = [self._copy_node(member, mapping) for member in node.body]
+            return Node(node.op, inputs, [mapping[v] for v in node.outputs],
+                        _copy_attrs(node.attrs), node.loc, body)
+        copy = Node(node.op, inputs, [], _copy_attrs(node.attrs), node.loc)
+        for v in node.outputs:
+            out = Value(self._claim(v.name), v.type, v.device, v.dist, copy)
+            copy.outputs.append(out)
+            mapping[v] = out
+        return copy
+
     def rebuild_names(self) -> None:
         """Recompute the set of claimed names after a pass removed nodes."""
-        self._names = {v.name for v in self.values()}
+        self._names = {v.name for v in self.inputs}
+        self._names.update(v.name for node in self.flat_nodes() for v in node.outputs)
 
     def __str__(self) -> str:
         from purinec.ir.printer import print_graph
@@ -196,6 +256,21 @@ class Graph:
 
     def __repr__(self) -> str:
         return f"<Graph {self.name}: {len(self.inputs)} inputs, {len(self.nodes)} nodes>"
+
+
+def external_inputs(body: Iterable[Node]) -> list[Value]:
+    """The values ``body``'s members read that no member defines, in first-use order:
+    what a fused node over ``body`` takes as inputs."""
+    defined: set[int] = set()
+    seen: set[int] = set()
+    result = []
+    for member in body:
+        for v in member.inputs:
+            if id(v) not in defined and id(v) not in seen:
+                seen.add(id(v))
+                result.append(v)
+        defined.update(id(v) for v in member.outputs)
+    return result
 
 
 def _copy_attrs(attrs: dict) -> dict:

@@ -815,3 +815,23 @@ register(OpDef("sgd", ("weight", "history", "grad"), _sgd_infer, _sgd_ref, E,
                split=_elementwise_split, differentiable=False,
                doc="Purine's solver: update = momentum*history + lr*(grad + wd*weight); "
                    "returns (weight - update, update)"))
+
+
+def _from_body(what: str):
+    def refuse(*args, **kwargs):
+        raise VerifyError(f"op fused: a fused node's {what} come from its body, one member "
+                          f"at a time; fused nodes are made by purinec.passes.fuse (or "
+                          f"Graph.add_fused), not by Graph.add_node")
+    return refuse
+
+
+# A fused group is one node holding its members (`Node.body`); the registry entry gives
+# its attribute schema and arity so the generic paths (printer, parser, complete_attrs)
+# work, while types and values come from the body: `infer`/`reference` refuse, and the
+# verifier, `infer_shapes` and the reference target walk the members instead. Opaque: a
+# fused node never fuses again, and the memory planner aliases nothing across it.
+register(OpDef("fused", (), _from_body("output types"), _from_body("results"), X,
+               attrs={"kernel": Attr("str")},
+               variadic=True,  # with no fixed inputs: any number, none included
+               differentiable=False,
+               doc="a fused group: its members run as one kernel named by `kernel`"))

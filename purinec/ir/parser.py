@@ -7,7 +7,8 @@ line is that node's source location)::
     graph     := "graph" NAME "(" [input ("," input)*] ")" "{" node* return "}"
     input     := VALUE ":" placed ["{" ROLE ["," "init" "=" STRING] "}"]
     node      := VALUE ("," VALUE)* "=" OP "(" [VALUE ("," VALUE)*] ")"
-                 ["{" [attr ("," attr)*] "}"] ":" placed ("," placed)*
+                 ["{" [attr ("," attr)*] "}"] ":" placed ("," placed)* [body]
+    body      := "{" node+ "}"          (op fused only; its members, which do not nest)
     attr      := NAME "=" literal
     literal   := INT | FLOAT | "inf" | "nan" | "true" | "false" | STRING
                | "[" [literal ("," literal)*] "]"
@@ -17,9 +18,14 @@ line is that node's source location)::
     return    := "return" [out ("," out)*]
     out       := VALUE | NAME "=" VALUE
 
+Names are global: a member's values keep their names in the whole graph. A member reads
+only its fused node's inputs and earlier members' outputs; a fused node's header names
+member outputs, and only those are visible after it.
+
 Every error is an `IRSyntaxError` at the offending token's line and column. The parser
-checks what it needs to build the graph (names, attributes against the op's schema,
-arity); it does not check that declared types match the inferred ones, which is
+checks what it needs to build the graph (names, scopes, attributes against the op's
+schema, arity); it does not check that declared types match the inferred ones, nor that
+a fused node's inputs are exactly what its members read, which is
 `purinec.ir.verify`'s job.
 """
 
@@ -32,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from purinec.errors import IRSyntaxError, UnknownOpError, VerifyError
-from purinec.ir.graph import INPUT_ROLES, NAME_RE, Graph, Value
+from purinec.ir.graph import FUSED, INPUT_ROLES, NAME_RE, Graph, Node, Value
 from purinec.ir.types import DEVICE_KINDS, Device, Distribution, DistKind, DType, TensorType
 
 # -- tokens -----------------------------------------------------------------------------
@@ -166,6 +172,17 @@ def unknown_op_message(name: str) -> str:
 # -- parser -----------------------------------------------------------------------------
 
 
+@dataclass
+class _Head:
+    """A node line up to its types: ``%outs = op(%ins) {attrs} : types``."""
+
+    name_toks: list[Token]
+    opdef: Any
+    inputs: list[Value]
+    attrs: dict
+    placed: list  # (first token, (type, device, dist)) per output
+
+
 def parse(text: str, source: str = "<ir>") -> Graph:
     """Parse one graph in the text form; raises `IRSyntaxError` on malformed text."""
     return _Parser(text, source).parse_graph()
@@ -177,7 +194,9 @@ class _Parser:
         self.tokens, self.comments = tokenize(text, source)
         self.pos = 0
         self.graph: Graph | None = None
-        self.defined: dict[str, Value] = {}
+        self.defined: dict[str, Value] = {}  # values nodes may read: inputs, node outputs
+        self.internal: dict[str, str] = {}  # member values no fused node exports -> its name
+        self.taken: set[str] = set()  # every name defined so far, anywhere
 
     # -- token helpers
 
@@ -228,13 +247,26 @@ class _Parser:
     # -- values
 
     def define(self, tok: Token) -> str:
-        if tok.text in self.defined:
+        if tok.text in self.taken:
             raise self.error(f"value %{tok.text} is defined twice; every value must have "
                              f"a new name", tok)
+        self.taken.add(tok.text)
         return tok.text
 
-    def use(self, tok: Token) -> Value:
-        value = self.defined.get(tok.text)
+    def use(self, tok: Token, scope: dict[str, Value] | None = None,
+            fused: str | None = None) -> Value:
+        """The value ``tok`` names in ``scope`` (default: the graph's values), for a
+        member of fused node %``fused`` when given."""
+        value = (self.defined if scope is None else scope).get(tok.text)
+        if value is None and fused is not None and tok.text in self.defined:
+            raise self.error(f"a member of fused node %{fused} reads %{tok.text}, which is "
+                             f"not an input of the fused node; members read only its inputs "
+                             f"and earlier members' outputs (add %{tok.text} to its inputs)",
+                             tok)
+        if value is None and tok.text in self.internal:
+            raise self.error(f"%{tok.text} is internal to fused node %"
+                             f"{self.internal[tok.text]}: it is not among the outputs the "
+                             f"fused node exports, so nothing outside it can read it", tok)
         if value is None:
             later = self.later_definition(tok.text)
             hint = (f"; it is defined later, at line {later.line}: nodes must come after "
@@ -308,13 +340,31 @@ class _Parser:
         self.defined[name] = value
 
     def parse_node(self) -> None:
+        """A node line, or a fused node's header with its body."""
+        head = self.parse_head(self.defined)
+        if head.opdef.name == FUSED:
+            self.parse_fused(head)
+            return
+        self.refuse_body(head)
+        node = self.build(head, self.graph.add_node)
+        for value in node.outputs:
+            self.defined[value.name] = value
+
+    def parse_head(self, scope: dict[str, Value], fused: str | None = None) -> _Head:
+        """``%outs = op(%ins) {attrs} : types``, reading inputs from ``scope`` (the
+        graph's values, or inside the body of fused node %``fused``, its inputs and the
+        earlier members' outputs)."""
         name_toks = [self.next()]
         while self.is_punct(","):
             self.next()
             name_toks.append(self.expect(VALUE, "another output name (%name)"))
+        # A fused node's header names values its body defines: they are defined there.
+        op = self.peek(1)
+        is_fused = self.is_punct("=") and op.kind == IDENT and op.text == FUSED
         seen = set()
         for tok in name_toks:
-            self.define(tok)
+            if not is_fused:
+                self.define(tok)
             if tok.text in seen:
                 raise self.error(f"value %{tok.text} is defined twice; every value must "
                                  f"have a new name", tok)
@@ -322,11 +372,15 @@ class _Parser:
         self.expect_punct("=", "after the node's output names")
         op_tok = self.expect(IDENT, "an op name")
         opdef = self.lookup_op(op_tok)
+        if fused is not None and opdef.name == FUSED:
+            raise self.error(f"fused node %{fused} holds another fused node; fused nodes "
+                             f"do not nest", op_tok)
         self.expect_punct("(", f"after op {op_tok.text}")
         inputs = []
         if not self.is_punct(")"):
             while True:
-                inputs.append(self.use(self.expect(VALUE, "an input value (%name)")))
+                inputs.append(self.use(self.expect(VALUE, "an input value (%name)"), scope,
+                                       fused))
                 if not self.is_punct(","):
                     break
                 self.next()
@@ -351,14 +405,70 @@ class _Parser:
                 msg = (f"output %{at.text} has no type: {len(name_toks)} output names but "
                        f"{len(placed)} output types after ':'")
             raise self.error(msg, at)
+        return _Head(name_toks, opdef, inputs, attrs, placed)
+
+    def refuse_body(self, head: _Head) -> None:
+        if self.is_punct("{"):
+            raise self.error(f"op {head.opdef.name} takes no body; only fused nodes hold "
+                             f"member lines in braces", self.peek())
+
+    def build(self, head: _Head, make) -> Node:
+        """The node ``head`` describes, made by ``make`` (`Graph.add_node`, or
+        `Graph.make_node` for a member), with the source location ending its line."""
         loc = self.node_loc()
-        types = [ty for _, (ty, _, _) in placed]
-        node = self.graph.add_node(opdef.name, inputs, attrs, names=[t.text for t in name_toks],
-                                   types=types, device=placed[0][1][1], loc=loc)
-        for value, (_, (_, device, dist)) in zip(node.outputs, placed):
+        types = [ty for _, (ty, _, _) in head.placed]
+        node = make(head.opdef.name, head.inputs, head.attrs,
+                    names=[t.text for t in head.name_toks], types=types,
+                    device=head.placed[0][1][1], loc=loc)
+        for value, (_, (_, device, dist)) in zip(node.outputs, head.placed):
             value.device = device
             value.dist = dist
-            self.defined[value.name] = value
+        return node
+
+    def parse_fused(self, head: _Head) -> None:
+        """A fused node's body: member lines between braces, then the header's outputs
+        resolved to the member outputs of those names."""
+        fused = head.name_toks[0].text
+        self.expect_punct("{", f"to open the body of fused node %{fused} (its members)")
+        loc = self.node_loc()
+        scope = {v.name: v for v in head.inputs}
+        body = []
+        while self.peek().kind == VALUE:
+            member = self.parse_head(scope, fused)
+            self.refuse_body(member)
+            body.append(self.build(member, self.graph.make_node))
+            scope.update((v.name, v) for v in body[-1].outputs)
+        close = self.expect_punct("}", f"to close the body of fused node %{fused} (or "
+                                       f"another member line)")
+        if not body:
+            raise self.error(f"fused node %{fused} has an empty body; it needs at least one "
+                             f"member", close)
+        members = {v.name: v for member in body for v in member.outputs}
+        outputs = [self.fused_output(fused, tok, placed, members)
+                   for tok, placed in zip(head.name_toks, head.placed)]
+        self.graph.add_fused(body, head.inputs, outputs, head.attrs["kernel"], loc)
+        exported = {id(v) for v in outputs}
+        for member in body:
+            for value in member.outputs:
+                if id(value) in exported:
+                    self.defined[value.name] = value
+                else:
+                    self.internal[value.name] = fused
+
+    def fused_output(self, fused: str, tok: Token, placed, members: dict[str, Value]) -> Value:
+        """The member output a fused node's header names, placed as the header says."""
+        type_tok, (ty, device, dist) = placed
+        value = members.get(tok.text)
+        if value is None:
+            raise self.error(f"fused node %{fused} exports %{tok.text}, which no member of "
+                             f"its body defines", tok)
+        if (value.type, value.device, value.dist) != (ty, device, dist):
+            declared = f"{ty} @{device}" + (f" ~ {dist}" if dist else "")
+            defined = f"{value.type} @{value.device}" + (f" ~ {value.dist}" if value.dist
+                                                          else "")
+            raise self.error(f"fused node %{fused} declares output %{tok.text} as {declared}, "
+                             f"but its member defines it as {defined}", type_tok)
+        return value
 
     def node_loc(self) -> str | None:
         """The comment ending the line of the last token, if nothing follows it there."""

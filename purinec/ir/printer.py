@@ -16,6 +16,18 @@ every attribute is printed, defaults included, in the op's schema order; a node'
 source location ends its line as ``  # file.py:12``; a graph output is ``%v`` when its
 name is the value's, else ``name=%v``. Data inputs print no role unless they carry an
 init (``{data, init="..."}``). The text has no trailing newline.
+
+A fused node prints as its header line, which names the outputs it exports, ending in
+``{``, then its members two spaces further in, then ``}``::
+
+      %r = fused(%x, %w, %b) {kernel="fused_conv2d_bias_add_relu"} : f32[2,20,24,24] @cpu:0 {
+        %c = conv2d(%x, %w) {stride=[1,1], pad=[0,0], groups=1} : f32[2,20,24,24] @cpu:0
+        %cb = bias_add(%c, %b) {axis=1} : f32[2,20,24,24] @cpu:0  # lenet.py:18
+        %r = relu(%cb) : f32[2,20,24,24] @cpu:0  # lenet.py:23
+      }
+
+Members keep their names (``%cb`` above is a value of the graph, internal to the fused
+node); the header's outputs are the members' values that the rest of the graph reads.
 """
 
 from __future__ import annotations
@@ -39,7 +51,7 @@ def print_graph(graph: Graph) -> str:
     else:
         lines.append(f"graph {graph.name}() {{")
     for node in graph.nodes:
-        lines.append("  " + format_node(node))
+        lines.extend(format_node_lines(node, "  "))
     lines.append("  " + format_return(graph.outputs))
     lines.append("}")
     return "\n".join(lines)
@@ -65,8 +77,21 @@ def format_input(value: Value) -> str:
     return text
 
 
+def format_node_lines(node: Node, indent: str) -> list[str]:
+    """A node's lines at ``indent``: one, or for a fused node its header, its members
+    two spaces further in and the closing brace."""
+    if node.body is None:
+        return [indent + format_node(node)]
+    lines = [indent + format_node(node)]
+    for member in node.body:
+        lines.extend(format_node_lines(member, indent + "  "))
+    lines.append(indent + "}")
+    return lines
+
+
 def format_node(node: Node) -> str:
-    """One node line, without its indentation."""
+    """One node line, without its indentation; for a fused node the header line, which
+    ends in the ``{`` opening its body."""
     outs = ", ".join("%" + v.name for v in node.outputs)
     ins = ", ".join("%" + v.name for v in node.inputs)
     text = f"{outs} = {node.op}({ins})"
@@ -74,6 +99,8 @@ def format_node(node: Node) -> str:
     if attrs:
         text += " {" + ", ".join(f"{k}={format_attr(v)}" for k, v in attrs) + "}"
     text += " : " + ", ".join(format_placement(v) for v in node.outputs)
+    if node.body is not None:
+        text += " {"
     if node.loc is not None:
         text += f"  # {node.loc}"
     return text

@@ -11,6 +11,11 @@
   registry infers from the declared input types;
 - placements: known device kinds, non-negative indices and ranks;
 - locations: one line with no surrounding whitespace (so the text form round-trips);
+- fused nodes: a non-empty body of plain members (no nesting) checked like any node,
+  each reading only the fused node's inputs or earlier members' outputs, all on one
+  device; inputs exactly the outside values the members read, in first-use order;
+  outputs outputs of members; a unique kernel name; values a fused node does not export
+  are invisible after it;
 - graph outputs: defined values under unique names.
 """
 
@@ -22,7 +27,7 @@ from typing import Any
 import networkx as nx
 
 from purinec.errors import ShapeError, UnknownOpError, VerifyError
-from purinec.ir.graph import INPUT_ROLES, NAME_RE, Graph, Node, Value
+from purinec.ir.graph import FUSED, INPUT_ROLES, NAME_RE, Graph, Node, Value, external_inputs
 from purinec.ir.types import DEVICE_KINDS, Device, Distribution, TensorType
 
 
@@ -44,8 +49,11 @@ def describe(node: Node) -> str:
 class _Verifier:
     def __init__(self, graph: Graph):
         self.graph = graph
-        self.defined_ids: set[int] = set()       # id() of every Value defined so far
+        self.defined_ids: set[int] = set()       # id() of every Value nodes may read now
         self.defined_names: dict[str, str] = {}  # name -> where it was defined
+        self.internal: dict[int, Node] = {}      # id() of member values not exported -> fused
+        self.kernels: dict[str, Node] = {}       # kernel name -> fused node
+        self.seen_nodes: set[int] = set()
 
     def run(self) -> None:
         graph = self.graph
@@ -54,14 +62,20 @@ class _Verifier:
                               f"{NAME_RE.pattern}")
         for value in graph.inputs:
             self.check_input(value)
-        seen_nodes: set[int] = set()
         for index, node in enumerate(graph.nodes):
-            if id(node) in seen_nodes:
-                raise VerifyError(f"node {describe(node)} appears twice in graph "
-                                  f"{graph.name}'s node list; keep one copy")
-            seen_nodes.add(id(node))
-            self.check_node(index, node)
+            self.check_unique(node)
+            if node.op == FUSED or node.body is not None:
+                self.check_fused(index, node)
+            else:
+                self.check_node(index, node)
         self.check_outputs()
+
+    def check_unique(self, node: Node) -> None:
+        if id(node) in self.seen_nodes:
+            raise VerifyError(f"node {describe(node)} appears twice in graph "
+                              f"{self.graph.name} (its node list or a fused node's body); "
+                              f"keep one copy")
+        self.seen_nodes.add(id(node))
 
     # -- inputs ---------------------------------------------------------------------
 
@@ -82,10 +96,20 @@ class _Verifier:
     # -- nodes ----------------------------------------------------------------------
 
     def check_node(self, index: int, node: Node) -> None:
+        """A node of the graph's node list (not fused)."""
+        where = f"node {describe(node)}"
+        opdef = self.check_op(where, node)
+        for pos, value in enumerate(node.inputs):
+            if id(value) not in self.defined_ids:
+                self.undefined_input(index, node, pos, value)
+        self.check_node_outputs(where, node)
+        self.check_types(where, opdef, node)
+
+    def check_op(self, where: str, node: Node):
+        """The node's op, arity, attributes and location; returns its OpDef."""
         from purinec.ir.ops import get_op
         from purinec.ir.parser import unknown_op_message
 
-        where = f"node {describe(node)}"
         try:
             opdef = get_op(node.op)
         except UnknownOpError:
@@ -101,13 +125,13 @@ class _Verifier:
                     or node.loc != node.loc.rstrip(" \t")):
                 raise VerifyError(f"{where}: location {node.loc!r} must be one line with no "
                                   f"trailing whitespace, or the text form cannot hold it")
-        for pos, value in enumerate(node.inputs):
-            if id(value) not in self.defined_ids:
-                self.undefined_input(index, node, pos, value)
+        return opdef
+
+    def check_node_outputs(self, where: str, node: Node) -> None:
         if not node.outputs:
             raise VerifyError(f"{where}: the node has no outputs; every op has at least one")
         for value in node.outputs:
-            what = f"output %{getattr(value, 'name', value)} of node {describe(node)}"
+            what = f"output %{getattr(value, 'name', value)} of {where}"
             self.check_value(value, what)
             if value.producer is not node:
                 other = ("no producer" if value.producer is None
@@ -119,7 +143,101 @@ class _Verifier:
                                   f"only graph inputs have a role and an init (set both to "
                                   f"None)")
             self.define(value, what)
-        self.check_types(where, opdef, node)
+
+    # -- fused nodes ----------------------------------------------------------------
+
+    def check_fused(self, index: int, node: Node) -> None:
+        """A fused node: a body of plain members on one device, each reading only the
+        fused node's inputs and earlier members' outputs; inputs exactly what the members
+        read from outside, in first-use order; outputs member outputs."""
+        where = f"fused node {describe(node)}"
+        if node.op != FUSED:
+            raise VerifyError(f"{where}: op {node.op} has a body; only op {FUSED} holds "
+                              f"members (set body = None)")
+        if not isinstance(node.body, list) or not node.body:
+            raise VerifyError(f"{where}: its body must be a non-empty list of member nodes, "
+                              f"got {node.body!r}")
+        self.check_op(where, node)
+        self.check_kernel_name(where, node)
+        for pos, value in enumerate(node.inputs):
+            if id(value) not in self.defined_ids:
+                self.undefined_input(index, node, pos, value)
+        if len({id(v) for v in node.inputs}) != len(node.inputs):
+            raise VerifyError(f"{where}: an input is listed twice; list each once")
+        scope = {id(v) for v in node.inputs}
+        for member in node.body:
+            self.check_member(node, member, scope)
+        self.check_fused_interface(where, node)
+        exported = {id(v) for v in node.outputs}
+        for member in node.body:
+            for value in member.outputs:
+                if id(value) not in exported:
+                    self.defined_ids.discard(id(value))
+                    self.internal[id(value)] = node
+
+    def check_kernel_name(self, where: str, node: Node) -> None:
+        kernel = node.attrs["kernel"]
+        if not (kernel.isascii() and kernel.isidentifier()):
+            raise VerifyError(f"{where}: kernel name {kernel!r} must be an identifier "
+                              f"(letters, digits, underscores)")
+        if kernel in self.kernels:
+            raise VerifyError(f"{where}: kernel name {kernel} is also the name of "
+                              f"{describe(self.kernels[kernel])}; fused nodes are named "
+                              f"uniquely in a graph (add a suffix)")
+        self.kernels[kernel] = node
+
+    def check_member(self, fused: Node, member: Node, scope: set[int]) -> None:
+        where = f"node {describe(member)} in the body of fused node %{fused.name}"
+        self.check_unique(member)
+        if member.op == FUSED or member.body is not None:
+            raise VerifyError(f"{where}: fused nodes do not nest; put its members in the "
+                              f"outer body")
+        opdef = self.check_op(where, member)
+        for pos, value in enumerate(member.inputs):
+            if id(value) not in scope:
+                self.unreadable_in_body(where, fused, pos, value)
+        self.check_node_outputs(where, member)
+        self.check_types(where, opdef, member)
+        device = fused.body[0].outputs[0].device  # checked above to exist
+        for value in member.outputs:
+            if value.device != device:
+                raise VerifyError(f"{where}: output %{value.name} is placed on "
+                                  f"{value.device}, but the fused node runs on {device}; "
+                                  f"all members of a fused node run on one device")
+            scope.add(id(value))
+
+    def unreadable_in_body(self, where: str, fused: Node, pos: int, value: Value) -> None:
+        name = getattr(value, "name", repr(value))
+        if any(value is v for m in fused.body for v in m.outputs):
+            raise VerifyError(f"{where}: input {pos} %{name} is used before the member "
+                              f"that defines it; members must be in topological order")
+        if id(value) in self.defined_ids:
+            raise VerifyError(f"{where}: input {pos} %{name} is not an input of the fused "
+                              f"node; members read only its inputs and earlier members' "
+                              f"outputs (add %{name} to the fused node's inputs)")
+        raise VerifyError(f"{where}: input {pos} %{name} is not defined before the fused "
+                          f"node (not a graph input nor an output of an earlier node)")
+
+    def check_fused_interface(self, where: str, node: Node) -> None:
+        members = {id(v) for m in node.body for v in m.outputs}
+        if len({id(v) for v in node.outputs}) != len(node.outputs):
+            raise VerifyError(f"{where}: an output is listed twice; list each once")
+        for value in node.outputs:
+            if id(value) not in members:
+                raise VerifyError(f"{where}: output %{getattr(value, 'name', value)} is not "
+                                  f"defined by any member of its body; a fused node "
+                                  f"exports outputs of its members")
+        if not node.outputs:
+            raise VerifyError(f"{where}: the fused node exports no outputs; it needs at "
+                              f"least one")
+        read = external_inputs(node.body)
+        if [id(v) for v in read] != [id(v) for v in node.inputs]:
+            unread = [v.name for v in node.inputs if all(v is not r for r in read)]
+            problem = (f"input(s) {', '.join('%' + n for n in unread)} are read by no "
+                       f"member" if unread else "its inputs are not in first-use order")
+            raise VerifyError(f"{where}: {problem}; its inputs must be exactly what its "
+                              f"members read from outside, in the order they first read "
+                              f"them: ({', '.join('%' + v.name for v in read)})")
 
     def check_attrs(self, where: str, opdef, node: Node) -> None:
         if not isinstance(node.attrs, dict):
@@ -144,8 +262,10 @@ class _Verifier:
     def undefined_input(self, index: int, node: Node, pos: int, value: Value) -> None:
         where = f"node {describe(node)}"
         name = getattr(value, "name", repr(value))
+        if id(value) in self.internal:
+            raise VerifyError(f"{where}: input {pos} %{name} {self.internal_to(value)}")
         later = next((i for i, n in enumerate(self.graph.nodes[index:], index)
-                      if any(o is value for o in n.outputs)), None)
+                      if any(o is value for o in n.defined_values())), None)
         if later is not None:
             cycle = _find_cycle(self.graph)
             if cycle:
@@ -241,9 +361,16 @@ class _Verifier:
                 raise VerifyError(f"{what}: output name {name} is used twice; output names "
                                   f"must be unique")
             names.add(name)
+            if id(value) in self.internal:
+                raise VerifyError(f"{what}: %{vname} {self.internal_to(value)}")
             if id(value) not in self.defined_ids:
                 raise VerifyError(f"{what}: %{vname} is not a value of graph "
                                   f"{self.graph.name} (not an input nor a node output)")
+
+    def internal_to(self, value: Value) -> str:
+        fused = self.internal[id(value)]
+        return (f"is internal to fused node {describe(fused)}: it is not among the outputs "
+                f"the fused node exports (add it to them to read it outside)")
 
 
 def _check_device(device: Device, what: str) -> None:

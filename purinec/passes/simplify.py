@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from purinec.errors import PurinecError, ShapeError
-from purinec.ir.graph import Graph, Node, Value
+from purinec.ir.graph import Graph, Node, Value, external_inputs
 from purinec.ir.ops import get_op
 
 
@@ -17,10 +17,11 @@ def infer_shapes(graph: Graph) -> Graph:
     """Recompute every node's output types from its inputs' types, in order.
 
     After a change of input shapes this propagates the new shapes; a node that cannot
-    take its new inputs raises ShapeError naming the node.
+    take its new inputs raises ShapeError naming the node. Fused nodes are inferred
+    member by member (they export their members' very values).
     """
     new = graph.clone()
-    for node in new.nodes:
+    for node in new.flat_nodes():
         opdef = get_op(node.op)
         try:
             types = opdef.infer([v.type for v in node.inputs], node.attrs)
@@ -55,14 +56,20 @@ def cse(graph: Graph) -> Graph:
 
     Every op in the registry is pure (random masks are a hash of their inputs), so two
     such nodes always compute the same values; the later one is removed and its users
-    read the earlier one's outputs.
+    read the earlier one's outputs. Fused nodes are kept as they are (their kernel names
+    differ); their members read the merged values too.
     """
     new = graph.clone()
     replace: dict[int, Value] = {}
     seen: dict[tuple, Node] = {}
     kept = []
     for node in new.nodes:
-        node.inputs = [replace.get(id(v), v) for v in node.inputs]
+        for reader in [node] + (node.body or []):
+            reader.inputs = [replace.get(id(v), v) for v in reader.inputs]
+        if node.body is not None:
+            node.inputs = external_inputs(node.body)  # two inputs may have merged
+            kept.append(node)
+            continue
         key = (node.op, node.device, tuple(id(v) for v in node.inputs),
                tuple(sorted((k, _freeze(v)) for k, v in node.attrs.items())))
         twin = seen.get(key)

@@ -2,7 +2,8 @@
 
 Simple and obviously correct on purpose. It is the oracle every generated kernel and
 every parallel rewrite is tested against, so it does nothing clever: one node at a time,
-in graph order, checking each result against the type the IR declares.
+in graph order, checking each result against the type the IR declares. A fused node runs
+its members one at a time, so fusing never changes a result.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ def _where(node: Node) -> str:
 
 def run_node(node: Node, args: list[np.ndarray]) -> list[np.ndarray]:
     """Evaluate one node; raise ExecutionError naming it if anything goes wrong."""
+    if node.body is not None:
+        return _run_fused(node, args)
     opdef = get_op(node.op)
     try:
         results = opdef.reference(*args, **node.attrs)
@@ -42,6 +45,15 @@ def run_node(node: Node, args: list[np.ndarray]) -> list[np.ndarray]:
                                  f"for %{value.name}, declared {value.type}")
         out.append(array)
     return out
+
+
+def _run_fused(node: Node, args: list[np.ndarray]) -> list[np.ndarray]:
+    """A fused node runs its members in order, exactly as they ran before fusion."""
+    values = {id(v): a for v, a in zip(node.inputs, args)}
+    for member in node.body:
+        results = run_node(member, [values[id(v)] for v in member.inputs])
+        values.update((id(v), r) for v, r in zip(member.outputs, results))
+    return [values[id(v)] for v in node.outputs]
 
 
 def execute(graph: Graph, env: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
