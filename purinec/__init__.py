@@ -3,13 +3,14 @@
     import purinec
     program = purinec.compile("mlp", train=purinec.SGD(lr=0.05, momentum=0.9))
     loss = program.step({"data": x, "label": y})
+    program.save("mlp.purine")           # later, in any process: purinec.load("mlp.purine")
 """
 
-from purinec.compiler import STAGES, Program, compile
-from purinec.errors import IRSyntaxError, PurinecError
+from purinec.compiler import STAGES, Program, compile, load
+from purinec.errors import ArtifactError, IRSyntaxError, PurinecError
 from purinec.passes.optimizer import SGD
 
 __version__ = "0.1.0"
 
-__all__ = ["compile", "Program", "SGD", "STAGES", "PurinecError", "IRSyntaxError",
-           "__version__"]
+__all__ = ["compile", "load", "Program", "SGD", "STAGES", "PurinecError", "IRSyntaxError",
+           "ArtifactError", "__version__"]

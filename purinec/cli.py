@@ -7,6 +7,8 @@ import os
 import sys
 import time
 
+import numpy as np
+
 from purinec.errors import PurinecError
 
 STAGE_HELP = """\
@@ -24,17 +26,64 @@ MODEL_HELP = ("a zoo name (mlp, lenet, cifar_quick, nin, inception), a Python fi
               "defining build(batch), or a .pir IR file")
 
 
+SOLVER_OPTIONS = ("lr", "momentum", "weight_decay")
+
+
 def _add_solver_args(p: argparse.ArgumentParser, lr: float) -> None:
-    p.add_argument("--lr", type=float, default=lr, help=f"learning rate (default {lr})")
-    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
-    p.add_argument("--weight-decay", type=float, default=5e-4,
-                   help="L2 weight decay (default 5e-4)")
+    # Defaults are None so that a command can tell an option given from one left out
+    # (an artifact's solver settings are fixed in its IR); `_sgd` fills them in.
+    p.add_argument("--lr", type=float, help=f"learning rate (default {lr})")
+    p.add_argument("--momentum", type=float, help="SGD momentum (default 0.9)")
+    p.add_argument("--weight-decay", type=float, help="L2 weight decay (default 5e-4)")
+    p.set_defaults(default_lr=lr)
 
 
 def _sgd(args):
     from purinec.passes.optimizer import SGD
 
-    return SGD(lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    return SGD(lr=args.default_lr if args.lr is None else args.lr,
+               momentum=0.9 if args.momentum is None else args.momentum,
+               weight_decay=5e-4 if args.weight_decay is None else args.weight_decay)
+
+
+def _refuse_options(args, names: tuple[str, ...], why: str) -> None:
+    """Fail if any option in ``names`` was given: it cannot apply, and ignoring it would
+    silently do something other than what was asked."""
+    given = [n for n in names if getattr(args, n, None) is not None]
+    if given:
+        flags = ", ".join("--" + n.replace("_", "-") for n in given)
+        raise PurinecError(f"{flags}: {why}")
+
+
+def _is_artifact(spec: str | None) -> bool:
+    return bool(spec) and spec.endswith(".purine")
+
+
+def _parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(d) for d in text.split(","))
+    except ValueError:
+        shape = ()
+    if not shape or any(d <= 0 for d in shape):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a shape like 1,28,28")
+    return shape
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = _non_negative(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
 
 
 def cmd_dump(args) -> int:
@@ -73,39 +122,263 @@ def cmd_dump(args) -> int:
     return 0
 
 
-def cmd_train(args) -> int:
+def cmd_compile(args) -> int:
     from purinec.compiler import compile
-    from purinec.data import load_dataset
-    from purinec.train import train
 
-    data = load_dataset(args.data, seed=args.seed)
-    print(data)
-    start = time.perf_counter()
+    if not args.output.endswith(".purine"):
+        raise PurinecError(f"-o {args.output}: name the artifact FILE.purine (run and train "
+                           "recognize artifacts by that suffix)")
+    if not args.train:
+        _refuse_options(args, SOLVER_OPTIONS, "solver options apply only with --train")
     model_kwargs = {}
-    if not args.model.endswith(".pir"):
-        model_kwargs = {"input_shape": data.input_shape, "num_classes": data.num_classes}
-    program = compile(args.model, target=args.target, train=_sgd(args), batch=args.batch,
-                      seed=args.seed, **model_kwargs)
-    batch = program.ir.input("data").type.shape[0]
-    print(f"compiled {program.ir.name} for target {program.target} in "
-          f"{time.perf_counter() - start:.2f} s ({len(program.ir.nodes)} nodes, "
-          f"{sum(p.size for p in program.params.values())} parameters)")
+    if args.input_shape:
+        model_kwargs["input_shape"] = args.input_shape
+    if args.num_classes:
+        model_kwargs["num_classes"] = args.num_classes
     start = time.perf_counter()
-    result = train(program, data, args.epochs, batch, seed=args.seed,
-                   progress=not args.quiet and sys.stderr.isatty() or args.progress)
-    for e in result.epochs:
+    program = compile(args.model, target=args.target, train=_sgd(args) if args.train else None,
+                      batch=args.batch, seed=args.seed, **model_kwargs)
+    compiled = time.perf_counter() - start
+    try:
+        saved = program.save(args.output)
+    finally:
+        program.close()
+    graphs = program.ir.name + ("" if program.eval_ir is program.ir
+                                else f" and {program.eval_ir.name}")
+    print(f"compiled {graphs} in {compiled:.2f} s")
+    print(saved)
+    return 0
+
+
+def cmd_run(args) -> int:
+    from purinec.compiler import compile, load
+
+    trace = None
+    if args.trace:
+        from purinec.runtime.trace import Trace
+
+        trace = Trace()
+    if _is_artifact(args.model):
+        _refuse_options(args, ("batch",), f"{args.model} was compiled with a fixed batch")
+        program = load(args.model, args.target, trace=trace)
+    else:
+        program = compile(args.model, target=args.target or "reference", batch=args.batch,
+                          seed=args.seed, trace=trace)
+    try:
+        feeds = _feeds(program.eval_ir, args.input, args.seed)
+        times, outputs = [], {}
+        for _ in range(args.iterations):
+            start = time.perf_counter()
+            outputs = program.run(feeds)
+            times.append(time.perf_counter() - start)
+    finally:
+        program.close()
+    for name, value in outputs.items():
+        print(_summary(name, value))
+    print(_timing(times, program.target))
+    if args.output:
+        from purinec.artifact import write_atomically, write_npz
+
+        write_atomically(args.output, lambda f: write_npz(f, outputs))
+        print(f"wrote {args.output} ({', '.join(outputs)})")
+    if trace is not None:
+        trace.write(args.trace)
+        print(f"wrote trace {args.trace}: {len(trace.records)} tasks over {trace.calls} "
+              "iteration(s); open it in https://ui.perfetto.dev")
+    return 0
+
+
+def _feeds(graph, specs: list[str], seed: int) -> dict[str, np.ndarray]:
+    """Arrays from --input NAME=FILE.npy; random arrays of the declared types for the
+    inputs not given (said on stdout, so nobody mistakes them for real results)."""
+    feeds = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise PurinecError(f"--input {spec}: write NAME=FILE.npy")
+        if name in feeds:
+            raise PurinecError(f"--input {name} is given twice")
+        feeds[name] = _load_npy(path, f"--input {spec}")
+    rng = np.random.default_rng(seed)
+    classes = _classes(graph) or 10
+    for v in graph.inputs_with_role("data"):
+        if v.name in feeds:
+            continue
+        dtype = v.type.dtype.numpy
+        if dtype.kind == "f":
+            feeds[v.name] = rng.random(v.type.shape).astype(dtype)
+            what = "uniform in [0, 1)"
+        elif dtype.kind == "b":
+            feeds[v.name] = rng.random(v.type.shape) < 0.5
+            what = "true or false"
+        else:
+            feeds[v.name] = rng.integers(0, classes, v.type.shape).astype(dtype)
+            what = f"integers in [0, {classes})"
+        print(f"input {v.name}: no --input given, using random {v.type} ({what})")
+    return feeds
+
+
+def _classes(graph) -> int | None:
+    """The number of classes, when the graph returns logits."""
+    logits = dict(graph.outputs).get("logits")
+    return logits.type.shape[-1] if logits is not None and logits.type.rank else None
+
+
+def _load_npy(path: str, what: str) -> np.ndarray:
+    try:
+        array = np.load(path, allow_pickle=False)
+    except OSError as err:
+        raise PurinecError(f"{what}: cannot read {path}: {err.strerror or err}") from None
+    except ValueError as err:
+        raise PurinecError(f"{what}: {path} is not a .npy array: {err}") from None
+    if not isinstance(array, np.ndarray):
+        array.close()
+        raise PurinecError(f"{what}: {path} is an .npz archive; give one .npy file per input")
+    return array
+
+
+def _summary(name: str, value: np.ndarray) -> str:
+    from purinec.ir.types import DType
+
+    try:
+        type_text = f"{DType.from_numpy(value.dtype)}{list(value.shape)}".replace(" ", "")
+    except ValueError:
+        type_text = f"{value.dtype}{list(value.shape)}"
+    if value.size == 1:
+        return f"{name}: {type_text} = {value.reshape(()).item()}"
+    if value.size == 0:
+        return f"{name}: {type_text} (empty)"
+    numbers = value.astype(np.float64)
+    return (f"{name}: {type_text}  min {numbers.min():.6g}  mean {numbers.mean():.6g}  "
+            f"max {numbers.max():.6g}")
+
+
+def _timing(times: list[float], target: str) -> str:
+    ms = [t * 1e3 for t in times]
+    if len(ms) == 1:
+        return f"1 iteration on target {target}: {ms[0]:.3f} ms"
+    return (f"{len(ms)} iterations on target {target}: first {ms[0]:.3f} ms, then median "
+            f"{float(np.median(ms[1:])):.3f} ms per iteration")
+
+
+def cmd_train(args) -> int:
+    from purinec.data import load_dataset
+    from purinec.train import Checkpoint, train
+
+    artifact = args.resume or (args.model if _is_artifact(args.model) else None)
+    if artifact:
+        _refuse_options(args, SOLVER_OPTIONS + ("batch",),
+                        f"{artifact} has them fixed in its IR; compile the model again to "
+                        "change them")
+    elif args.model is None:
+        raise PurinecError("give a MODEL to train, or --resume CHECKPOINT")
+    if args.resume:
+        program, data_spec, seed, done = _resume(args)
+        checkpoint_path = args.checkpoint or args.resume
+        if done >= args.epochs:
+            program.close()
+            print(f"{args.resume} is at epoch {done}; nothing to train for --epochs "
+                  f"{args.epochs}")
+            return 0
+    else:
+        data_spec = args.data or "digits"
+        seed = 0 if args.seed is None else args.seed
+        done = 0
+        checkpoint_path = args.checkpoint
+    data = load_dataset(data_spec, seed=seed)
+    print(data)
+    if not args.resume:
+        program = _training_program(args, data, seed)
+    _check_fits(program, data)
+    batch = program.ir.input("data").type.shape[0]
+
+    def end_of_epoch(e):
         print(f"epoch {e.epoch:3d}  loss {e.loss:.4f}  train accuracy {e.train_accuracy:.4f}"
-              f"  test accuracy {e.test_accuracy:.4f}")
-    print(f"trained {args.epochs} epoch(s) in {time.perf_counter() - start:.1f} s: "
+              f"  test accuracy {e.test_accuracy:.4f}", flush=True)
+        if checkpoint_path:
+            Checkpoint(e.epoch, seed, data_spec).save(program, checkpoint_path)
+            print(f"             checkpoint {checkpoint_path} (epoch {e.epoch})", flush=True)
+
+    start = time.perf_counter()
+    try:
+        result = train(program, data, args.epochs, batch, seed=seed,
+                       progress=not args.quiet and sys.stderr.isatty() or args.progress,
+                       start_epoch=done, on_epoch_end=end_of_epoch)
+    finally:
+        program.close()
+    print(f"trained {len(result.epochs)} epoch(s) in {time.perf_counter() - start:.1f} s: "
           f"test accuracy {result.final.test_accuracy:.4f}")
     return 0
 
 
+def _resume(args):
+    """The checkpoint's program and where it stands; options that would contradict it
+    are refused rather than ignored."""
+    from purinec.train import Checkpoint
+
+    program, checkpoint = Checkpoint.load(args.resume, args.target)
+    for option, given, saved in (("--data", args.data, checkpoint.data),
+                                 ("--seed", args.seed, checkpoint.seed)):
+        if given is not None and given != saved:
+            raise PurinecError(f"{option} {given}: {args.resume} was trained with {option} "
+                               f"{saved}; resuming needs the same (leave {option} out)")
+    note = f" (MODEL {args.model} is not recompiled)" if args.model else ""
+    print(f"resuming {program.ir.name} from {args.resume} after epoch {checkpoint.epoch}"
+          f"{note}")
+    return program, checkpoint.data, checkpoint.seed, checkpoint.epoch
+
+
+def _training_program(args, data, seed):
+    """Compile MODEL's training iteration for ``data``, or load it from an artifact."""
+    from purinec.compiler import compile, load
+
+    start = time.perf_counter()
+    if _is_artifact(args.model):
+        program = load(args.model, args.target)
+        if not program.trainable:
+            raise PurinecError(f"{args.model} holds an inference program; compile it with "
+                               "`purinec compile MODEL --train -o FILE.purine` to train it")
+        what = "loaded"
+    else:
+        model_kwargs = {}
+        if not args.model.endswith(".pir"):
+            model_kwargs = {"input_shape": data.input_shape, "num_classes": data.num_classes}
+        program = compile(args.model, target=args.target or "reference", train=_sgd(args),
+                          batch=args.batch, seed=seed, **model_kwargs)
+        what = "compiled"
+    print(f"{what} {program.ir.name} for target {program.target} in "
+          f"{time.perf_counter() - start:.2f} s ({len(program.ir.nodes)} nodes, "
+          f"{sum(p.size for p in program.params.values())} parameters)")
+    return program
+
+
+def _check_fits(program, data) -> None:
+    """The program's data input and logits must fit the data set's images and classes."""
+    from purinec.errors import DataError
+
+    try:
+        shape = program.ir.input("data").type.shape
+    except KeyError:
+        raise DataError(f"{program.ir.name} has no input named data to feed images to") from None
+    if tuple(shape[1:]) != data.input_shape:
+        raise DataError(f"{program.ir.name} takes images of shape {list(shape[1:])}, but "
+                        f"{data.name} has {list(data.input_shape)}; compile the model for "
+                        f"this data set (--input-shape)")
+    classes = _classes(program.eval_ir)
+    if classes is not None and classes < data.num_classes:
+        raise DataError(f"{program.ir.name} predicts {classes} classes, but {data.name} has "
+                        f"{data.num_classes}; compile the model with --num-classes "
+                        f"{data.num_classes}")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from purinec.data import DATA_HELP
+
     parser = argparse.ArgumentParser(
         prog="purinec",
         description="A Purine-style bi-graph compiler for deep networks: lower a model to "
-                    "typed IR, derive its backward graph and solver, and run or train it.")
+                    "typed IR, derive its backward graph and solver, compile it ahead of "
+                    "time into a .purine artifact, and run or train it.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     dump = sub.add_parser("dump", help="print or write the IR at any pipeline stage",
@@ -115,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     dump.add_argument("--train", action="store_true",
                       help="compile the training iteration (backward and SGD)")
-    dump.add_argument("--batch", type=int, help="batch size (default: the model's)")
+    dump.add_argument("--batch", type=_positive, help="batch size (default: the model's)")
     dump.add_argument("--stage", metavar="NAME|all",
                       help="stage to show (default: the final IR); 'all' shows every stage")
     dump.add_argument("-o", "--output", metavar="DIR",
@@ -123,19 +396,87 @@ def build_parser() -> argparse.ArgumentParser:
     _add_solver_args(dump, 0.01)
     dump.set_defaults(func=cmd_dump)
 
-    tr = sub.add_parser("train", help="train a model on a data set",
-                        description="Compile MODEL's training iteration and train it, "
-                                    "reporting loss and test accuracy every epoch.")
-    tr.add_argument("model", metavar="MODEL", help=MODEL_HELP)
-    tr.add_argument("--target", default="reference",
-                    help="code generation target (default: reference, NumPy)")
-    tr.add_argument("--data", default="digits",
-                    help="data set: digits (scikit-learn's 8x8 digits) or synthetic "
-                         "(default: digits)")
-    tr.add_argument("--epochs", type=int, default=10, help="passes over the data (default 10)")
-    tr.add_argument("--batch", type=int, help="batch size (default: the model's)")
-    tr.add_argument("--seed", type=int, default=0,
-                    help="seed of the data split, shuffling and initial weights (default 0)")
+    comp = sub.add_parser(
+        "compile", help="compile a model ahead of time into a .purine artifact",
+        description="Compile MODEL (the inference graph, or with --train the training "
+                    "iteration too) for a target and write it, with freshly initialized "
+                    "weights, to one .purine file that `purinec run` and `purinec train` "
+                    "load without compiling again.")
+    comp.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    comp.add_argument("-o", "--output", metavar="FILE.purine", required=True,
+                      help="the artifact to write (atomically: a failed write leaves an "
+                           "existing file as it was)")
+    comp.add_argument("--train", action="store_true",
+                      help="also compile the training iteration (backward and SGD)")
+    comp.add_argument("--batch", type=_positive, help="batch size (default: the model's)")
+    comp.add_argument("--target", default="reference",
+                      help="code generation target (default: reference, NumPy)")
+    comp.add_argument("--seed", type=_non_negative, default=0,
+                      help="seed of the initial weights (default 0)")
+    comp.add_argument("--input-shape", type=_parse_shape, metavar="C,H,W",
+                      help="shape of one input image (default: the model's)")
+    comp.add_argument("--num-classes", type=_positive, metavar="N",
+                      help="number of classes (default: the model's)")
+    _add_solver_args(comp, 0.05)
+    comp.set_defaults(func=cmd_compile)
+
+    run = sub.add_parser(
+        "run", help="run a compiled artifact or a model's inference graph",
+        description="Run the inference graph of FILE.purine (loaded, not recompiled) or of "
+                    "MODEL (compiled now) and print each output's name, type and a "
+                    "summary, and the time per iteration.")
+    run.add_argument("model", metavar="FILE.purine|MODEL",
+                     help="an artifact from `purinec compile`, or " + MODEL_HELP)
+    run.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy",
+                     help="feed input NAME from a .npy file (repeat for more inputs); "
+                          "inputs not given get random values of their declared type, and "
+                          "the output says so")
+    run.add_argument("--output", metavar="OUT.npz",
+                     help="write the outputs of the last iteration to OUT.npz (atomically)")
+    run.add_argument("--iterations", type=_positive, default=1, metavar="N",
+                     help="run N times and report the first and the median time (default 1)")
+    run.add_argument("--trace", metavar="FILE",
+                     help="record every task as Chrome trace event JSON (Perfetto) into "
+                          "FILE, on targets that record traces")
+    run.add_argument("--target",
+                     help="target to run on (default: the artifact's own, or reference for "
+                          "a MODEL)")
+    run.add_argument("--batch", type=_positive,
+                     help="batch size of MODEL (default: the model's; fixed in an artifact)")
+    run.add_argument("--seed", type=_non_negative, default=0,
+                     help="seed of the random inputs and of MODEL's weights (default 0)")
+    run.set_defaults(func=cmd_run)
+
+    tr = sub.add_parser(
+        "train", help="train a model on a data set, with checkpoints",
+        description="Train MODEL (compiled now) or FILE.purine (compiled with --train) and "
+                    "report loss and test accuracy every epoch; with --checkpoint, save "
+                    "the training program, its weights and momentum state and the epoch "
+                    "after every epoch, and continue from such a file with --resume.")
+    tr.add_argument("model", metavar="MODEL|FILE.purine", nargs="?",
+                    help=MODEL_HELP + ", or an artifact compiled with --train; optional "
+                                      "with --resume")
+    tr.add_argument("--target",
+                    help="code generation target (default: reference for a MODEL, the "
+                         "artifact's own for a FILE.purine)")
+    tr.add_argument("--data", metavar="NAME|DIR",
+                    help=f"data set: {DATA_HELP} (default: digits, or the checkpoint's)")
+    tr.add_argument("--epochs", type=_positive, default=10,
+                    help="train until this many epochs are done, counting those of a "
+                         "resumed checkpoint (default 10)")
+    tr.add_argument("--batch", type=_positive,
+                    help="batch size (default: the model's; fixed in an artifact)")
+    tr.add_argument("--seed", type=_non_negative,
+                    help="seed of the data split, shuffling and initial weights (default 0, "
+                         "or the checkpoint's)")
+    tr.add_argument("--checkpoint", metavar="FILE.purine",
+                    help="after every epoch, write a checkpoint here atomically (a kill "
+                         "during the write leaves the previous one intact); with --resume, "
+                         "defaults to the resumed file")
+    tr.add_argument("--resume", metavar="FILE.purine",
+                    help="continue from a checkpoint: its training program, weights, "
+                         "momentum state, epoch, data set and seed; gives the same weights "
+                         "as a run that was never interrupted")
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
     tr.add_argument("--progress", action="store_true",
                     help="show the progress bar even when stderr is not a terminal")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import MutableMapping
 from typing import Any, Callable, Iterator, Mapping
@@ -9,9 +10,10 @@ from typing import Any, Callable, Iterator, Mapping
 import numpy as np
 
 from purinec.errors import ExecutionError, ModelError, PurinecError
-from purinec.ir.graph import Graph
+from purinec.ir.graph import Graph, Value
 from purinec.ir.init import initial_value
 from purinec.ir.parser import parse
+from purinec.ir.types import DType
 from purinec.ir.verify import verify
 from purinec.passes.autodiff import autodiff
 from purinec.passes.optimizer import SGD
@@ -113,31 +115,104 @@ class TensorStore(MutableMapping):
         return len(self._arrays)
 
 
+def variables(*graphs: Graph | None) -> dict[str, Value]:
+    """The param and state inputs of ``graphs`` by name; a name the graphs declare
+    differently (type or role) is an error, since a program holds one array per name."""
+    found: dict[str, Value] = {}
+    for graph in graphs:
+        if graph is None:
+            continue
+        for v in graph.inputs_with_role("param", "state"):
+            seen = found.setdefault(v.name, v)
+            if (seen.role, seen.type) != (v.role, v.type):
+                raise PurinecError(f"{v.role} {v.name} is {v.type} in graph {graph.name} but "
+                                   f"{seen.role} {seen.type} in another graph of the program")
+    return found
+
+
+def _describe_array(array: np.ndarray) -> str:
+    """The array's type as the IR spells it, or NumPy's spelling (e.g. '>f4', '<U3') for
+    what the IR cannot hold."""
+    try:
+        dtype = DType.from_numpy(array.dtype)
+        name = str(dtype) if dtype.numpy == array.dtype else array.dtype.str
+    except ValueError:
+        name = array.dtype.str
+    return f"{name}[{','.join(str(d) for d in array.shape)}]"
+
+
+def check_weights(graphs: list[Graph], role: str, arrays: Mapping[str, np.ndarray]) -> None:
+    """Raise unless ``arrays`` holds exactly the graphs' inputs of ``role`` (param or
+    state), each with the declared shape and dtype."""
+    wanted = {name: v for name, v in variables(*graphs).items() if v.role == role}
+    missing = sorted(set(wanted) - set(arrays))
+    extra = sorted(set(arrays) - set(wanted))
+    if missing or extra:
+        raise PurinecError(
+            f"the {role} arrays do not match the IR's {role} inputs"
+            + (f"; missing {', '.join(missing)}" if missing else "")
+            + (f"; not in the IR: {', '.join(extra)}" if extra else ""))
+    for name, v in wanted.items():
+        array = arrays[name]
+        if array.shape != v.type.shape or array.dtype != v.type.dtype.numpy:
+            raise PurinecError(f"{role} {name}: the IR declares {v.type}, the array is "
+                               f"{_describe_array(array)}")
+
+
+def records_traces(target: str) -> bool:
+    """Whether ``target`` records traces: its factory takes a ``trace`` keyword."""
+    try:
+        parameters = inspect.signature(TARGETS[target]).parameters
+    except (TypeError, ValueError):
+        return False
+    return "trace" in parameters
+
+
 class Program:
     """A compiled model: run it, train it, read and set its parameters.
 
     ``ir`` is the final IR of the main graph (the training iteration when compiled with
     ``train=``). ``run`` evaluates the inference graph and leaves every parameter as it
     is; ``step`` runs one training iteration and keeps the updated parameters and state.
+
+    Built from final IR, no pipeline runs here: ``params`` and ``state`` given as dicts
+    must match the IR's inputs exactly; left out (None) they are filled by the IR's
+    ``init`` fillers, seeded by ``seed``. ``trace``, a `purinec.runtime.trace.Trace`,
+    goes to the target's executables, which record every task into it; a target whose
+    factory takes no ``trace`` keyword refuses one rather than ignore it.
+    ``metadata`` is free JSON-able information that `save` stores (a checkpoint's epoch).
     """
 
     def __init__(self, graph: Graph, eval_graph: Graph | None = None,
-                 target: str = "reference", seed: int = 0):
+                 target: str = "reference", seed: int = 0,
+                 params: Mapping[str, np.ndarray] | None = None,
+                 state: Mapping[str, np.ndarray] | None = None,
+                 trace: Any = None, metadata: dict | None = None):
         if target not in TARGETS:
             raise PurinecError(f"unknown target {target!r}; available: {', '.join(TARGETS)}")
+        if trace is not None and not records_traces(target):
+            raise PurinecError(f"target {target} does not record traces; run without a trace "
+                               f"or on a target that records them")
         self.ir = graph
         self.eval_ir = eval_graph or graph
         self.target = target
+        self.metadata = dict(metadata or {})
+        graphs = [graph] if self.eval_ir is graph else [graph, self.eval_ir]
         rng = np.random.default_rng(seed)
-        stores: dict[str, dict[str, np.ndarray]] = {"param": {}, "state": {}}
-        for g in (graph, self.eval_ir):
-            for v in g.inputs_with_role("param", "state"):
-                stores[v.role].setdefault(v.name, initial_value(v.init, v.type, rng))
-        self.params = TensorStore("parameter", stores["param"])
-        self.state = TensorStore("state", stores["state"])
-        self._run_main = TARGETS[target](graph)
-        self._run_eval = TARGETS[target](self.eval_ir)
+        self.params = TensorStore("parameter", _initial_arrays(graphs, "param", params, rng))
+        self.state = TensorStore("state", _initial_arrays(graphs, "state", state, rng))
+        self._run_main = _executable(target, graph, trace)
+        self._run_eval = (self._run_main if self.eval_ir is graph
+                          else _executable(target, self.eval_ir, trace))
         self.last_outputs: dict[str, np.ndarray] = {}  # of the latest step
+
+    @classmethod
+    def from_ir(cls, graph: Graph, eval_graph: Graph | None = None, target: str = "reference",
+                params: Mapping[str, np.ndarray] | None = None,
+                state: Mapping[str, np.ndarray] | None = None, *, seed: int = 0,
+                trace: Any = None, metadata: dict | None = None) -> "Program":
+        """A program from final IR and (optionally) its weights, with no pipeline run."""
+        return cls(graph, eval_graph, target, seed, params, state, trace, metadata)
 
     @property
     def trainable(self) -> bool:
@@ -163,7 +238,7 @@ class Program:
             if array.dtype.kind != want.kind and not (array.dtype.kind in "iu" and
                                                       want.kind in "iu"):
                 raise ExecutionError(f"input {v.name}: expected {v.type}, got {array.dtype}")
-            env[v.name] = array.astype(want, copy=False)
+            env[v.name] = array.astype(want, order="C", copy=False)
         for store in (self.params, self.state):
             env.update({name: store[name] for name in store})
         return env
@@ -187,20 +262,68 @@ class Program:
         self.last_outputs = outputs
         return float(outputs["loss"])
 
+    def save(self, path: str | os.PathLike, metadata: dict | None = None):
+        """Write this program (IR, weights, kernel sources) to a ``.purine`` artifact,
+        atomically. ``metadata`` is merged into `self.metadata` and stored with it.
+        Returns a `purinec.artifact.Saved` describing what was written."""
+        from purinec.artifact import save
+
+        merged = {**self.metadata, **(metadata or {})}
+        saved = save(self, path, merged)
+        self.metadata = merged
+        return saved
+
+    def close(self) -> None:
+        """Release what the target holds (worker threads; a trace is written out)."""
+        for run in {id(r): r for r in (self._run_main, self._run_eval)}.values():
+            close = getattr(run, "close", None)
+            if close is not None:
+                close()
+
+    def __enter__(self) -> "Program":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _initial_arrays(graphs: list[Graph], role: str, given: Mapping[str, np.ndarray] | None,
+                    rng: np.random.Generator) -> dict[str, np.ndarray]:
+    if given is not None:
+        check_weights(graphs, role, given)
+        # Copies: a target may update them in place, and they are the program's own.
+        return {name: np.array(given[name], order="C", copy=True) for name in given}
+    return {name: initial_value(v.init, v.type, rng)
+            for name, v in variables(*graphs).items() if v.role == role}
+
+
+def _executable(target: str, graph: Graph, trace: Any):
+    factory = TARGETS[target]
+    return factory(graph) if trace is None else factory(graph, trace=trace)
+
 
 def compile(model: Any, target: str = "reference", train: SGD | None = None,
             batch: int | None = None, seed: int = 0, after: StageHook | None = None,
-            **model_kwargs) -> Program:
+            trace: Any = None, **model_kwargs) -> Program:
     """Compile ``model`` for ``target``.
 
     ``model`` is a purinec.bigraph.Net, a zoo name ("lenet"), a Python file defining
     ``build(batch)``, a ``.pir`` IR file, or an IR Graph. With ``train=SGD(...)`` the
     program's main graph is the training iteration. ``after(stage, graph)`` is called
-    with the IR after every stage of the main graph's pipeline (see STAGES).
+    with the IR after every stage of the main graph's pipeline (see STAGES). ``trace``
+    goes to the target (see `Program`).
     """
     if target not in TARGETS:
         raise PurinecError(f"unknown target {target!r}; available: {', '.join(TARGETS)}")
     source = load_source(model, batch, **model_kwargs)
     graph = build_graph(source, train, after)
     eval_graph = build_graph(source, None) if train is not None else None
-    return Program(graph, eval_graph, target, seed)
+    return Program(graph, eval_graph, target, seed, trace=trace)
+
+
+def load(path: str | os.PathLike, target: str | None = None, trace: Any = None) -> Program:
+    """Load a ``.purine`` artifact written by `Program.save` (see purinec.artifact);
+    ``target`` overrides the one it was compiled for."""
+    from purinec.artifact import load as load_artifact
+
+    return load_artifact(path, target, trace)

@@ -48,3 +48,8 @@ class ExecutionError(PurinecError):
 
 class DataError(PurinecError):
     """A data set that cannot be found or read."""
+
+
+class ArtifactError(PurinecError):
+    """A `.purine` artifact (or an output file) that cannot be written, or a file that is
+    not a whole, untampered artifact this purinec can read."""

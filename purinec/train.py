@@ -1,14 +1,17 @@
-"""The training loop behind `purinec train`: epochs of SGD steps, then test accuracy."""
+"""The training loop behind `purinec train`: epochs of SGD steps, then test accuracy;
+and checkpoints, which are `.purine` artifacts that also say where training stands."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import numpy as np
 
-from purinec.compiler import Program
+from purinec.compiler import Program, load
 from purinec.data import Dataset, batches
-from purinec.errors import DataError
+from purinec.errors import ArtifactError, DataError
 
 
 @dataclass
@@ -38,19 +41,28 @@ def evaluate(program: Program, x: np.ndarray, y: np.ndarray, batch: int) -> floa
     return correct / len(x)
 
 
+def epoch_rng(seed: int, epoch: int) -> np.random.Generator:
+    """The shuffle of one epoch depends on (seed, epoch) only, so a run resumed at any
+    epoch sees exactly the batches an uninterrupted run would have seen."""
+    return np.random.default_rng([seed, epoch])
+
+
 def train(program: Program, data: Dataset, epochs: int, batch: int, seed: int = 0,
-          progress: bool = True) -> TrainResult:
-    """Train ``program`` on ``data`` for ``epochs``; returns per-epoch loss and accuracy."""
+          progress: bool = True, start_epoch: int = 0,
+          on_epoch_end: Callable[[EpochResult], None] | None = None) -> TrainResult:
+    """Train ``program`` on ``data`` from epoch ``start_epoch + 1`` to ``epochs``; returns
+    per-epoch loss and accuracy. ``on_epoch_end`` sees each epoch's result (after the
+    test accuracy), e.g. to write a checkpoint."""
     from tqdm import tqdm
 
     if len(data.train_x) < batch:
         raise DataError(f"{data.name} has {len(data.train_x)} training images, fewer than "
                         f"one batch of {batch}; use a smaller --batch")
-    rng = np.random.default_rng(seed)
     steps = len(data.train_x) // batch
     result = TrainResult()
-    for epoch in range(1, epochs + 1):
+    for epoch in range(start_epoch + 1, epochs + 1):
         losses, accuracies = [], []
+        rng = epoch_rng(seed, epoch)
         bar = tqdm(batches(data.train_x, data.train_y, batch, rng), total=steps,
                    desc=f"epoch {epoch}/{epochs}", unit="step", disable=not progress,
                    leave=False)
@@ -63,4 +75,38 @@ def train(program: Program, data: Dataset, epochs: int, batch: int, seed: int = 
         result.epochs.append(EpochResult(epoch, float(np.mean(losses)),
                                          float(np.mean(accuracies)) if accuracies else
                                          float("nan"), test_accuracy))
+        if on_epoch_end is not None:
+            on_epoch_end(result.epochs[-1])
     return result
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Where training stands, kept in a checkpoint artifact's manifest next to the
+    training program, its weights and its momentum state."""
+
+    epoch: int  # epochs completed
+    seed: int  # seed of the data split and of every epoch's shuffle
+    data: str  # the data set, as given to --data
+
+    def save(self, program: Program, path: str | os.PathLike):
+        """Write ``program`` with this position to ``path`` (atomically)."""
+        return program.save(path, metadata={"checkpoint": asdict(self)})
+
+    @staticmethod
+    def load(path: str | os.PathLike, target: str | None = None
+             ) -> tuple[Program, "Checkpoint"]:
+        """The training program saved at ``path`` and where its training stands."""
+        program = load(path, target)
+        saved = program.metadata.get("checkpoint")
+        if not isinstance(saved, dict):
+            raise ArtifactError(f"{os.fspath(path)} is an artifact but not a checkpoint (its "
+                                "manifest has no epoch); to train from its weights, pass it "
+                                "as the MODEL instead of --resume")
+        fields = {"epoch": int, "seed": int, "data": str}
+        if set(saved) != set(fields) or any(type(saved[k]) is not t for k, t in fields.items()):
+            raise ArtifactError(f"{os.fspath(path)}: the checkpoint entry of its manifest is "
+                                f"malformed: {saved!r}")
+        if not program.trainable:
+            raise ArtifactError(f"{os.fspath(path)}: the checkpoint holds no training graph")
+        return program, Checkpoint(**saved)

@@ -1,16 +1,50 @@
 """The `purinec` command, run as a user runs it: in a separate process."""
 
+import argparse
+import json
+import pathlib
 import subprocess
 import sys
+import types
+import zipfile
 
+import numpy as np
 import pytest
 
+import purinec as purinec_api
+from purinec.cli import build_parser, main
 from purinec.ir import parse
 
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
-def purinec(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "purinec", *args], capture_output=True,
-                          text=True, cwd=cwd, timeout=300)
+SMALL_MODEL = """
+from purinec.bigraph import Accuracy, Blob, InnerProduct, Net, ReLU, SoftmaxWithLoss
+
+
+def build(batch=16, input_shape=(1, 8, 8), num_classes=10):
+    with Net("small") as net:
+        data = Blob("data", (batch, *input_shape))
+        label = Blob("label", (batch,), "i32")
+        logits = (data >> InnerProduct("ip1", 16) >> ReLU("relu1")
+                  >> InnerProduct("ip2", num_classes) >> Blob("logits"))
+        loss = [logits, label] >> SoftmaxWithLoss("loss")
+        accuracy = [logits, label] >> Accuracy("accuracy")
+        net.outputs = [logits, loss, accuracy]
+    return net
+"""
+
+
+def purinec(*args, cwd=REPO):
+    return subprocess.run([sys.executable, "-m", "purinec", *map(str, args)],
+                          capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def purinec_here(capsys, *args):
+    """The command run in this process (quicker than a new one: for the error cases)."""
+    capsys.readouterr()
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return types.SimpleNamespace(returncode=code, stdout=out, stderr=err)
 
 
 def assert_clean_error(result, *fragments):
@@ -25,7 +59,9 @@ def assert_clean_error(result, *fragments):
 
 def test_help_lists_commands_and_stages():
     top = purinec("--help")
-    assert top.returncode == 0 and "dump" in top.stdout and "train" in top.stdout
+    assert top.returncode == 0
+    for command in ("dump", "compile", "run", "train"):
+        assert command in top.stdout
     dump = purinec("dump", "--help")
     for stage in ("lower", "infer_shapes", "verify", "autodiff", "optimizer", "dce", "cse"):
         assert stage in dump.stdout
@@ -114,3 +150,152 @@ def test_train_reports_loss_and_accuracy():
 ])
 def test_train_bad_options(args, fragment):
     assert_clean_error(purinec(*args), fragment)
+
+
+def test_every_option_of_every_command_is_explained():
+    commands = next(a for a in build_parser()._actions
+                    if isinstance(a, argparse._SubParsersAction))
+    for name, parser in commands.choices.items():
+        for action in parser._actions:
+            assert action.help, f"purinec {name} {action.option_strings or action.dest}"
+        text = parser.format_help()
+        for action in parser._actions:
+            for flag in action.option_strings:
+                assert flag in text, (name, flag)
+
+
+# -- compile, run ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    """mlp compiled once, with its training iteration, for 8x8 images in batches of 32."""
+    path = tmp_path_factory.mktemp("artifact") / "mlp.purine"
+    result = purinec("compile", "mlp", "--train", "--batch", "32", "--input-shape", "1,8,8",
+                     "--num-classes", "10", "-o", path)
+    assert result.returncode == 0, result.stderr
+    return path, result.stdout
+
+
+def test_compile_says_what_it_wrote(artifact):
+    path, stdout = artifact
+    program = purinec_api.load(path)
+    parameters = sum(a.size for a in program.params.values())
+    assert f"wrote {path} ({path.stat().st_size:,} bytes)" in stdout
+    assert "target reference" in stdout and "0 kernel(s)" in stdout
+    assert f"{parameters:,} parameters" in stdout
+    assert "compiled mlp.train and mlp" in stdout
+    assert program.ir.name == "mlp.train" and program.ir.input("data").type.shape == (32, 1, 8, 8)
+
+
+def test_compile_then_run_in_another_process_gives_the_same_outputs(artifact, tmp_path):
+    path, _ = artifact
+    x = np.random.default_rng(0).random((32, 1, 8, 8), dtype=np.float32)
+    np.save(tmp_path / "x.npy", x)
+    result = purinec("run", path, "--input", f"data={tmp_path / 'x.npy'}", "--output",
+                     tmp_path / "out.npz", "--iterations", "3")
+    assert result.returncode == 0, result.stderr
+    assert "random" not in result.stdout
+    assert "logits: f32[32,10]  min " in result.stdout
+    assert "3 iterations on target reference: first " in result.stdout
+    assert f"wrote {tmp_path / 'out.npz'} (logits)" in result.stdout
+    with np.load(tmp_path / "out.npz", allow_pickle=False) as out:
+        assert out.files == ["logits"]
+        expected = purinec_api.load(path).run({"data": x})["logits"]
+        assert out["logits"].tobytes() == expected.tobytes()
+
+
+def test_run_without_inputs_uses_random_ones_and_says_so():
+    result = purinec("run", "mlp", "--batch", "2")
+    assert result.returncode == 0, result.stderr
+    assert "input data: no --input given, using random f32[2,1,28,28]" in result.stdout
+    assert "logits: f32[2,10]" in result.stdout
+    assert "1 iteration on target reference" in result.stdout
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (("run", "{artifact}", "--trace", "t.json"), ["target reference does not record traces"]),
+    (("run", "{artifact}", "--batch", "8"), ["--batch", "fixed batch"]),
+    (("run", "{artifact}", "--input", "data"), ["--input data: write NAME=FILE.npy"]),
+    (("run", "{artifact}", "--input", "data=nothing.npy"), ["cannot read nothing.npy"]),
+    (("run", "{tmp}/absent.purine"), ["cannot read", "absent.purine"]),
+    (("run", "{tmp}/tampered.purine"), ["member weights.npz", "sha256"]),
+    (("compile", "mlp", "-o", "{tmp}/mlp.zip"), ["name the artifact FILE.purine"]),
+    (("compile", "mlp", "--lr", "0.1", "-o", "{tmp}/mlp.purine"),
+     ["--lr: solver options apply only with --train"]),
+])
+def test_run_and_compile_errors(artifact, tmp_path, capsys, args, fragments):
+    path, _ = artifact
+    members = {}
+    with zipfile.ZipFile(path) as zf:
+        members = {n: zf.read(n) for n in zf.namelist()}
+    members["weights.npz"] = members["weights.npz"].replace(b"param/ip1.bias", b"param/ip1.bIas")
+    with zipfile.ZipFile(tmp_path / "tampered.purine", "w") as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    args = [a.format(artifact=path, tmp=tmp_path) for a in args]
+    assert_clean_error(purinec_here(capsys, *args), *fragments)
+    assert not (tmp_path / "mlp.purine").exists()
+
+
+# -- train, checkpoints -----------------------------------------------------------------
+
+def test_train_a_compiled_artifact(tmp_path):
+    (tmp_path / "small.py").write_text(SMALL_MODEL)
+    purinec_api.compile(str(tmp_path / "small.py"), train=purinec_api.SGD(lr=0.05)).save(
+        tmp_path / "small.purine")
+    result = purinec("train", tmp_path / "small.purine", "--data", "synthetic", "--epochs", "1")
+    assert result.returncode == 0, result.stderr
+    assert "loaded small.train for target reference" in result.stdout
+    assert "epoch   1" in result.stdout
+
+
+def weights(path):
+    program = purinec_api.load(path)
+    return {**dict(program.params), **{f"state.{k}": v for k, v in program.state.items()}}
+
+
+def test_checkpoint_and_resume_give_the_uninterrupted_weights(tmp_path):
+    model = tmp_path / "small.py"
+    model.write_text(SMALL_MODEL)
+    common = ("--data", "synthetic", "--seed", "5", "--lr", "0.02")
+    whole = purinec("train", model, *common, "--epochs", "3",
+                    "--checkpoint", tmp_path / "whole.purine")
+    assert whole.returncode == 0, whole.stderr
+    assert whole.stdout.count("checkpoint ") == 3
+    part = purinec("train", model, *common, "--epochs", "1",
+                   "--checkpoint", tmp_path / "part.purine")
+    assert part.returncode == 0, part.stderr
+    manifest = json.loads(zipfile.ZipFile(tmp_path / "part.purine").read("manifest.json"))
+    assert manifest["metadata"]["checkpoint"] == {"epoch": 1, "seed": 5, "data": "synthetic"}
+
+    rest = purinec("train", "--resume", tmp_path / "part.purine", "--epochs", "3")
+    assert rest.returncode == 0, rest.stderr
+    assert f"from {tmp_path / 'part.purine'} after epoch 1" in rest.stdout
+    assert "epoch   1 " not in rest.stdout and "epoch   3" in rest.stdout
+    resumed, uninterrupted = weights(tmp_path / "part.purine"), weights(tmp_path / "whole.purine")
+    assert resumed.keys() == uninterrupted.keys()
+    for name, value in uninterrupted.items():
+        assert resumed[name].tobytes() == value.tobytes(), name
+
+    done = purinec("train", "--resume", tmp_path / "part.purine", "--epochs", "3")
+    assert done.returncode == 0 and "nothing to train" in done.stdout
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (("train", "--resume", "{artifact}"), ["not a checkpoint"]),
+    (("train", "{tmp}/inference.purine", "--data", "synthetic"), ["inference program"]),
+    (("train", "{tmp}/small.purine", "--data", "synthetic"),
+     ["takes images of shape [1, 4, 4], but synthetic has [1, 8, 8]", "--input-shape"]),
+    (("train", "{artifact}", "--lr", "0.5", "--batch", "2"),
+     ["--lr, --batch: ", "mlp.purine has them fixed in its IR"]),
+    (("train", "--resume", "{artifact}", "--momentum", "0.5"), ["--momentum: "]),
+    (("train", "--data", "synthetic"), ["give a MODEL to train, or --resume"]),
+    (("train", "mlp", "--data", "mnist:{tmp}"), ["train-images-idx3-ubyte not found"]),
+])
+def test_train_errors(artifact, tmp_path, capsys, args, fragments):
+    path, _ = artifact
+    purinec_api.compile("mlp", batch=2, input_shape=(1, 8, 8)).save(tmp_path / "inference.purine")
+    purinec_api.compile("mlp", train=purinec_api.SGD(), batch=2,
+                        input_shape=(1, 4, 4)).save(tmp_path / "small.purine")
+    args = [a.format(artifact=path, tmp=tmp_path) for a in args]
+    assert_clean_error(purinec_here(capsys, *args), *fragments)

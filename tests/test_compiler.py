@@ -152,3 +152,34 @@ def test_pir_file_compiles_and_trains_like_the_model(tmp_path):
     assert from_file.step(feeds) == from_zoo.step(feeds)
     for name in from_zoo.params:
         np.testing.assert_array_equal(from_file.params[name], from_zoo.params[name])
+
+
+def test_a_trace_goes_to_targets_that_record_them(monkeypatch):
+    """A target records traces when its factory takes ``trace``; Program.close (or leaving
+    a with block) lets it finish. Others refuse a trace instead of ignoring it."""
+    from purinec.compiler import TARGETS
+    from purinec.runtime.reference import execute
+
+    events = []
+
+    class TracingExecutable:
+        def __init__(self, graph, trace):
+            self.graph, self.trace = graph, trace
+            events.append(("build", graph.name, trace))
+
+        def __call__(self, env):
+            return execute(self.graph, env)
+
+        def close(self):
+            events.append(("close", self.graph.name, self.trace))
+
+    monkeypatch.setitem(TARGETS, "traced", lambda graph, trace=None:
+                        TracingExecutable(graph, trace))
+    options = dict(batch=2, input_shape=(1, 2, 2), num_classes=3)
+    recorder = object()  # what the target records into; Program passes it through
+    with purinec.compile("mlp", target="traced", trace=recorder, **options) as program:
+        program.run({"data": np.zeros((2, 1, 2, 2))})
+    # An inference program's main graph is its inference graph: one executable.
+    assert events == [("build", "mlp", recorder), ("close", "mlp", recorder)]
+    with pytest.raises(PurinecError, match="target reference does not record traces"):
+        purinec.compile("mlp", trace=recorder, **options)

@@ -1,0 +1,502 @@
+""".purine artifacts: what they hold, that they load bitwise, and what they refuse."""
+
+import hashlib
+import importlib.machinery
+import io
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import types
+import zipfile
+
+import numpy as np
+import pytest
+
+import purinec
+from purinec import artifact
+from purinec.compiler import TARGETS, Program
+from purinec.data import synthetic
+from purinec.errors import ArtifactError, PurinecError
+from purinec.ir.init import initial_value
+from purinec.train import Checkpoint, train
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+# Small on purpose, with dropout so the program also carries non-momentum state.
+TINY_MODEL = '''
+from purinec.bigraph import Accuracy, Blob, Dropout, InnerProduct, Net, ReLU, SoftmaxWithLoss
+
+
+def build(batch=4, input_shape=(1, 4, 4), num_classes=3):
+    with Net("tiny") as net:
+        data = Blob("data", (batch, *input_shape))
+        label = Blob("label", (batch,), "i32")
+        logits = (data >> InnerProduct("ip1", 8) >> ReLU("relu1") >> Dropout("drop", 0.25)
+                  >> InnerProduct("ip2", num_classes) >> Blob("logits"))
+        loss = [logits, label] >> SoftmaxWithLoss("loss")
+        accuracy = [logits, label] >> Accuracy("accuracy")
+        net.outputs = [logits, loss, accuracy]
+    return net
+'''
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    path = tmp_path / "tiny.py"
+    path.write_text(TINY_MODEL)
+    return str(path)
+
+
+def feeds(seed=0, batch=4, shape=(1, 4, 4), classes=3):
+    rng = np.random.default_rng(seed)
+    return {"data": rng.normal(size=(batch, *shape)).astype(np.float32),
+            "label": rng.integers(0, classes, batch).astype(np.int32)}
+
+
+@pytest.fixture
+def trained(model_file):
+    """A training program a few steps in, so weights and momentum are not the initial ones."""
+    program = purinec.compile(model_file, train=purinec.SGD(lr=0.1, momentum=0.9,
+                                                            weight_decay=1e-3), seed=2)
+    for i in range(3):
+        program.step(feeds(i))
+    return program
+
+
+@pytest.fixture
+def saved(trained, tmp_path):
+    path = tmp_path / "tiny.purine"
+    trained.save(path)
+    return path
+
+
+def read_zip(path):
+    with zipfile.ZipFile(path) as zf:
+        return {name: zf.read(name) for name in zf.namelist()}
+
+
+def write_zip(path, members, fix_hashes=True):
+    """Rewrite an artifact from ``members``; with ``fix_hashes`` the manifest is made to
+    agree, as a forger who knows the format would."""
+    members = dict(members)
+    if fix_hashes:
+        manifest = json.loads(members["manifest.json"])
+        manifest["members"] = {n: hashlib.sha256(d).hexdigest()
+                               for n, d in members.items() if n != "manifest.json"}
+        members["manifest.json"] = json.dumps(manifest).encode()
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+
+
+def edit_manifest(path, **changes):
+    members = read_zip(path)
+    manifest = json.loads(members["manifest.json"])
+    manifest.update(changes)
+    members["manifest.json"] = json.dumps(manifest).encode()
+    write_zip(path, members, fix_hashes=False)
+
+
+def npz_bytes(**arrays):
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def weights_of(program):
+    arrays = {f"param/{k}": v for k, v in program.params.items()}
+    arrays.update({f"state/{k}": v for k, v in program.state.items()})
+    return arrays
+
+
+# -- what is written ------------------------------------------------------------------
+
+def test_artifact_layout_and_manifest(trained, tmp_path):
+    path = tmp_path / "tiny.purine"
+    result = trained.save(path)
+    assert result.path == str(path) and result.size == path.stat().st_size
+    assert result.kernels == 0 and result.target == "reference"
+    assert result.parameters == sum(a.size for a in trained.params.values())
+    members = read_zip(path)
+    assert set(members) == {"manifest.json", "program.pir", "eval.pir", "weights.npz"}
+    manifest = json.loads(members["manifest.json"])
+    assert manifest["format"] == "purinec-artifact"
+    assert manifest["format_version"] == artifact.FORMAT_VERSION
+    assert manifest["purinec_version"] == purinec.__version__
+    assert manifest["numpy_version"] == np.__version__
+    assert "numba_version" in manifest and "created" in manifest
+    assert manifest["target"] == "reference"
+    assert manifest["graphs"] == {"main": "tiny.train", "eval": "tiny"}
+    assert manifest["devices"] == ["cpu:0"]
+    for name, data in members.items():
+        if name != "manifest.json":
+            assert manifest["members"][name] == hashlib.sha256(data).hexdigest()
+    assert members["program.pir"].decode() == str(trained.ir)
+    assert members["eval.pir"].decode() == str(trained.eval_ir)
+    with np.load(io.BytesIO(members["weights.npz"]), allow_pickle=False) as npz:
+        assert set(npz.files) == set(weights_of(trained))
+        for key, value in weights_of(trained).items():
+            np.testing.assert_array_equal(npz[key], value)
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+
+
+def test_inference_program_has_no_eval_member(model_file, tmp_path):
+    program = purinec.compile(model_file)
+    program.save(tmp_path / "inference.purine")
+    members = read_zip(tmp_path / "inference.purine")
+    assert "eval.pir" not in members
+    assert json.loads(members["manifest.json"])["graphs"] == {"main": "tiny"}
+    loaded = purinec.load(tmp_path / "inference.purine")
+    assert loaded.eval_ir is loaded.ir and not loaded.trainable
+
+
+def test_kernel_sources_come_from_the_cpu_code_generator(trained, tmp_path, monkeypatch):
+    """For the cpu target the artifact carries compile_kernels' sources, for reading only:
+    loading regenerates kernels from the IR and never reads them."""
+    kernel = types.SimpleNamespace
+    fake = types.ModuleType("purinec.codegen.cpu")
+    fake.__spec__ = importlib.machinery.ModuleSpec("purinec.codegen.cpu", None)
+    fake.compile_kernels = lambda graph: {
+        node: kernel(name=f"{node.op}/{node.name}", source=f"# from %{node.name}\n")
+        for node in graph.nodes}
+    monkeypatch.setitem(sys.modules, "purinec.codegen.cpu", fake)
+    monkeypatch.setitem(TARGETS, "cpu", TARGETS["reference"])
+    program = Program.from_ir(trained.ir, trained.eval_ir, "cpu", dict(trained.params),
+                              dict(trained.state))
+    result = program.save(tmp_path / "cpu.purine")
+    members = read_zip(tmp_path / "cpu.purine")
+    kernels = sorted(n for n in members if n.startswith("kernels/"))
+    assert result.kernels == len(kernels) == len(trained.ir.nodes) + len(trained.eval_ir.nodes)
+    assert "kernels/tiny.train/matmul_ip1.matmul.py" in kernels
+    assert members["kernels/tiny.train/matmul_ip1.matmul.py"] == b"# from %ip1.matmul\n"
+
+    fake.compile_kernels = None  # loading must not need the kernels' source
+    loaded = purinec.load(tmp_path / "cpu.purine")
+    assert loaded.target == "cpu"
+
+
+# -- what is read back -------------------------------------------------------------------
+
+FRESH_PROCESS = """
+import sys
+import numpy as np
+import purinec
+
+program = purinec.load(sys.argv[1])
+x = np.load(sys.argv[2])
+y = np.load(sys.argv[3])
+logits = program.run({"data": x})["logits"]
+loss = program.step({"data": x, "label": y})
+np.savez(sys.argv[4], logits=logits, loss=np.float32(loss), **dict(program.params),
+         **{"state." + k: v for k, v in program.state.items()})
+"""
+
+
+def test_fresh_process_gives_bitwise_identical_results(trained, saved, tmp_path):
+    f = feeds(seed=9)
+    np.save(tmp_path / "x.npy", f["data"])
+    np.save(tmp_path / "y.npy", f["label"])
+    result = subprocess.run([sys.executable, "-c", FRESH_PROCESS, str(saved),
+                             str(tmp_path / "x.npy"), str(tmp_path / "y.npy"),
+                             str(tmp_path / "out.npz")], capture_output=True, text=True,
+                            cwd=REPO, timeout=300)
+    assert result.returncode == 0, result.stderr
+    logits = trained.run({"data": f["data"]})["logits"]
+    loss = trained.step(f)
+    with np.load(tmp_path / "out.npz") as out:
+        assert out["logits"].tobytes() == logits.tobytes()
+        assert out["loss"] == np.float32(loss)
+        for name, value in trained.params.items():
+            assert out[name].tobytes() == value.tobytes(), name
+        for name, value in trained.state.items():
+            assert out["state." + name].tobytes() == value.tobytes(), name
+
+
+def test_loaded_program_trains_on_like_the_original(trained, saved):
+    loaded = purinec.load(saved)
+    assert str(loaded.ir) == str(trained.ir) and str(loaded.eval_ir) == str(trained.eval_ir)
+    for i in range(3, 6):
+        assert loaded.step(feeds(i)) == trained.step(feeds(i))
+    for store in ("params", "state"):
+        for name, value in getattr(trained, store).items():
+            assert getattr(loaded, store)[name].tobytes() == value.tobytes(), name
+
+
+def test_target_can_be_overridden_and_must_exist(saved):
+    assert purinec.load(saved, target="reference").target == "reference"
+    with pytest.raises(ArtifactError, match=r"tiny.purine: unknown target 'tpu'"):
+        purinec.load(saved, target="tpu")
+    edit_manifest(saved, target="quantum")
+    with pytest.raises(ArtifactError, match="unknown target 'quantum'.*reference"):
+        purinec.load(saved)
+
+
+# -- what is refused ----------------------------------------------------------------------
+
+def member_data_offset(path, name):
+    """Where ``name``'s (compressed) bytes start in the file."""
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo(name)
+    raw = pathlib.Path(path).read_bytes()
+    name_len, extra_len = np.frombuffer(raw, "<u2", 2, info.header_offset + 26)
+    return info.header_offset + 30 + int(name_len) + int(extra_len), info.compress_size
+
+
+@pytest.mark.parametrize("member", ["program.pir", "eval.pir", "weights.npz"])
+def test_a_changed_byte_is_refused_naming_the_member(saved, member):
+    start, size = member_data_offset(saved, member)
+    raw = bytearray(saved.read_bytes())
+    raw[start + size // 2] ^= 0x01
+    saved.write_bytes(bytes(raw))
+    with pytest.raises(ArtifactError, match=f"member {member} "):
+        purinec.load(saved)
+
+
+def test_a_rewritten_member_fails_its_hash(saved):
+    members = read_zip(saved)
+    members["program.pir"] = members["program.pir"].replace(b"lr=0.1", b"lr=0.2")
+    write_zip(saved, members, fix_hashes=False)  # a valid zip; only the hash can tell
+    with pytest.raises(ArtifactError, match="member program.pir does not match its sha256"):
+        purinec.load(saved)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.98])
+def test_a_truncated_file_is_refused(saved, keep):
+    raw = saved.read_bytes()
+    saved.write_bytes(raw[:int(len(raw) * keep)])
+    with pytest.raises(ArtifactError, match="tiny.purine is truncated or damaged"):
+        purinec.load(saved)
+
+
+def test_every_truncation_and_many_changed_bytes_give_an_artifact_error(model_file, tmp_path):
+    """Whatever happens to the bytes, loading ends in a clear ArtifactError and nothing
+    else (no zip, zlib, numpy or JSON exception escapes)."""
+    path = tmp_path / "small.purine"
+    purinec.compile(model_file, batch=1, input_shape=(1, 1, 1), num_classes=2).save(path)
+    raw = path.read_bytes()
+    broken = tmp_path / "broken.purine"
+    rng = np.random.default_rng(0)
+    for cut in sorted(set(rng.integers(0, len(raw), 60)) | {0, 1, 4, len(raw) - 1}):
+        broken.write_bytes(raw[:cut])
+        with pytest.raises(ArtifactError):
+            purinec.load(broken)
+    for position in rng.integers(0, len(raw), 150):
+        changed = bytearray(raw)
+        changed[position] ^= 1 << int(rng.integers(0, 8))
+        broken.write_bytes(bytes(changed))
+        try:
+            purinec.load(broken)
+        except ArtifactError:
+            pass  # refused; or, for a byte the zip ignores (a timestamp), loaded fine
+
+
+def test_a_newer_format_is_refused_naming_both_versions(saved):
+    edit_manifest(saved, format_version=artifact.FORMAT_VERSION + 1, purinec_version="9.0")
+    with pytest.raises(ArtifactError, match=rf"format version {artifact.FORMAT_VERSION + 1}, "
+                                            rf"newer than the version "
+                                            rf"{artifact.FORMAT_VERSION} .*purinec 9.0"):
+        purinec.load(saved)
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "not a purinec artifact"),
+    (b"graph g() {\n  return\n}\n", "not a purinec artifact"),
+    (b"PK\x03\x04" + b"\0" * 40, "truncated or damaged"),
+])
+def test_not_a_zip_is_refused(tmp_path, content, message):
+    path = tmp_path / "x.purine"
+    path.write_bytes(content)
+    with pytest.raises(ArtifactError, match=message):
+        purinec.load(path)
+
+
+def test_a_missing_file_is_refused(tmp_path):
+    with pytest.raises(ArtifactError, match="cannot read .*nothing.purine"):
+        purinec.load(tmp_path / "nothing.purine")
+
+
+@pytest.mark.parametrize("member", ["manifest.json", "program.pir", "weights.npz"])
+def test_a_missing_member_is_refused(saved, member):
+    members = read_zip(saved)
+    del members[member]
+    write_zip(saved, members, fix_hashes=member != "manifest.json")
+    with pytest.raises(ArtifactError, match=f"member {member} is missing"):
+        purinec.load(saved)
+
+
+def test_a_member_listed_but_absent_is_refused(saved):
+    members = read_zip(saved)
+    del members["eval.pir"]
+    write_zip(saved, members, fix_hashes=False)
+    with pytest.raises(ArtifactError, match="member eval.pir is missing"):
+        purinec.load(saved)
+
+
+def test_an_unlisted_member_is_refused(saved):
+    members = read_zip(saved)
+    members["kernels/extra.py"] = b"print('hello')\n"
+    write_zip(saved, members, fix_hashes=False)
+    with pytest.raises(ArtifactError, match="member kernels/extra.py is not listed"):
+        purinec.load(saved)
+
+
+@pytest.mark.parametrize("manifest, message", [
+    (b"{not json", "manifest.json is not valid JSON"),
+    (b"\xff\xfe", "manifest.json is not valid JSON"),
+    (b"[1, 2]", "does not describe a purinec artifact"),
+    (b'{"format": "purinec-artifact"}', "no valid format_version"),
+    (b'{"format": "purinec-artifact", "format_version": 1, "members": []}',
+     "field 'members' must be"),
+])
+def test_a_bad_manifest_is_refused(saved, manifest, message):
+    members = read_zip(saved)
+    members["manifest.json"] = manifest
+    write_zip(saved, members, fix_hashes=False)
+    with pytest.raises(ArtifactError, match=message):
+        purinec.load(saved)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda w: w.update({"param/ip1.weight": w["param/ip1.weight"][:4]}),
+     r"param ip1.weight: the IR declares f32\[8,16\], the array is f32\[4,16\]"),
+    (lambda w: w.update({"param/ip1.bias": w["param/ip1.bias"].astype(np.float64)}),
+     r"param ip1.bias: the IR declares f32\[8\], the array is f64\[8\]"),
+    (lambda w: w.update({"param/ip1.bias": w["param/ip1.bias"].astype(">f4")}),
+     r"param ip1.bias: the IR declares f32\[8\], the array is >f4\[8\]"),
+    (lambda w: w.pop("state/ip2.weight.history"), "missing ip2.weight.history"),
+    (lambda w: w.update({"param/ip3.weight": np.zeros(2, np.float32)}),
+     "not in the IR: ip3.weight"),
+    (lambda w: w.update({"extra": np.zeros(2, np.float32)}), "an array named 'extra'"),
+])
+def test_weights_that_do_not_match_the_ir_are_refused(trained, saved, change, message):
+    weights = weights_of(trained)
+    change(weights)
+    members = read_zip(saved)
+    members["weights.npz"] = npz_bytes(**weights)
+    write_zip(saved, members)
+    with pytest.raises(ArtifactError, match=message):
+        purinec.load(saved)
+
+
+def test_ir_that_fails_verification_is_refused(saved):
+    members = read_zip(saved)
+    text = members["eval.pir"].decode()
+    members["eval.pir"] = text.replace("f32[4,3] @cpu:0", "f32[4,5] @cpu:0", 1).encode()
+    write_zip(saved, members)
+    with pytest.raises(ArtifactError, match="eval.pir fails verification"):
+        purinec.load(saved)
+
+
+def test_loading_never_executes_python_from_the_file(saved, tmp_path):
+    marker = tmp_path / "pwned"
+    members = read_zip(saved)
+    members["program.pir"] = f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n".encode()
+    write_zip(saved, members)
+    with pytest.raises(ArtifactError, match=r"program.pir is not valid purinec IR: "
+                                            r"program.pir:\d+:\d+: "):
+        purinec.load(saved)
+    assert not marker.exists()
+
+
+class _TouchOnUnpickle:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return pathlib.Path.touch, (pathlib.Path(self.path),)
+
+
+def test_loading_never_unpickles_weights(trained, saved, tmp_path):
+    marker = tmp_path / "pwned"
+    weights = weights_of(trained)
+    weights["param/ip1.bias"] = np.array([_TouchOnUnpickle(marker)] * 8, dtype=object)
+    members = read_zip(saved)
+    members["weights.npz"] = npz_bytes(**weights)
+    write_zip(saved, members)
+    with pytest.raises(ArtifactError, match="weights.npz: array param/ip1.bias cannot be read "
+                                            "without unpickling"):
+        purinec.load(saved)
+    assert not marker.exists()
+
+
+# -- writing is all or nothing -------------------------------------------------------------
+
+def test_a_failed_save_leaves_the_previous_file_intact(trained, saved, monkeypatch):
+    before = saved.read_bytes()
+    trained.step(feeds(7))
+    real_write_zip = artifact._write_zip
+
+    def crash_halfway(f, manifest, members):
+        real_write_zip(f, manifest, members)
+        f.truncate(f.tell() // 2)  # half a file is on disk when the "kill" comes
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(artifact, "_write_zip", crash_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        trained.save(saved)
+    assert saved.read_bytes() == before
+    assert sorted(os.listdir(saved.parent)) == ["tiny.purine", "tiny.py"]  # no temp file
+    purinec.load(saved)
+
+
+def test_saving_into_a_missing_directory_is_a_clear_error(trained, tmp_path):
+    with pytest.raises(ArtifactError, match="cannot write .*nowhere"):
+        trained.save(tmp_path / "nowhere" / "x.purine")
+    with pytest.raises(ArtifactError, match="metadata is not JSON"):
+        trained.save(tmp_path / "x.purine", metadata={"epoch": np.arange(2)})
+    assert not (tmp_path / "x.purine").exists()
+    trained.save(tmp_path / "x.purine")  # the failed save left the program as it was
+
+
+# -- Program from IR, checkpoints -----------------------------------------------------------
+
+def test_program_from_ir_checks_the_weights_it_is_given(trained):
+    params = dict(trained.params)
+    program = Program.from_ir(trained.ir, trained.eval_ir, "reference", params,
+                              dict(trained.state))
+    params["ip1.bias"][:] = 42  # the program holds copies
+    assert not (program.params["ip1.bias"] == 42).any()
+    del params["ip1.bias"]
+    with pytest.raises(PurinecError, match="missing ip1.bias"):
+        Program.from_ir(trained.ir, trained.eval_ir, "reference", params)
+    fresh = Program.from_ir(trained.ir, trained.eval_ir, seed=5)  # initialized by the IR
+    value = fresh.ir.input("ip1.weight")
+    np.testing.assert_array_equal(fresh.params["ip1.weight"],
+                                  initial_value(value.init, value.type,
+                                                np.random.default_rng(5)))
+
+
+def test_resuming_a_checkpoint_gives_the_uninterrupted_weights(model_file, tmp_path):
+    data = synthetic(seed=3, n=64, shape=(1, 4, 4), num_classes=3)
+    sgd = purinec.SGD(lr=0.1, momentum=0.9, weight_decay=1e-3)
+
+    def fresh():
+        return purinec.compile(model_file, train=sgd, batch=8, seed=1)
+
+    uninterrupted = fresh()
+    train(uninterrupted, data, epochs=3, batch=8, seed=3, progress=False)
+
+    first = fresh()
+    path = tmp_path / "ck.purine"
+    train(first, data, epochs=3, batch=8, seed=3, progress=False,
+          on_epoch_end=lambda e: Checkpoint(e.epoch, 3, "synthetic").save(first, path)
+          if e.epoch == 1 else None)
+    resumed, checkpoint = Checkpoint.load(path)
+    assert checkpoint == Checkpoint(epoch=1, seed=3, data="synthetic")
+    result = train(resumed, data, epochs=3, batch=8, seed=checkpoint.seed, progress=False,
+                   start_epoch=checkpoint.epoch)
+    assert [e.epoch for e in result.epochs] == [2, 3]
+    for store in ("params", "state"):
+        for name, value in getattr(uninterrupted, store).items():
+            assert getattr(resumed, store)[name].tobytes() == value.tobytes(), name
+    assert resumed.state["iteration"] == 3 * (len(data.train_x) // 8)  # steps taken
+
+
+def test_an_artifact_that_is_not_a_checkpoint_cannot_be_resumed(saved):
+    with pytest.raises(ArtifactError, match="not a checkpoint"):
+        Checkpoint.load(saved)
+    edit_manifest(saved, metadata={"checkpoint": {"epoch": "two", "seed": 0, "data": "x"}})
+    with pytest.raises(ArtifactError, match="checkpoint entry of its manifest is malformed"):
+        Checkpoint.load(saved)
