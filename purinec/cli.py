@@ -10,6 +10,7 @@ import time
 import numpy as np
 
 from purinec.errors import PurinecError
+from purinec.fileio import atomic_write_text
 
 STAGE_HELP = """\
 stages, in pipeline order (autodiff and optimizer only with --train):
@@ -19,10 +20,12 @@ stages, in pipeline order (autodiff and optimizer only with --train):
   autodiff      the backward graph appended: grad.<param> outputs
   optimizer     SGD's updates appended: new params and momentum histories
   dce           nodes that reach no output removed
-  cse           identical nodes merged (the final IR)
+  cse           identical nodes merged
+  fuse          nodes grouped into fused kernels (cpu target; the final IR)
+  kernels       the generated Numba source of every kernel (cpu target)
 """
 
-MODEL_HELP = ("a zoo name (mlp, lenet, cifar_quick, nin, inception), a Python file "
+MODEL_HELP = ("a zoo name (mlp, lenet, convnet, cifar_quick, nin, inception), a Python file "
               "defining build(batch), or a .pir IR file")
 
 
@@ -87,39 +90,88 @@ def _positive(text: str) -> int:
 
 
 def cmd_dump(args) -> int:
-    from purinec.compiler import STAGES, build_graph, load_source
-    from purinec.fileio import atomic_write_text
+    from purinec.compiler import STAGES, build_graph, load_source, passes_for
 
-    wanted = STAGES if args.stage == "all" else (args.stage or STAGES[-1],)
-    unknown = [s for s in wanted if s not in STAGES]
-    if unknown:
-        raise PurinecError(f"unknown stage {unknown[0]!r}; stages: {', '.join(STAGES)}")
+    train = _sgd(args) if args.train else None
+    runs = ["lower"] + [p.name for p in passes_for(train, args.target)]
+    wanted = _wanted_stages(args, runs)
+    if (args.llvm or args.asm) and wanted != ["kernels"]:
+        raise PurinecError("--llvm and --asm go with --stage kernels")
+    if args.explain and "fuse" not in wanted:
+        raise PurinecError("--explain goes with --stage fuse (or all)")
     if args.output:
         os.makedirs(args.output, exist_ok=True)
-    written = []
+    written: list[str] = []
+    before_fuse: list = []
 
-    def show(stage, graph):
-        if stage not in wanted:
-            return
-        text = str(graph)
+    def emit(name: str, text: str) -> None:
         if args.output:
-            path = os.path.join(args.output,
-                                f"{graph.name}.{STAGES.index(stage):02d}-{stage}.pir")
-            atomic_write_text(path, text)
+            path = os.path.join(args.output, name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            atomic_write_text(path, text + "\n")
             written.append(path)
         else:
             if len(wanted) > 1:
-                print(f"// ---- after {stage} ----")
+                print(f"// ---- {name} ----")
             print(text)
 
-    train = _sgd(args) if args.train else None
-    build_graph(load_source(args.model, args.batch), train, show)
+    def show(stage, graph):
+        if stage == "cse":
+            before_fuse[:] = [graph]
+        if stage not in wanted:
+            return
+        emit(f"{graph.name}.{STAGES.index(stage):02d}-{stage}.pir", str(graph))
+        if stage == "fuse" and args.explain:
+            from purinec.passes.fuse import explain
+
+            reasons = "\n".join(f"# {apart}" for apart in explain(before_fuse[0]))
+            emit(f"{graph.name}.fuse-explain.txt", reasons or "# every pair fused")
+
+    graph = build_graph(load_source(args.model, args.batch), train, show, args.target)
+    if "kernels" in wanted:
+        _dump_kernels(graph, args, emit)
     for path in written:
         print(f"wrote {path}")
-    if not args.train and any(s in ("autodiff", "optimizer") for s in wanted) and \
-            args.stage != "all":
-        print(f"note: stage {args.stage} runs only with --train", file=sys.stderr)
     return 0
+
+
+def _wanted_stages(args, runs: list[str]) -> list[str]:
+    """The stages to show: the named one (checked against what runs for this target and
+    mode, with the reason when it does not run), all that run, or the final IR."""
+    from purinec.compiler import STAGES, get_target
+
+    get_target(args.target)
+    if args.stage is None:
+        return [runs[-1]]
+    if args.stage == "all":
+        return runs + (["kernels"] if args.target == "cpu" else [])
+    if args.stage == "kernels":
+        if args.target != "cpu":
+            raise PurinecError(f"target {args.target} generates no kernels; use --target cpu")
+        return ["kernels"]
+    if args.stage not in STAGES:
+        raise PurinecError(f"unknown stage {args.stage!r}; stages: {', '.join(STAGES)}, "
+                           "kernels, all")
+    if args.stage not in runs:
+        why = ("runs only with --train" if args.stage in ("autodiff", "optimizer")
+               else f"does not run for target {args.target}")
+        raise PurinecError(f"stage {args.stage} {why}")
+    return [args.stage]
+
+
+def _dump_kernels(graph, args, emit) -> None:
+    """The generated source of every kernel (or what Numba made of it: --llvm, --asm)."""
+    from purinec.codegen.cpu import compile_kernels
+
+    folder = f"{graph.name}.kernels"
+    for node, kernel in compile_kernels(graph).items():
+        stem = os.path.join(folder, f"{kernel.name}.{node.name}")  # node names are unique
+        if args.llvm:
+            emit(f"{stem}.ll", kernel.llvm())
+        elif args.asm:
+            emit(f"{stem}.s", kernel.asm())
+        else:
+            emit(f"{stem}.py", f"# cached as {kernel.path}\n{kernel.source}")
 
 
 def cmd_compile(args) -> int:
@@ -392,7 +444,17 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--stage", metavar="NAME|all",
                       help="stage to show (default: the final IR); 'all' shows every stage")
     dump.add_argument("-o", "--output", metavar="DIR",
-                      help="write one file per stage into DIR and print their paths")
+                      help="write one file per stage (and kernel) into DIR and print their "
+                           "paths")
+    dump.add_argument("--target", default="cpu",
+                      help="target whose pipeline to run (default: cpu; reference does not "
+                           "fuse)")
+    dump.add_argument("--explain", action="store_true",
+                      help="with --stage fuse: say why each pair of neighbours did not fuse")
+    dump.add_argument("--llvm", action="store_true",
+                      help="with --stage kernels: the LLVM IR Numba produced")
+    dump.add_argument("--asm", action="store_true",
+                      help="with --stage kernels: the machine code, as assembly")
     _add_solver_args(dump, 0.01)
     dump.set_defaults(func=cmd_dump)
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import MutableMapping
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
@@ -16,18 +16,56 @@ from purinec.ir.parser import parse
 from purinec.ir.types import DType
 from purinec.ir.verify import verify
 from purinec.passes.autodiff import autodiff
+from purinec.passes.fuse import fuse
 from purinec.passes.optimizer import SGD
 from purinec.passes.pipeline import Pass, StageHook, run_passes
 from purinec.passes.simplify import cse, dce, infer_shapes
 from purinec.runtime.reference import execute
 
-TARGETS: dict[str, Callable[[Graph], Callable[[Mapping[str, np.ndarray]], dict]]] = {
-    "reference": lambda graph: (lambda env: execute(graph, env)),
+@dataclass(frozen=True)
+class Target:
+    """Where a program runs: how to build an executable from final IR (the contract in
+    docs/architecture.md), and the passes this target adds at the end of the pipeline."""
+
+    name: str
+    build: Callable[..., Callable[[Mapping[str, np.ndarray]], dict]]  # (graph, trace)
+    passes: tuple[Pass, ...] = ()
+    records_traces: bool = False
+    doc: str = ""
+
+
+def _reference_executable(graph: Graph, trace: Any = None):
+    return lambda env: execute(graph, env)
+
+
+def _cpu_executable(graph: Graph, trace: Any = None):
+    from purinec.codegen.cpu import compile_kernels
+    from purinec.runtime.executor import Executable
+
+    kernels = {node: kernel.fn for node, kernel in compile_kernels(graph).items()}
+    return Executable(graph, kernels, trace=trace)
+
+
+TARGETS: dict[str, Target] = {
+    "reference": Target("reference", _reference_executable,
+                        doc="NumPy, one op at a time: the oracle"),
+    "cpu": Target("cpu", _cpu_executable,
+                  passes=(Pass("fuse", fuse, "group nodes into fused kernels"),),
+                  records_traces=True,
+                  doc="fused Numba kernels run by the dependency-counting runtime"),
 }
 
 # Every stage a dump can show, in pipeline order. "lower" is the graph as the front end
-# produced it (for a .pir file: as parsed). autodiff and optimizer run only for training.
-STAGES = ("lower", "infer_shapes", "verify", "autodiff", "optimizer", "dce", "cse")
+# produced it (for a .pir file: as parsed). autodiff and optimizer run only for training,
+# fuse only for targets that fuse (cpu).
+STAGES = ("lower", "infer_shapes", "verify", "autodiff", "optimizer", "dce", "cse", "fuse")
+
+
+def get_target(name: str) -> Target:
+    try:
+        return TARGETS[name]
+    except KeyError:
+        raise PurinecError(f"unknown target {name!r}; available: {', '.join(TARGETS)}") from None
 
 
 def _verify_pass(graph: Graph) -> Graph:
@@ -35,7 +73,7 @@ def _verify_pass(graph: Graph) -> Graph:
     return graph
 
 
-def passes_for(train: SGD | None) -> list[Pass]:
+def passes_for(train: SGD | None, target: str = "reference") -> list[Pass]:
     passes = [Pass("infer_shapes", infer_shapes, "recompute output types from inputs"),
               Pass("verify", _verify_pass, "check every IR invariant")]
     if train is not None:
@@ -43,7 +81,7 @@ def passes_for(train: SGD | None) -> list[Pass]:
                    Pass("optimizer", train.apply, "append the solver's updates")]
     passes += [Pass("dce", dce, "drop nodes that reach no output"),
                Pass("cse", cse, "merge identical nodes")]
-    return passes
+    return passes + list(get_target(target).passes)
 
 
 def load_source(model: Any, batch: int | None = None, **model_kwargs) -> Any:
@@ -71,8 +109,10 @@ def load_source(model: Any, batch: int | None = None, **model_kwargs) -> Any:
     return load_model(model, batch, **model_kwargs)
 
 
-def build_graph(source: Any, train: SGD | None, after: StageHook | None = None) -> Graph:
-    """Lower (or take) the graph and run the pipeline; ``after`` sees every stage."""
+def build_graph(source: Any, train: SGD | None, after: StageHook | None = None,
+                target: str = "reference") -> Graph:
+    """Lower (or take) the graph and run ``target``'s pipeline; ``after`` sees every
+    stage."""
     from purinec.passes.lower import lower
 
     if isinstance(source, Graph):
@@ -81,7 +121,7 @@ def build_graph(source: Any, train: SGD | None, after: StageHook | None = None) 
         graph = lower(source, mode="train" if train is not None else "inference")
     if after is not None:
         after("lower", graph)
-    return run_passes(graph, passes_for(train), after).graph
+    return run_passes(graph, passes_for(train, target), after).graph
 
 
 class TensorStore(MutableMapping):
@@ -159,15 +199,6 @@ def check_weights(graphs: list[Graph], role: str, arrays: Mapping[str, np.ndarra
                                f"{_describe_array(array)}")
 
 
-def records_traces(target: str) -> bool:
-    """Whether ``target`` records traces: its factory takes a ``trace`` keyword."""
-    try:
-        parameters = inspect.signature(TARGETS[target]).parameters
-    except (TypeError, ValueError):
-        return False
-    return "trace" in parameters
-
-
 class Program:
     """A compiled model: run it, train it, read and set its parameters.
 
@@ -188,9 +219,7 @@ class Program:
                  params: Mapping[str, np.ndarray] | None = None,
                  state: Mapping[str, np.ndarray] | None = None,
                  trace: Any = None, metadata: dict | None = None):
-        if target not in TARGETS:
-            raise PurinecError(f"unknown target {target!r}; available: {', '.join(TARGETS)}")
-        if trace is not None and not records_traces(target):
+        if trace is not None and not get_target(target).records_traces:
             raise PurinecError(f"target {target} does not record traces; run without a trace "
                                f"or on a target that records them")
         self.ir = graph
@@ -298,8 +327,7 @@ def _initial_arrays(graphs: list[Graph], role: str, given: Mapping[str, np.ndarr
 
 
 def _executable(target: str, graph: Graph, trace: Any):
-    factory = TARGETS[target]
-    return factory(graph) if trace is None else factory(graph, trace=trace)
+    return get_target(target).build(graph, trace)
 
 
 def compile(model: Any, target: str = "reference", train: SGD | None = None,
@@ -313,11 +341,10 @@ def compile(model: Any, target: str = "reference", train: SGD | None = None,
     with the IR after every stage of the main graph's pipeline (see STAGES). ``trace``
     goes to the target (see `Program`).
     """
-    if target not in TARGETS:
-        raise PurinecError(f"unknown target {target!r}; available: {', '.join(TARGETS)}")
+    get_target(target)
     source = load_source(model, batch, **model_kwargs)
-    graph = build_graph(source, train, after)
-    eval_graph = build_graph(source, None) if train is not None else None
+    graph = build_graph(source, train, after, target)
+    eval_graph = build_graph(source, None, target=target) if train is not None else None
     return Program(graph, eval_graph, target, seed, trace=trace)
 
 

@@ -77,7 +77,7 @@ def test_dump_prints_parsable_ir():
 
 def test_dump_all_stages_to_files(tmp_path):
     result = purinec("dump", "mlp", "--train", "--batch", "2", "--stage", "all", "-o",
-                     str(tmp_path))
+                     str(tmp_path), "--target", "reference")
     assert result.returncode == 0, result.stderr
     files = sorted(tmp_path.iterdir())
     assert [f.name for f in files] == [
@@ -87,8 +87,39 @@ def test_dump_all_stages_to_files(tmp_path):
     for f in files:
         assert f"wrote {f}" in result.stdout
         text = f.read_text()
-        assert str(parse(text)) == text
+        assert str(parse(text)) + "\n" == text
     assert "sgd(" in files[-1].read_text()
+
+
+def test_dump_cpu_pipeline_fuses_and_writes_kernels(tmp_path):
+    result = purinec("dump", "mlp", "--train", "--batch", "2", "--stage", "all", "-o",
+                     str(tmp_path), "--explain")
+    assert result.returncode == 0, result.stderr
+    fused = (tmp_path / "mlp.train.07-fuse.pir").read_text()
+    assert str(parse(fused)) + "\n" == fused
+    assert "fused(" in fused and "kernel=\"fused_matmul_bias_add_relu\"" in fused
+    explained = (tmp_path / "mlp.train.fuse-explain.txt").read_text()
+    assert "%ip1.flatten -> %ip1.matmul" in explained or "reshape" in explained
+    kernels = sorted((tmp_path / "mlp.train.kernels").iterdir())
+    graph = parse(fused)
+    assert len(kernels) == len(graph.nodes)  # one kernel per node, fused ones included
+    source = (tmp_path / "mlp.train.kernels" /
+              "fused_matmul_bias_add_relu.ip1.py").read_text()
+    assert "@njit" in source or "njit(" in source
+    assert "%ip1.matmul = matmul(" in source  # says which IR nodes it came from
+    for path in kernels:
+        assert f"wrote {path}" in result.stdout
+
+
+def test_dump_kernel_llvm_and_stage_errors():
+    llvm = purinec("dump", "mlp", "--batch", "2", "--stage", "kernels", "--llvm")
+    assert llvm.returncode == 0, llvm.stderr
+    assert "define " in llvm.stdout
+    assert_clean_error(purinec("dump", "mlp", "--stage", "fuse", "--target", "reference"),
+                       "stage fuse does not run for target reference")
+    assert_clean_error(purinec("dump", "mlp", "--stage", "autodiff"),
+                       "stage autodiff runs only with --train")
+    assert_clean_error(purinec("dump", "mlp", "--llvm"), "--llvm and --asm go with")
 
 
 def test_dump_one_stage():
@@ -98,7 +129,7 @@ def test_dump_one_stage():
 
 
 def test_unknown_stage_and_model_are_clear_errors():
-    assert_clean_error(purinec("dump", "mlp", "--stage", "fuse"), "unknown stage 'fuse'")
+    assert_clean_error(purinec("dump", "mlp", "--stage", "fission"), "unknown stage 'fission'")
     assert_clean_error(purinec("dump", "resnet9000"), "resnet9000", "lenet")
 
 

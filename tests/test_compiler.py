@@ -92,7 +92,7 @@ def test_every_stage_of_every_zoo_model_round_trips(name, training):
         seen.append(stage)
 
     sgd = purinec.SGD(lr=0.01, momentum=0.9, weight_decay=1e-4) if training else None
-    build_graph(load_source(name, batch=2), sgd, check)
+    build_graph(load_source(name, batch=2), sgd, check, target="cpu")  # cpu: fuse runs too
     expected = [s for s in STAGES if training or s not in ("autodiff", "optimizer")]
     assert seen == expected
 
@@ -155,9 +155,9 @@ def test_pir_file_compiles_and_trains_like_the_model(tmp_path):
 
 
 def test_a_trace_goes_to_targets_that_record_them(monkeypatch):
-    """A target records traces when its factory takes ``trace``; Program.close (or leaving
-    a with block) lets it finish. Others refuse a trace instead of ignoring it."""
-    from purinec.compiler import TARGETS
+    """A target that records traces gets the trace; Program.close (or leaving a with
+    block) lets it finish. Others refuse a trace instead of ignoring it."""
+    from purinec.compiler import TARGETS, Target
     from purinec.runtime.reference import execute
 
     events = []
@@ -173,8 +173,8 @@ def test_a_trace_goes_to_targets_that_record_them(monkeypatch):
         def close(self):
             events.append(("close", self.graph.name, self.trace))
 
-    monkeypatch.setitem(TARGETS, "traced", lambda graph, trace=None:
-                        TracingExecutable(graph, trace))
+    monkeypatch.setitem(TARGETS, "traced", Target("traced", TracingExecutable,
+                                                  records_traces=True))
     options = dict(batch=2, input_shape=(1, 2, 2), num_classes=3)
     recorder = object()  # what the target records into; Program passes it through
     with purinec.compile("mlp", target="traced", trace=recorder, **options) as program:
@@ -183,3 +183,13 @@ def test_a_trace_goes_to_targets_that_record_them(monkeypatch):
     assert events == [("build", "mlp", recorder), ("close", "mlp", recorder)]
     with pytest.raises(PurinecError, match="target reference does not record traces"):
         purinec.compile("mlp", trace=recorder, **options)
+
+
+def test_convnet_reaches_97_percent_on_digits_with_the_cpu_target():
+    """The README's main job, asserted: compiled CPU kernels train the convnet."""
+    data = load_dataset("digits")
+    program = purinec.compile("convnet", target="cpu",
+                              train=purinec.SGD(lr=0.05, momentum=0.9, weight_decay=5e-4),
+                              batch=32, input_shape=data.input_shape, num_classes=10)
+    result = train(program, data, epochs=15, batch=32, progress=False)
+    assert result.final.test_accuracy >= 0.97, result.epochs

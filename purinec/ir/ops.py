@@ -396,7 +396,7 @@ def _broadcast_to_infer(types, attrs):
 
 
 register(OpDef("broadcast_to", ("x",), _broadcast_to_infer,
-               lambda x, shape: (np.ascontiguousarray(np.broadcast_to(x, shape)),), B,
+               lambda x, shape: (np.broadcast_to(x, shape).copy(),), B,
                attrs={"shape": Attr("ints")}, doc="NumPy broadcasting to shape"))
 
 
@@ -730,7 +730,16 @@ def _xent_infer(types, attrs):
     return [TensorType((), types[0].dtype)]
 
 
+def _check_labels(label: np.ndarray, classes: int) -> None:
+    """Labels index the logits' columns: refuse one outside [0, classes) rather than
+    wrap it around as NumPy indexing would."""
+    bad = np.flatnonzero((label < 0) | (label >= classes))
+    if bad.size:
+        raise ValueError(f"label {label[bad[0]]} at row {bad[0]} is outside [0, {classes})")
+
+
 def _xent_ref(logits, label):
+    _check_labels(label, logits.shape[1])
     shifted = logits - logits.max(axis=1, keepdims=True)
     logp = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
     return (np.asarray(-logp[np.arange(len(label)), label].mean(), dtype=logits.dtype),)
@@ -745,6 +754,7 @@ def _xent_grad_infer(types, attrs):
 
 
 def _xent_grad_ref(logits, label, gy):
+    _check_labels(label, logits.shape[1])
     (p,) = _softmax_ref(logits, 1)
     p[np.arange(len(label)), label] -= 1
     return ((p * (gy / len(label))).astype(logits.dtype),)

@@ -1,0 +1,168 @@
+"""The kernel cache: generated sources on disk, importable, so Numba's cache is reused.
+
+Numba can cache compiled code only for functions defined in a real file (not for
+source that was ``exec``'d), and it keys its cache on that file. So every generated
+kernel module is written to ``<cache dir>/<target>/k_<sha256 of its text, 20 hex
+digits>.py`` and imported from there as a module registered in ``sys.modules``; its
+functions use ``cache=True``, and Numba keeps their machine code in ``__pycache__``
+beside it, where a later process finds it.
+
+The cache directory is ``$PURINEC_CACHE_DIR``, else ``~/.cache/purinec``, read at every
+use. A file is trusted only if its text equals the source we would write: anything else
+(truncated, edited, unreadable) is rewritten before it is imported. Files are written to
+a temporary name and then linked or renamed into place, so concurrent writers of the
+same kernel never expose a partial file. Hits and misses are logged at DEBUG on
+``purinec.codegen.cache`` and counted in `STATS`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import sys
+import tempfile
+import threading
+import types
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from purinec.errors import PurinecError
+
+log = logging.getLogger(__name__)
+
+ENV_VAR = "PURINEC_CACHE_DIR"
+_HASH_CHARS = 20
+
+
+class CacheError(PurinecError):
+    """The kernel cache directory cannot be used."""
+
+
+@dataclass
+class CacheStats:
+    """Counters since the process started (or since `reset`).
+
+    hits: the source file was already there and correct; misses: it had to be written;
+    rewrites: a file that was there was wrong and got replaced (also a miss);
+    compiles: Numba compiled a kernel; loads: Numba loaded a kernel from its disk cache.
+    """
+
+    hits: int = 0
+    misses: int = 0
+    rewrites: int = 0
+    compiles: int = 0
+    loads: int = 0
+
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, 0)
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+STATS = CacheStats()
+
+_lock = threading.Lock()
+_modules: dict[Path, types.ModuleType] = {}
+
+
+def cache_dir() -> Path:
+    """The kernel cache root: ``$PURINEC_CACHE_DIR`` or ``~/.cache/purinec``."""
+    configured = os.environ.get(ENV_VAR)
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "purinec"
+
+
+def source_hash(source: str) -> str:
+    return hashlib.sha256(source.encode("utf-8")).hexdigest()[:_HASH_CHARS]
+
+
+def kernel_path(source: str, target: str = "cpu") -> Path:
+    """Where the module with this text lives in the cache."""
+    return cache_dir() / target / f"k_{source_hash(source)}.py"
+
+
+def load_module(source: str, target: str = "cpu") -> types.ModuleType:
+    """The module with text ``source``, written to the cache if needed and imported.
+
+    Importing runs the generated module, so it happens only after its file was checked
+    to hold exactly ``source``. Within a process each file is imported once.
+    """
+    path = kernel_path(source, target)
+    with _lock:
+        _ensure_file(path, source)
+        module = _modules.get(path)
+        if module is None:
+            module = _import(path)
+            _modules[path] = module
+        return module
+
+
+def _ensure_file(path: Path, source: str) -> None:
+    try:
+        found = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        found = None
+    except (OSError, UnicodeDecodeError) as err:
+        log.debug("kernel cache: cannot read %s (%s); rewriting it", path, err)
+        found = ""
+    if found == source:
+        STATS.hits += 1
+        log.debug("kernel cache hit: %s", path)
+        return
+    STATS.misses += 1
+    if found is None:
+        log.debug("kernel cache miss: writing %s", path)
+    else:
+        STATS.rewrites += 1
+        log.debug("kernel cache: %s does not hold the expected source; rewriting it", path)
+    _write_atomically(path, source, replace=found is not None)
+
+
+def _write_atomically(path: Path, source: str, replace: bool) -> None:
+    """Write ``source`` to a temporary file beside ``path``, then move it into place.
+
+    A new file is *linked* into place, which fails instead of overwriting when another
+    process got there first (its file then holds the same text: the name is its hash),
+    so a kernel's file keeps its first timestamp and Numba's cache index stays valid. A
+    wrong file is replaced by rename, which is atomic too."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp", dir=path.parent)
+    except OSError as err:
+        raise CacheError(f"cannot write to the kernel cache {path.parent}: {err}; set "
+                         f"{ENV_VAR} to a writable directory") from err
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(source)
+            f.flush()
+            os.fsync(f.fileno())
+        if replace:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pass
+            except OSError:  # a file system without hard links
+                os.replace(tmp, path)
+    except OSError as err:
+        raise CacheError(f"cannot write kernel {path}: {err}") from err
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _import(path: Path) -> types.ModuleType:
+    name = f"purinec_kernel_{path.parent.name}_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module

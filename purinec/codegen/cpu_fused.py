@@ -1,0 +1,89 @@
+"""CPU renderer of fused nodes, the three shapes of group `purinec.passes.fuse` makes.
+
+* epilogue: a ``conv2d`` or ``matmul`` anchor, then elementwise members run on each of
+  its images (or rows) as soon as it is computed; an anchor output nobody outside the
+  node reads lives only in a scratch;
+* loop: elementwise and broadcast members whose outputs have one shape, one loop;
+* horizontal: members of several shapes that do not read one another (the solver's
+  updates), one loop each.
+
+The loops come from the scalar rules and loop emitter of `purinec.codegen.elementwise`,
+the ones single elementwise nodes use.
+"""
+
+from __future__ import annotations
+
+from purinec.codegen.cpu_conv import emit_conv2d, emit_matmul
+from purinec.codegen.cpu_module import KernelModule, renders
+from purinec.codegen.cpu_ops import dtype_name, span_of
+from purinec.codegen.elementwise import emit_loop
+from purinec.codegen.kernel import CodegenError
+from purinec.ir.graph import Node, Value
+
+
+@renders("fused")
+def render_fused(node: Node, m: KernelModule) -> None:
+    """The three shapes of group the fuse pass makes: a conv2d or matmul with an
+    elementwise epilogue; elementwise members of one shape, one loop; members of
+    several shapes that do not read one another (the solver's updates), one loop each."""
+    arrays = dict(zip(node.inputs, m.inputs)) | dict(zip(node.outputs, m.outputs))
+    body = node.body
+    if body[0].op in _ANCHORS:
+        _render_epilogue(node, m, arrays)
+        return
+    if len({v.type.shape for member in body for v in member.outputs}) == 1:
+        emit_loop(m, body, arrays, node.outputs)
+        return
+    defined = {v for member in body for v in member.outputs}
+    if any(v in defined for member in body for v in member.inputs):
+        raise CodegenError(f"fused node {node!r}: members of several shapes that read one "
+                           f"another cannot be one loop nor independent loops")
+    m.serial = True  # loops of different lengths: no one split fits them all
+    exported = set(node.outputs)
+    for member in body:
+        outputs = [v for v in member.outputs if v in exported]
+        if outputs:
+            emit_loop(m, [member], arrays, outputs)
+
+
+_ANCHORS = ("conv2d", "matmul")
+
+
+def _render_epilogue(node: Node, m: KernelModule, arrays: dict[Value, str]) -> None:
+    """The anchor (conv2d or matmul), then the elementwise members on each of its
+    images (or rows) as soon as it is computed. An anchor output nobody outside reads
+    lives in a scratch array only."""
+    anchor, rest = node.body[0], node.body[1:]
+    (produced,) = anchor.outputs
+    exported = produced in node.outputs
+    outputs = [v for v in node.outputs if v is not produced]
+    ins = [arrays[v] for v in anchor.inputs]
+    if not outputs:
+        raise CodegenError(f"fused node {node!r}: its epilogue exports nothing")
+    if anchor.op == "conv2d":
+        def epilogue(n: str, scratch: str | None) -> None:
+            local = dict(arrays)
+            if scratch is not None:
+                local[produced] = scratch
+            emit_loop(m, rest, local, outputs, outer=n,
+                      local=frozenset([produced]) if scratch else frozenset())
+        with m.body.origin(anchor):
+            emit_conv2d(anchor, m, *ins, arrays[produced] if exported else None, epilogue)
+        return
+    rows, cols = produced.type.shape
+    with m.body.origin(anchor):
+        if exported:
+            lo, hi = emit_matmul(anchor, m, *ins, arrays[produced], by_rows=True)
+        else:
+            inner = anchor.inputs[0].type.shape[0 if anchor.attrs["trans_a"] else 1]
+            lo, hi = m.split(rows, rows * cols * inner)
+            count = rows if lo == "0" else f"{hi} - {lo}"
+            m.body.line(f"product = np.empty(({count}, {cols}), {dtype_name(anchor)})")
+            emit_matmul(anchor, m, *ins, "product", by_rows=True, out_rows_from=lo)
+    r = m.fresh("r")
+    with m.body.block(f"for {r} in range({span_of(lo, hi)}):"):
+        local = dict(arrays)
+        if not exported:
+            local[produced] = f"product[{r}]" if lo == "0" else f"product[{r} - {lo}]"
+        emit_loop(m, rest, local, outputs, outer=r,
+                  local=frozenset() if exported else frozenset([produced]))

@@ -1,0 +1,356 @@
+"""CPU renderers (see `purinec.codegen.cpu_module.renders`): the helpers they share, and
+the elementwise, data movement, reduction, softmax and loss ops.
+
+Every shape and attribute is baked in as a constant. The heavy ops have modules of
+their own: `purinec.codegen.cpu_conv` (matrix products and convolutions, through
+BLAS), `purinec.codegen.cpu_pool` (pooling and LRN) and `purinec.codegen.cpu_fused`
+(fused nodes). Here:
+
+* elementwise and broadcast ops: one loop nest from their scalar rules
+  (`purinec.codegen.elementwise`), the same emitter fused nodes use;
+* data movement (``reshape``, ``concat``, ``split``): row copies;
+* ``reduce_sum``: kept axes outside, summed axes inside, four partial sums;
+* softmax and the losses: direct loops over rows.
+
+Big kernels are *blocked* (`KernelModule.split`): one loop over independent items
+(images, planes, rows of a product, im2col rows) runs over ``lo:hi`` only, so threads
+can run blocks side by side (`purinec.codegen.cpu_runtime.run_blocked`), each with its
+own scratch.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+from purinec.codegen.cpu_module import KernelModule, literal, numpy_name, renders
+from purinec.codegen.elementwise import SCALAR_RULES, emit_loop
+from purinec.ir.graph import Node
+from purinec.ir.types import DType
+
+# ---------------------------------------------------------------------------------------
+# Shared pieces.
+
+
+def dtype_name(node: Node) -> str:
+    """The node's float dtype as generated source spells it."""
+    return numpy_name(node.outputs[0].type.dtype)
+
+
+def _accumulator(dtype: DType) -> str:
+    """Sums of floats accumulate in float64, of integers and bools in int64."""
+    return "np.float64" if dtype.is_float else "np.int64"
+
+
+def _prod(values) -> int:
+    result = 1
+    for v in values:
+        result *= v
+    return result
+
+
+def affine(var: str, scale: int, offset: int | str) -> str:
+    """``var * scale + offset`` without the no-op parts."""
+    text = var if scale == 1 else f"{var} * {scale}"
+    if isinstance(offset, str):
+        return f"{text} + {offset}"
+    if offset > 0:
+        return f"{text} + {offset}"
+    if offset < 0:
+        return f"{text} - {-offset}"
+    return text
+
+
+def span_of(lo: str, hi: str) -> str:
+    """The arguments of ``range`` for ``lo:hi``."""
+    return hi if lo == "0" else f"{lo}, {hi}"
+
+
+def row_slice(array: str, start: str, count: int, total: int) -> str:
+    """``array[start:start + count]``, or ``array`` itself when that is all of it."""
+    if start == "0" and count == total:
+        return array
+    return f"{array}[{start}:{start} + {count}]" if start != "0" else f"{array}[:{count}]"
+
+
+@contextmanager
+def split_loop(m: KernelModule, var: str, count: int, work: int) -> Iterator[str]:
+    """``for var in range(lo, hi)`` over ``count`` independent items, the kernel's
+    blocked loop when ``work`` is big (see `KernelModule.split`)."""
+    lo, hi = m.split(count, work)
+    name = m.fresh(var)
+    with m.body.block(f"for {name} in range({span_of(lo, hi)}):"):
+        yield name
+
+
+# ---------------------------------------------------------------------------------------
+# Elementwise and broadcast ops: one loop from their scalar rules.
+
+
+@renders(*SCALAR_RULES)
+def render_elementwise(node: Node, m: KernelModule) -> None:
+    arrays = dict(zip(node.inputs, m.inputs)) | dict(zip(node.outputs, m.outputs))
+    emit_loop(m, [node], arrays, node.outputs)
+
+
+# ---------------------------------------------------------------------------------------
+# Data movement.
+
+
+def _around_axis(shape, axis: int) -> tuple[int, int]:
+    """(product of the axes before ``axis``, product of those after)."""
+    return _prod(shape[:axis]), _prod(shape[axis + 1:])
+
+
+@renders("reshape")
+def render_reshape(node: Node, m: KernelModule) -> None:
+    """A flat copy (a planner may instead make the output a view of the input)."""
+    size, b = node.outputs[0].type.size, m.body
+    if not size:
+        return
+    src, dst = m.fresh("src"), m.fresh("dst")
+    b.line(f"{src} = {m.inputs[0]}.reshape(({size},))")
+    b.line(f"{dst} = {m.outputs[0]}.reshape(({size},))")
+    with split_loop(m, "k", size, size) as k:
+        b.line(f"{dst}[{k}] = {src}[{k}]")
+
+
+def _concat_views(m: KernelModule, arrays, types, axis: int, outer: int, inner: int
+                  ) -> list[str]:
+    views = []
+    for name, ty in zip(arrays, types):
+        view = m.fresh(name + "_rows")
+        m.body.line(f"{view} = {name}.reshape(({outer}, {ty.shape[axis] * inner}))")
+        views.append(view)
+    return views
+
+
+@renders("concat", "split")
+def render_concat_split(node: Node, m: KernelModule) -> None:
+    """Every array viewed as (the axes before ``axis``, the rest): each part is a block
+    of columns of the whole, copied row by row."""
+    axis = node.attrs["axis"]
+    joined = node.outputs[0] if node.op == "concat" else node.inputs[0]
+    parts = node.inputs if node.op == "concat" else node.outputs
+    part_names = m.inputs if node.op == "concat" else m.outputs
+    outer, inner = _around_axis(joined.type.shape, axis)
+    (whole,) = _concat_views(m, [m.outputs[0] if node.op == "concat" else m.inputs[0]],
+                             [joined.type], axis, outer, inner)
+    views = _concat_views(m, part_names, [v.type for v in parts], axis, outer, inner)
+    b = m.body
+    with split_loop(m, "r", outer, joined.type.size) as r:
+        offset = 0
+        for view, value in zip(views, parts):
+            length = value.type.shape[axis] * inner
+            k = m.fresh("k")
+            with b.block(f"for {k} in range({length}):"):
+                at = affine(k, 1, offset)
+                if node.op == "concat":
+                    b.line(f"{whole}[{r}, {at}] = {view}[{r}, {k}]")
+                else:
+                    b.line(f"{view}[{r}, {k}] = {whole}[{r}, {at}]")
+            offset += length
+
+
+# ---------------------------------------------------------------------------------------
+# Reductions.
+
+
+@renders("reduce_sum")
+def render_reduce_sum(node: Node, m: KernelModule) -> None:
+    """Loops over the kept axes outside (each output element written once, so blocks of
+    the outermost are independent) and the summed axes inside, accumulating in a
+    scalar."""
+    x, out, b = m.inputs[0], m.outputs[0], m.body
+    x_type, out_type = node.inputs[0].type, node.outputs[0].type
+    summed = set(node.attrs["axes"])
+    groups: list[tuple[bool, int]] = []  # (summed?, extent) after merging like neighbours
+    for a, size in enumerate(x_type.shape):
+        if size == 1:
+            continue
+        if groups and groups[-1][0] == (a in summed):
+            groups[-1] = (groups[-1][0], groups[-1][1] * size)
+        else:
+            groups.append((a in summed, size))
+    loop_vars = [m.fresh(f"i{k}") for k in range(len(groups))]
+    view = m.fresh(x + "_v")
+    b.line(f"{view} = {x}.reshape({tuple(e for _, e in groups) or (1,)!r})")
+    out_flat = m.fresh(out + "_flat")
+    b.line(f"{out_flat} = {out}.reshape(({max(out_type.size, 1)},))")
+    kept = [k for k, (s, _) in enumerate(groups) if not s]
+    sums = [k for k, (s, _) in enumerate(groups) if s]
+    out_index = " + ".join(
+        affine(loop_vars[k], _prod(groups[j][1] for j in kept if j > k), 0) for k in kept
+    ) or "0"
+    depth = 0
+    for n, k in enumerate(kept):
+        lo, hi = m.split(groups[k][1], x_type.size) if n == 0 else ("0", str(groups[k][1]))
+        with b.indent(depth):
+            b.line(f"for {loop_vars[k]} in range({span_of(lo, hi)}):")
+        depth += 1
+    acc = m.fresh("acc")
+    with b.indent(depth):
+        b.line(f"{acc} = {_accumulator(x_type.dtype)}(0)")
+    inner = sums[-1] if sums and sums[-1] == len(groups) - 1 else None
+    for k in sums:
+        if k == inner:
+            break
+        with b.indent(depth):
+            b.line(f"for {loop_vars[k]} in range({groups[k][1]}):")
+        depth += 1
+    if inner is None:
+        with b.indent(depth):
+            b.line(f"{acc} += {view}[{', '.join(loop_vars) or '0'}]")
+    else:
+        with b.indent(depth):
+            _sum_innermost(m, node, view, loop_vars, groups[inner][1], acc)
+    with b.indent(len(kept)):
+        b.line(f"{out_flat}[{out_index}] = {_cast(acc, out_type.dtype)}")
+
+
+def _sum_innermost(m: KernelModule, node: Node, view: str, loop_vars: list[str], extent: int,
+                   acc: str) -> None:
+    """``acc += sum of view[..., k]`` over the innermost axis, in four interleaved
+    partial sums: one running sum is bound by the latency of each addition, four
+    independent ones are not."""
+    b, k, parts = m.body, loop_vars[-1], [m.fresh(f"part{i}") for i in range(4)]
+    prefix = ", ".join(loop_vars[:-1] + [""])
+    kind = _accumulator(node.inputs[0].type.dtype)
+    b.line(" = ".join(parts) + f" = {kind}(0)")
+    whole = extent - extent % 4
+    with b.block(f"for {k} in range(0, {whole}, 4):"):
+        for i, part in enumerate(parts):
+            b.line(f"{part} += {view}[{prefix}{affine(k, 1, i)}]")
+    with b.block(f"for {k} in range({whole}, {extent}):"):
+        b.line(f"{parts[0]} += {view}[{prefix}{k}]")
+    b.line(f"{acc} += ({parts[0]} + {parts[1]}) + ({parts[2]} + {parts[3]})")
+
+
+def _cast(expr: str, dtype: DType) -> str:
+    if dtype is DType.bool:
+        return f"{expr} != 0"
+    return f"{numpy_name(dtype)}({expr})"
+
+
+# ---------------------------------------------------------------------------------------
+# Softmax and the losses.
+
+
+def _softmax_views(node: Node, m: KernelModule, arrays: list[str]) -> tuple[int, int, int]:
+    shape, axis = node.inputs[0].type.shape, node.attrs["axis"]
+    outer, inner = _around_axis(shape, axis)
+    for name in arrays:
+        m.body.line(f"{name}_v = {name}.reshape(({outer}, {shape[axis]}, {inner}))")
+    return outer, shape[axis], inner
+
+
+@renders("softmax")
+def render_softmax(node: Node, m: KernelModule) -> None:
+    (x,), (y,), b = m.inputs, m.outputs, m.body
+    outer, classes, inner = _softmax_views(node, m, [x, y])
+    if not classes:
+        return
+    o, i, c, top, total, e = (m.fresh(s) for s in ("o", "i", "c", "top", "total", "e"))
+    lo, hi = m.split(outer, outer * classes * inner * 8)
+    with b.block(f"for {o} in range({span_of(lo, hi)}):"), b.block(f"for {i} in range({inner}):"):
+        b.line(f"{top} = {x}_v[{o}, 0, {i}]")
+        with b.block(f"for {c} in range(1, {classes}):"):
+            b.line(f"{top} = max({top}, {x}_v[{o}, {c}, {i}])")
+        b.line(f"{total} = 0.0")
+        with b.block(f"for {c} in range({classes}):"):
+            b.line(f"{e} = np.exp({x}_v[{o}, {c}, {i}] - {top})")
+            b.line(f"{y}_v[{o}, {c}, {i}] = {e}")
+            b.line(f"{total} += {e}")
+        b.line(f"{total} = {dtype_name(node)}({total})")
+        with b.block(f"for {c} in range({classes}):"):
+            b.line(f"{y}_v[{o}, {c}, {i}] = {y}_v[{o}, {c}, {i}] / {total}")
+
+
+@renders("softmax_grad")
+def render_softmax_grad(node: Node, m: KernelModule) -> None:
+    """``gx = y * (gy - sum over the axis of gy * y)``."""
+    (y, gy), (gx,), b = m.inputs, m.outputs, m.body
+    outer, classes, inner = _softmax_views(node, m, [y, gy, gx])
+    o, i, c, dot = (m.fresh(s) for s in ("o", "i", "c", "dot"))
+    lo, hi = m.split(outer, outer * classes * inner * 4)
+    with b.block(f"for {o} in range({span_of(lo, hi)}):"), b.block(f"for {i} in range({inner}):"):
+        b.line(f"{dot} = 0.0")
+        with b.block(f"for {c} in range({classes}):"):
+            b.line(f"{dot} += {gy}_v[{o}, {c}, {i}] * {y}_v[{o}, {c}, {i}]")
+        b.line(f"{dot} = {dtype_name(node)}({dot})")
+        with b.block(f"for {c} in range({classes}):"):
+            b.line(f"{gx}_v[{o}, {c}, {i}] = {y}_v[{o}, {c}, {i}] * "
+                   f"({gy}_v[{o}, {c}, {i}] - {dot})")
+
+
+def _row_softmax_parts(m: KernelModule, node: Node, logits: str, row: str, classes: int
+                       ) -> tuple[str, str]:
+    """The row's maximum and its sum of ``exp(logit - max)`` (as the node's dtype)."""
+    b, c, top, total = m.body, m.fresh("c"), m.fresh("top"), m.fresh("total")
+    b.line(f"{top} = {logits}[{row}, 0]")
+    with b.block(f"for {c} in range(1, {classes}):"):
+        b.line(f"{top} = max({top}, {logits}[{row}, {c}])")
+    b.line(f"{total} = 0.0")
+    with b.block(f"for {c} in range({classes}):"):
+        b.line(f"{total} += np.exp({logits}[{row}, {c}] - {top})")
+    b.line(f"{total} = {dtype_name(node)}({total})")
+    return top, total
+
+
+def _checked_label(m: KernelModule, node: Node, label: str, row: str, classes: int) -> str:
+    b, name = m.body, m.fresh("cls")
+    b.line(f"{name} = {label}[{row}]")
+    with b.block(f"if {name} < 0 or {name} >= {classes}:"):
+        b.line(f'raise ValueError("{node.op}: a label is outside [0, {classes})")')
+    return name
+
+
+@renders("softmax_xent")
+def render_softmax_xent(node: Node, m: KernelModule) -> None:
+    """The batch mean of ``-(logit[label] - max - log(sum exp(logit - max)))``."""
+    (logits, label), (loss,), b = m.inputs, m.outputs, m.body
+    rows, classes = node.inputs[0].type.shape
+    row, total_loss = m.fresh("row"), m.fresh("loss_sum")
+    b.line(f"{total_loss} = 0.0")
+    if classes:
+        with b.block(f"for {row} in range({rows}):"):
+            cls = _checked_label(m, node, label, row, classes)
+            top, total = _row_softmax_parts(m, node, logits, row, classes)
+            b.line(f"{total_loss} += ({logits}[{row}, {cls}] - {top}) - np.log({total})")
+    b.line(f"{loss}[()] = {dtype_name(node)}(-({total_loss} / {rows}))")
+
+
+@renders("softmax_xent_grad")
+def render_softmax_xent_grad(node: Node, m: KernelModule) -> None:
+    """``(softmax(logits) - onehot(label)) * gy / batch``."""
+    (logits, label, gy), (gx,), b = m.inputs, m.outputs, m.body
+    rows, classes = node.inputs[0].type.shape
+    row, c, factor = m.fresh("row"), m.fresh("c"), m.fresh("factor")
+    b.line(f"{factor} = {gy}[()] / {literal(rows, node.outputs[0].type.dtype)}")
+    if not classes:
+        return
+    with b.block(f"for {row} in range({rows}):"):
+        cls = _checked_label(m, node, label, row, classes)
+        top, total = _row_softmax_parts(m, node, logits, row, classes)
+        with b.block(f"for {c} in range({classes}):"):
+            b.line(f"{gx}[{row}, {c}] = np.exp({logits}[{row}, {c}] - {top}) / {total} * "
+                   f"{factor}")
+        b.line(f"{gx}[{row}, {cls}] = (np.exp({logits}[{row}, {cls}] - {top}) / {total} - "
+               f"{literal(1, node.outputs[0].type.dtype)}) * {factor}")
+
+
+@renders("accuracy")
+def render_accuracy(node: Node, m: KernelModule) -> None:
+    """The fraction of rows whose first largest logit is at the label."""
+    (logits, label), (out,), b = m.inputs, m.outputs, m.body
+    rows, classes = node.inputs[0].type.shape
+    row, c, best, hits = m.fresh("row"), m.fresh("c"), m.fresh("best"), m.fresh("hits")
+    b.line(f"{hits} = 0")
+    with b.block(f"for {row} in range({rows}):"):
+        b.line(f"{best} = 0")
+        with b.block(f"for {c} in range(1, {classes}):"):
+            with b.block(f"if {logits}[{row}, {c}] > {logits}[{row}, {best}]:"):
+                b.line(f"{best} = {c}")
+        with b.block(f"if {classes} > 0 and {best} == {label}[{row}]:"):
+            b.line(f"{hits} += 1")
+    b.line(f"{out}[()] = {dtype_name(node)}({hits} / {rows})")

@@ -1,0 +1,298 @@
+"""CPU renderers of pooling (Caffe's) and local response normalisation.
+
+Pooling runs over (batch x channel) planes. Where windows reach outside the input
+(padding, or Caffe's ceil mode letting the last window hang out) the plane is first
+copied into a scratch with a border that never wins a max (-inf) or adds nothing to a
+sum (0), so every window has the same constant size and needs no clipping. The
+gradient of max pooling recomputes each window's first maximum with selects, not
+branches. LRN works one image at a time with its window sums in channel order, as the
+reference adds them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from purinec.codegen.cpu_module import KernelModule, literal, numpy_name, renders
+from purinec.codegen.cpu_ops import affine, dtype_name, span_of, split_loop
+from purinec.ir.graph import Node
+from purinec.ir.ops import pool_output_size
+
+# ---------------------------------------------------------------------------------------
+# Pooling: direct loops over (batch x channel) planes.
+
+
+@dataclass(frozen=True)
+class _Pool:
+    planes: int
+    h: int
+    w: int
+    kh: int
+    kw: int
+    sh: int
+    sw: int
+    ph: int
+    pw: int
+    oh: int
+    ow: int
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """Rows and columns the windows cover, from the padded top left corner: more
+        than the padded input where Caffe's ceil mode lets the last window hang out."""
+        return ((max((self.oh - 1) * self.sh + self.kh, self.h + self.ph)),
+                (max((self.ow - 1) * self.sw + self.kw, self.w + self.pw)))
+
+    @property
+    def needs_scratch(self) -> bool:
+        """Whether windows reach outside the input (padding or an overhanging window)."""
+        return self.span != (self.h, self.w) or bool(self.ph or self.pw)
+
+
+def _pool(x_shape, attrs) -> _Pool:
+    n, c, h, w = x_shape
+    (kh, kw), (sh, sw), (ph, pw) = attrs["kernel"], attrs["stride"], attrs["pad"]
+    return _Pool(n * c, h, w, kh, kw, sh, sw, ph, pw, pool_output_size(h, kh, sh, ph),
+                 pool_output_size(w, kw, sw, pw))
+
+
+def _plane_views(m: KernelModule, g: _Pool, inputs: list[tuple[str, bool]]) -> list[str]:
+    """Each array viewed as (planes, rows, cols): input-sized or, when the flag is set,
+    output-sized."""
+    views = []
+    for name, pooled in inputs:
+        view = m.fresh(name + "_p")
+        rows, cols = (g.oh, g.ow) if pooled else (g.h, g.w)
+        m.body.line(f"{view} = {name}.reshape(({g.planes}, {rows}, {cols}))")
+        views.append(view)
+    return views
+
+
+def _planes(m: KernelModule, g: _Pool) -> str:
+    """The loop over planes, split into blocks when big; returns its variable."""
+    lo, hi = m.split(g.planes, g.planes * g.oh * g.ow * g.kh * g.kw)
+    nc = m.fresh("nc")
+    m.body.line(f"for {nc} in range({span_of(lo, hi)}):")
+    return nc
+
+
+def _padded_plane(m: KernelModule, g: _Pool, x: str, nc: str) -> str:
+    """Plane ``nc`` of ``x`` where every window fits: ``x`` itself, or a copy inside
+    the border of ``plane`` (see `_plane_scratch`). Window
+    ``(p, q)`` then starts at row ``p*sh`` and column ``q*sw`` of what this returns
+    (a prefix taking ``row, column]``), and never needs clipping."""
+    if not g.needs_scratch:
+        return f"{x}[{nc}, "
+    b, h, w = m.body, m.fresh("h"), m.fresh("w")
+    with b.block(f"for {h} in range({g.h}):"), b.block(f"for {w} in range({g.w}):"):
+        b.line(f"plane[{affine(h, 1, g.ph)}, {affine(w, 1, g.pw)}] = {x}[{nc}, {h}, {w}]")
+    return "plane["
+
+
+def _plane_scratch(m: KernelModule, node: Node, g: _Pool, name: str, fill) -> None:
+    """A plane the windows fit in, its border set to ``fill``: a value that never wins
+    a max, or adds nothing to a sum."""
+    if g.needs_scratch:
+        m.body.line(f"{name} = np.full({g.span!r}, {literal(fill, node.outputs[0].type.dtype)})")
+
+
+def _divisor(g: _Pool, p: str, q: str) -> str:
+    """Caffe's average divisor: the window clipped to the padded input only."""
+    hs, ws = affine(p, g.sh, -g.ph), affine(q, g.sw, -g.pw)
+    return (f"(min({hs} + {g.kh}, {g.h + g.ph}) - ({hs})) * "
+            f"(min({ws} + {g.kw}, {g.w + g.pw}) - ({ws}))")
+
+
+@renders("max_pool2d")
+def render_max_pool2d(node: Node, m: KernelModule) -> None:
+    g = _pool(node.inputs[0].type.shape, node.attrs)
+    x, y = _plane_views(m, g, [(m.inputs[0], False), (m.outputs[0], True)])
+    b = m.body
+    p, q, i, j, best, v = (m.fresh(s) for s in ("p", "q", "i", "j", "best", "v"))
+    _plane_scratch(m, node, g, "plane", -np.inf)
+    nc = _planes(m, g)
+    with b.indent():
+        src = _padded_plane(m, g, x, nc)
+        with b.block(f"for {p} in range({g.oh}):"), b.block(f"for {q} in range({g.ow}):"):
+            b.line(f"{best} = {src}{affine(p, g.sh, 0)}, {affine(q, g.sw, 0)}]")
+            with b.block(f"for {i} in range({g.kh}):"), b.block(f"for {j} in range({g.kw}):"):
+                b.line(f"{v} = {src}{affine(p, g.sh, i)}, {affine(q, g.sw, j)}]")
+                with b.block(f"if {v} > {best}:"):
+                    b.line(f"{best} = {v}")
+            b.line(f"{y}[{nc}, {p}, {q}] = {best}")
+
+
+@renders("max_pool2d_grad")
+def render_max_pool2d_grad(node: Node, m: KernelModule) -> None:
+    """Each gradient goes to the first maximum (row-major) of its window, recomputed
+    from x; overlapping windows add up."""
+    g = _pool(node.inputs[0].type.shape, node.attrs)
+    x, gy, gx = _plane_views(m, g, [(m.inputs[0], False), (m.inputs[2], True),
+                                    (m.outputs[0], False)])
+    b = m.body
+    p, q, i, j, v, best, at, better = (m.fresh(s) for s in (
+        "p", "q", "i", "j", "v", "best", "at", "better"))
+    _plane_scratch(m, node, g, "plane", -np.inf)
+    nc = _planes(m, g)
+    with b.indent():
+        b.line(f"{gx}[{nc}] = 0")
+        src = _padded_plane(m, g, x, nc)
+        with b.block(f"for {p} in range({g.oh}):"), b.block(f"for {q} in range({g.ow}):"):
+            b.line(f"{best} = {src}{affine(p, g.sh, 0)}, {affine(q, g.sw, 0)}]")
+            b.line(f"{at} = 0")
+            # selects, not branches: which element wins is data, and unpredictable
+            with b.block(f"for {i} in range({g.kh}):"), b.block(f"for {j} in range({g.kw}):"):
+                b.line(f"{v} = {src}{affine(p, g.sh, i)}, {affine(q, g.sw, j)}]")
+                b.line(f"{better} = {v} > {best}")
+                b.line(f"{best} = {v} if {better} else {best}")
+                b.line(f"{at} = {affine(i, g.kw, j)} if {better} else {at}")
+            row = affine(p, g.sh, f"{at} // {g.kw}" + (f" - {g.ph}" if g.ph else ""))
+            col = affine(q, g.sw, f"{at} % {g.kw}" + (f" - {g.pw}" if g.pw else ""))
+            b.line(f"{gx}[{nc}, {row}, {col}] += {gy}[{nc}, {p}, {q}]")
+
+
+@renders("avg_pool2d")
+def render_avg_pool2d(node: Node, m: KernelModule) -> None:
+    g = _pool(node.inputs[0].type.shape, node.attrs)
+    x, y = _plane_views(m, g, [(m.inputs[0], False), (m.outputs[0], True)])
+    b, dtype = m.body, node.outputs[0].type.dtype
+    p, q, i, j, acc = (m.fresh(s) for s in ("p", "q", "i", "j", "acc"))
+    _plane_scratch(m, node, g, "plane", 0)
+    nc = _planes(m, g)
+    with b.indent():
+        src = _padded_plane(m, g, x, nc)
+        with b.block(f"for {p} in range({g.oh}):"), b.block(f"for {q} in range({g.ow}):"):
+            b.line(f"{acc} = {literal(0, dtype)}")
+            with b.block(f"for {i} in range({g.kh}):"), b.block(f"for {j} in range({g.kw}):"):
+                b.line(f"{acc} += {src}{affine(p, g.sh, i)}, {affine(q, g.sw, j)}]")
+            b.line(f"{y}[{nc}, {p}, {q}] = {acc} / {numpy_name(dtype)}({_divisor(g, p, q)})")
+
+
+@renders("avg_pool2d_grad")
+def render_avg_pool2d_grad(node: Node, m: KernelModule) -> None:
+    """Each ``gy / divisor`` added over its window, in a scratch plane with the border
+    when windows reach outside the input."""
+    g = _pool(node.attrs["input_shape"], node.attrs)
+    gy, gx = _plane_views(m, g, [(m.inputs[0], True), (m.outputs[0], False)])
+    b = m.body
+    p, q, i, j, share = (m.fresh(s) for s in ("p", "q", "i", "j", "share"))
+    _plane_scratch(m, node, g, "plane", 0)
+    nc = _planes(m, g)
+    with b.indent():
+        if g.needs_scratch:
+            b.line("plane[:] = 0")
+            dst = "plane["
+        else:
+            b.line(f"{gx}[{nc}] = 0")
+            dst = f"{gx}[{nc}, "
+        with b.block(f"for {p} in range({g.oh}):"), b.block(f"for {q} in range({g.ow}):"):
+            b.line(f"{share} = {gy}[{nc}, {p}, {q}] / {dtype_name(node)}({_divisor(g, p, q)})")
+            with b.block(f"for {i} in range({g.kh}):"), b.block(f"for {j} in range({g.kw}):"):
+                b.line(f"{dst}{affine(p, g.sh, i)}, {affine(q, g.sw, j)}] += {share}")
+        if g.needs_scratch:
+            h, w = m.fresh("h"), m.fresh("w")
+            with b.block(f"for {h} in range({g.h}):"), b.block(f"for {w} in range({g.w}):"):
+                b.line(f"{gx}[{nc}, {h}, {w}] = plane[{affine(h, 1, g.ph)}, {affine(w, 1, g.pw)}]")
+
+
+@renders("global_avg_pool")
+def render_global_avg_pool(node: Node, m: KernelModule) -> None:
+    n, c, h, w = node.inputs[0].type.shape
+    b, x, y = m.body, m.inputs[0], m.outputs[0]
+    nc, k, acc = m.fresh("nc"), m.fresh("k"), m.fresh("acc")
+    b.line(f"x_v = {x}.reshape(({n * c}, {h * w}))")
+    b.line(f"y_v = {y}.reshape(({n * c},))")
+    lo, hi = m.split(n * c, n * c * h * w)
+    with b.block(f"for {nc} in range({span_of(lo, hi)}):"):
+        b.line(f"{acc} = 0.0")
+        with b.block(f"for {k} in range({h * w}):"):
+            b.line(f"{acc} += x_v[{nc}, {k}]")
+        b.line(f"y_v[{nc}] = {dtype_name(node)}({acc} / {h * w})")
+
+
+# ---------------------------------------------------------------------------------------
+# Local response normalisation across channels (Caffe's), one image at a time.
+
+
+def _window_sum(m: KernelModule, src: str, dst: str, channels: int, pixels: int,
+                half: int, c: str) -> None:
+    """``dst[s] = sum of src[c2, s] for |c2 - c| <= half`` (clipped to the channels),
+    added in increasing c2 as the reference does, so float32 sums agree exactly."""
+    b, s, c2 = m.body, m.fresh("s"), m.fresh("c2")
+    with b.block(f"for {s} in range({pixels}):"):
+        b.line(f"{dst}[{s}] = 0")
+    with b.block(f"for {c2} in range(max(0, {c} - {half}), min({channels}, {c} + {half + 1})):"):
+        with b.block(f"for {s} in range({pixels}):"):
+            b.line(f"{dst}[{s}] += {src}[{c2}, {s}]")
+
+
+def _lrn_setup(node: Node, m: KernelModule, arrays: list[str]) -> tuple[int, int, int, int]:
+    n, c, h, w = node.inputs[0].type.shape
+    for name in arrays:
+        m.body.line(f"{name}_v = {name}.reshape(({n}, {c}, {h * w}))")
+    return n, c, h * w, (node.attrs["size"] - 1) // 2
+
+
+def _lrn_scale(m: KernelModule, node: Node, x: str, n: str, channels: int, pixels: int,
+               half: int) -> None:
+    """``scale[c, s] = k + alpha/size * (window sum of x^2)`` for image ``n``."""
+    b, dt = m.body, node.outputs[0].type.dtype
+    c, s = m.fresh("c"), m.fresh("s")
+    with b.block(f"for {c} in range({channels}):"), b.block(f"for {s} in range({pixels}):"):
+        b.line(f"sq[{c}, {s}] = {x}_v[{n}, {c}, {s}] * {x}_v[{n}, {c}, {s}]")
+    k, alpha = literal(node.attrs["k"], dt), literal(node.attrs["alpha"] / node.attrs["size"], dt)
+    with b.block(f"for {c} in range({channels}):"):
+        _window_sum(m, "sq", "acc", channels, pixels, half, c)
+        with b.block(f"for {s} in range({pixels}):"):
+            b.line(f"scale[{c}, {s}] = {k} + {alpha} * acc[{s}]")
+
+
+def _lrn_scratch(node: Node, channels: int, pixels: int) -> list[str]:
+    dt = dtype_name(node)
+    return [f"sq = np.empty(({channels}, {pixels}), {dt})",
+            f"scale = np.empty(({channels}, {pixels}), {dt})",
+            f"acc = np.empty({pixels}, {dt})"]
+
+
+@renders("lrn")
+def render_lrn(node: Node, m: KernelModule) -> None:
+    """``y = x * scale ** -beta`` per image; images split over threads when big."""
+    (x,), (y,) = m.inputs, m.outputs
+    n, channels, pixels, half = _lrn_setup(node, m, [x, y])
+    work = n * channels * pixels * node.attrs["size"]
+    power = literal(-node.attrs["beta"], node.outputs[0].type.dtype)
+    m.body.lines(_lrn_scratch(node, channels, pixels))
+    with split_loop(m, "n", n, work) as i:
+        _lrn_scale(m, node, x, i, channels, pixels, half)
+        c, s, b = m.fresh("c"), m.fresh("s"), m.body
+        with b.block(f"for {c} in range({channels}):"), b.block(f"for {s} in range({pixels}):"):
+            b.line(f"{y}_v[{i}, {c}, {s}] = {x}_v[{i}, {c}, {s}] * scale[{c}, {s}] ** {power}")
+
+
+@renders("lrn_grad")
+def render_lrn_grad(node: Node, m: KernelModule) -> None:
+    """``gx = gy * scale^-beta - 2*alpha*beta/size * x * window_sum(gy * x *
+    scale^(-beta-1))``, as `purinec.ir.nnref.lrn_grad` computes it."""
+    (x, gy), (gx,) = m.inputs, m.outputs
+    n, channels, pixels, half = _lrn_setup(node, m, [x, gy, gx])
+    dt = node.outputs[0].type.dtype
+    beta, alpha, size = node.attrs["beta"], node.attrs["alpha"], node.attrs["size"]
+    power, power1 = literal(-beta, dt), literal(-beta - 1, dt)
+    factor = literal(2 * alpha * beta / size, dt)
+    scratch = _lrn_scratch(node, channels, pixels) + [
+        f"inner = np.empty(({channels}, {pixels}), {dtype_name(node)})"]
+    work = n * channels * pixels * size
+    m.body.lines(scratch)
+    with split_loop(m, "n", n, work) as i:
+        _lrn_scale(m, node, x, i, channels, pixels, half)
+        c, s, b = m.fresh("c"), m.fresh("s"), m.body
+        with b.block(f"for {c} in range({channels}):"), b.block(f"for {s} in range({pixels}):"):
+            b.line(f"inner[{c}, {s}] = {gy}_v[{i}, {c}, {s}] * {x}_v[{i}, {c}, {s}] * "
+                   f"scale[{c}, {s}] ** {power1}")
+        with b.block(f"for {c} in range({channels}):"):
+            _window_sum(m, "inner", "acc", channels, pixels, half, c)
+            with b.block(f"for {s} in range({pixels}):"):
+                b.line(f"{gx}_v[{i}, {c}, {s}] = {gy}_v[{i}, {c}, {s}] * scale[{c}, {s}] ** "
+                       f"{power} - {factor} * {x}_v[{i}, {c}, {s}] * acc[{s}]")

@@ -1,0 +1,214 @@
+"""What generated CPU kernels import, and how blocked kernels run on several threads.
+
+GEMM. Kernels call ``sgemm`` / ``dgemm``: CBLAS ``?gemm`` with 64-bit sizes,
+``(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)``, order 101
+(row-major), trans 111 (no) or 112 (yes). They are external functions bound *by symbol
+name* (``purinec_cblas_sgemm``), which this module registers with LLVM when imported,
+so kernels that call them stay cacheable on disk (Numba refuses to cache code holding
+a process-specific address such as a ctypes pointer). The symbols lead to the OpenBLAS
+that NumPy's wheels bundle, about a third faster on the small GEMMs of convolutions
+than SciPy's copy; where there is none, to an adapter over Numba's ``numba_xxgemm``
+(the helper behind ``np.dot`` in Numba, on SciPy's BLAS).
+
+Threads. A big kernel is *blocked*: its function takes ``lo, hi`` and computes items
+``lo:hi`` of one loop over independent items (see `KernelModule.split`), and
+`run_blocked` cuts the items into one block per thread, running one block on the
+calling thread and the others on a small pool. Kernels release the GIL, so blocks run
+side by side. The BLAS kernels call is made single-threaded (`limit_blas_threads`), so
+`set_threads` alone bounds the threads a kernel uses. Thread pools that spin (OpenMP,
+Numba's ``prange``) were avoided on purpose: on a machine with 2 cores they fight the
+runtime's own threads, and ``parallel=True`` doubles a kernel's compile time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Sequence
+
+import llvmlite.binding as llvm
+import numpy as np
+from numba import cfunc, types
+
+
+def _gemm_type(scalar):
+    i32, i64 = types.int32, types.int64
+    return types.void(i32, i32, i32, i64, i64, i64, scalar, types.voidptr, i64,
+                      types.voidptr, i64, scalar, types.voidptr, i64)
+
+
+sgemm = types.ExternalFunction("purinec_cblas_sgemm", _gemm_type(types.float32))
+dgemm = types.ExternalFunction("purinec_cblas_dgemm", _gemm_type(types.float64))
+
+# CBLAS names with 64-bit integers (ILP64), as NumPy's wheels (scipy-openblas64) export them.
+_ILP64_NAMES = {"s": ("scipy_cblas_sgemm64_", "cblas_sgemm64_"),
+                "d": ("scipy_cblas_dgemm64_", "cblas_dgemm64_")}
+BLAS_ENV = "PURINEC_CPU_BLAS"  # "scipy" forces the adapter over SciPy's BLAS
+
+
+def _numpy_openblas() -> tuple[str | None, ctypes.CDLL | None]:
+    """The OpenBLAS NumPy uses, if it exports ILP64 CBLAS: (its path, the library)."""
+    from threadpoolctl import ThreadpoolController
+
+    for lib in ThreadpoolController().lib_controllers:
+        if lib.internal_api != "openblas":
+            continue
+        handle = ctypes.CDLL(lib.filepath)
+        if all(any(hasattr(handle, name) for name in names) for names in _ILP64_NAMES.values()):
+            return lib.filepath, handle
+    return None, None
+
+
+def _xxgemm_adapter(kind: str):
+    """A C function with the CBLAS ILP64 signature that calls ``numba_xxgemm``: BLAS
+    is column-major, where a row-major matrix reads as its transpose, so it computes
+    ``c^T = op(b)^T @ op(a)^T`` with the operands swapped."""
+    scalar = types.float32 if kind == "s" else types.float64
+    dtype = np.float32 if kind == "s" else np.float64
+    xxgemm = types.ExternalFunction("numba_xxgemm", types.intc(
+        types.char, types.char, types.char, types.intp, types.intp, types.intp,
+        types.voidptr, types.voidptr, types.intp, types.voidptr, types.intp,
+        types.voidptr, types.voidptr, types.intp))
+    code = ord(kind)
+
+    @cfunc(_gemm_type(scalar), nopython=True)
+    def adapter(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+        scalars = np.empty(2, dtype)
+        scalars[0] = alpha
+        scalars[1] = beta
+        xxgemm(code, 116 if tb == 112 else 110, 116 if ta == 112 else 110, n, m, k,
+               scalars[0:1].ctypes, b, ldb, a, lda, scalars[1:2].ctypes, c, ldc)
+
+    return adapter
+
+
+def _bind_gemm() -> str | None:
+    """Register the GEMM symbols; returns the path of NumPy's OpenBLAS when they lead
+    there, None when they lead to the adapter over SciPy's BLAS."""
+    path, handle = (None, None)
+    if os.environ.get(BLAS_ENV) != "scipy":
+        path, handle = _numpy_openblas()
+    for kind in "sd":
+        symbol = f"purinec_cblas_{kind}gemm"
+        if handle is not None:
+            name = next(n for n in _ILP64_NAMES[kind] if hasattr(handle, n))
+            llvm.add_symbol(symbol, ctypes.cast(getattr(handle, name), ctypes.c_void_p).value)
+        else:
+            adapter = _xxgemm_adapter(kind)
+            _ADAPTERS.append(adapter)  # keep it alive: LLVM holds only its address
+            llvm.add_symbol(symbol, adapter.address)
+    return path
+
+
+_ADAPTERS: list = []
+NUMPY_BLAS = _bind_gemm()
+
+_settings = threading.local()
+_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_blas_limited = False
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def set_threads(n: int) -> None:
+    """Run the kernels this thread calls on at most ``n`` threads (this one included).
+    The setting belongs to the calling thread; threads that never set it use every
+    available CPU."""
+    if n < 1:
+        raise ValueError(f"thread count must be at least 1, got {n}")
+    _settings.threads = int(n)
+
+
+def get_threads() -> int:
+    return getattr(_settings, "threads", None) or available_cpus()
+
+
+def run_blocked(fn: Callable, count: int, arrays: Sequence) -> None:
+    """Run ``fn(lo, hi, *arrays)`` over ``0:count`` in one block per thread."""
+    blocks = min(get_threads(), count)
+    if blocks <= 1:
+        fn(0, count, *arrays)
+        return
+    bounds = [count * i // blocks for i in range(blocks + 1)]
+    pool = _get_pool()
+    others = [pool.submit(fn, bounds[i], bounds[i + 1], *arrays) for i in range(1, blocks)]
+    error = None
+    try:
+        fn(bounds[0], bounds[1], *arrays)
+    except BaseException as err:  # still wait: the other blocks write the same arrays
+        error = err
+    for future in others:
+        try:
+            future.result()
+        except BaseException as err:
+            error = error or err
+    if error is not None:
+        raise error
+
+
+class Blocked:
+    """A blocked kernel as a plain kernel: ``Blocked(fn, count)(*arrays)`` runs
+    ``fn(lo, hi, *arrays)`` over ``0:count`` with `run_blocked`."""
+
+    __slots__ = ("fn", "count")
+
+    def __init__(self, fn: Callable, count: int):
+        self.fn = fn
+        self.count = count
+
+    def __call__(self, *arrays) -> None:
+        run_blocked(self.fn, self.count, arrays)
+
+    def __repr__(self) -> str:
+        return f"Blocked({self.fn!r}, {self.count})"
+
+
+def _get_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max(1, available_cpus() - 1),
+                                       thread_name_prefix="purinec-kernel")
+        return _pool
+
+
+def shutdown_pool() -> None:
+    """Stop the block pool's threads (a later blocked kernel starts new ones)."""
+    global _pool
+    with _lock:
+        pool, _pool = _pool, None
+    if pool is not None:
+        pool.shutdown(wait=True)
+
+
+def limit_blas_threads() -> None:
+    """Make the BLAS that kernels call single-threaded, once, for the whole process
+    (so NumPy's own matrix products then run on one thread too, when kernels use
+    NumPy's BLAS). Kernels parallelise around BLAS calls instead."""
+    global _blas_limited
+    with _lock:
+        if _blas_limited:
+            return
+        from threadpoolctl import ThreadpoolController
+
+        if NUMPY_BLAS is None:
+            import scipy.linalg.cython_blas  # noqa: F401  (loads SciPy's BLAS)
+        blas = [lib for lib in ThreadpoolController().lib_controllers
+                if lib.user_api == "blas"]
+        if NUMPY_BLAS is not None:
+            chosen = [lib for lib in blas if lib.filepath == NUMPY_BLAS]
+        else:  # SciPy's wheels keep their BLAS in scipy.libs
+            chosen = [lib for lib in blas
+                      if Path(lib.filepath).parent.name.startswith("scipy")] or blas
+        for lib in chosen:
+            lib.set_num_threads(1)
+        _blas_limited = True

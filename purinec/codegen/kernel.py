@@ -1,0 +1,62 @@
+"""A compiled kernel: the generated source, where it lives, what it came from, and the
+Numba function that runs it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from purinec.errors import PurinecError
+from purinec.ir.graph import Node
+
+
+class CodegenError(PurinecError):
+    """A node or group that a code generator cannot render."""
+
+
+@dataclass(eq=False)
+class Kernel:
+    """One generated kernel.
+
+    ``fn(*inputs, *outputs)`` runs it: inputs are read, outputs (preallocated,
+    C-contiguous, of the declared types) are filled completely. ``source`` is the
+    module text stored at ``path`` in the kernel cache; ``nodes`` are the IR nodes it
+    computes (one, or a fused node). ``dispatcher`` is the Numba function ``fn`` calls
+    (directly, or once per block of a blocked kernel), compiled for ``signature``, the
+    code `llvm` and `asm` show.
+    """
+
+    name: str
+    source: str
+    path: Path
+    nodes: tuple[Node, ...]
+    fn: Any
+    dispatcher: Any
+    signature: tuple
+
+    def __call__(self, *arrays):
+        return self.fn(*arrays)
+
+    def llvm(self) -> str:
+        """The optimised LLVM IR Numba produced for this kernel."""
+        return self._inspectable().inspect_llvm(self.signature)
+
+    def asm(self) -> str:
+        """The machine code Numba produced for this kernel, as assembly text."""
+        return self._inspectable().inspect_asm(self.signature)
+
+    def _inspectable(self):
+        """A dispatcher whose compiled code can be inspected. Numba keeps no LLVM IR for
+        code it loaded from its disk cache, so such kernels are compiled once more, in
+        memory only, with the same options."""
+        if not self.dispatcher.stats.cache_hits.get(self.signature):
+            return self.dispatcher
+        from numba import njit
+
+        fresh = njit(**self.dispatcher.targetoptions)(self.dispatcher.py_func)
+        fresh.compile(self.signature)
+        return fresh
+
+    def __repr__(self) -> str:
+        return f"<Kernel {self.name} for {', '.join('%' + n.name for n in self.nodes)}>"

@@ -1,0 +1,612 @@
+"""Every CPU kernel against its op's NumPy reference, on random shapes and values.
+
+Numba compiles one kernel per distinct node (shapes and attributes are baked in), so
+the strategies draw from few small sizes: examples repeat nodes and reuse kernels that
+are already compiled, which keeps this file to a few hundred compilations. Kernels are
+also checked *blocked* (`CpuOptions(parallel_min=0)` splits every splittable loop) on
+three threads, the way big kernels run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from purinec.codegen import CodegenError, cpu
+from purinec.codegen.cpu_module import RENDERERS, CpuOptions
+from purinec.codegen.cpu_runtime import run_blocked, set_threads
+from purinec.ir import nnref
+from purinec.ir.graph import Graph, Node, external_inputs
+from purinec.ir.ops import REGISTRY, conv_output_size, pool_output_size
+from purinec.ir.types import DType, TensorType
+
+SETTINGS = settings(max_examples=6, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow,
+                                           HealthCheck.function_scoped_fixture])
+FEW = settings(SETTINGS, max_examples=4)
+BLOCKED = CpuOptions(parallel_min=0)
+OPTIONS = [CpuOptions(), BLOCKED]
+FLOATS = [DType.f32, DType.f64]
+
+
+@pytest.fixture(autouse=True)
+def kernel_cache(tmp_path_factory, monkeypatch):
+    """Kernels go to one temporary cache for the whole module, never to ~/.cache."""
+    monkeypatch.setenv("PURINEC_CACHE_DIR", str(_cache_dir(tmp_path_factory)))
+    set_threads(3)  # more blocks than cores: blocked kernels really split
+    yield
+    set_threads(2)
+
+
+_CACHE: list = []
+
+
+def _cache_dir(factory):
+    if not _CACHE:
+        _CACHE.append(factory.mktemp("kernels"))
+    return _CACHE[0]
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers.
+
+
+def random_array(rng, shape, dtype: DType, low=-2.0, high=2.0) -> np.ndarray:
+    if dtype.is_float:
+        return rng.uniform(low, high, shape).astype(dtype.numpy)
+    if dtype is DType.bool:
+        return rng.integers(0, 2, shape).astype(bool)
+    return rng.integers(-50, 50, shape).astype(dtype.numpy)
+
+
+def one_node(op: str, inputs: list[np.ndarray], attrs: dict | None = None) -> Node:
+    graph = Graph("t")
+    values = [graph.add_input(f"in{i}", TensorType(a.shape, DType.from_numpy(a.dtype)))
+              for i, a in enumerate(inputs)]
+    return graph.add_node(op, values, attrs or {})
+
+
+def run_kernel(node: Node, inputs: list[np.ndarray], options=CpuOptions()) -> list[np.ndarray]:
+    """Run the node's kernel on outputs filled with garbage (it must overwrite all)."""
+    kernel = cpu.compile_node(node, options)
+    outputs = [np.full(v.type.shape, 7, v.type.dtype.numpy) for v in node.outputs]
+    for out in outputs:
+        if out.dtype.kind == "f":
+            out[...] = np.nan
+    kernel.fn(*inputs, *outputs)
+    return outputs
+
+
+def reference(node: Node, inputs: list[np.ndarray]) -> list[np.ndarray]:
+    return [np.asarray(r) for r in REGISTRY[node.op].reference(*inputs, **node.attrs)]
+
+
+def check(op: str, inputs: list[np.ndarray], attrs: dict | None = None, options=CpuOptions(),
+          exact: bool = False) -> None:
+    node = one_node(op, inputs, attrs)
+    got = run_kernel(node, inputs, options)
+    want = reference(node, inputs)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        if exact or g.dtype.kind not in "f":
+            np.testing.assert_array_equal(g, w)
+        else:
+            tol = 2e-5 if g.dtype == np.float32 else 1e-12
+            scale = max(1.0, float(np.abs(w).max(initial=0)))
+            np.testing.assert_allclose(g, w, rtol=tol * 10, atol=tol * scale * 10)
+
+
+def shapes(max_rank=4, sizes=(1, 2, 3, 5)):
+    return st.lists(st.sampled_from(sizes), min_size=0, max_size=max_rank).map(tuple)
+
+
+seeds = st.integers(0, 2**32 - 1)
+
+# ---------------------------------------------------------------------------------------
+# Elementwise and broadcast ops.
+
+
+@SETTINGS
+@given(op=st.sampled_from(["relu", "sigmoid", "tanh", "scale", "add_scalar"]),
+       shape=shapes(), dtype=st.sampled_from(FLOATS), seed=seeds,
+       options=st.sampled_from(OPTIONS))
+def test_unary(op, shape, dtype, seed, options):
+    attrs = {"scale": {"alpha": -1.5}, "add_scalar": {"value": 0.25}}.get(op, {})
+    check(op, [random_array(np.random.default_rng(seed), shape, dtype)], attrs, options)
+
+
+@FEW
+@given(dtype=st.sampled_from([DType.i32, DType.i64, DType.bool]), shape=shapes(), seed=seeds)
+def test_add_scalar_on_integers_and_bools(dtype, shape, seed):
+    check("add_scalar", [random_array(np.random.default_rng(seed), shape, dtype)],
+          {"value": 1.0})
+
+
+@SETTINGS
+@given(src=st.sampled_from(list(DType)), dst=st.sampled_from(list(DType)), shape=shapes(3),
+       seed=seeds)
+def test_cast(src, dst, shape, seed):
+    x = random_array(np.random.default_rng(seed), shape, src, -100, 100)
+    check("cast", [x], {"dtype": dst.value})
+
+
+@SETTINGS
+@given(op=st.sampled_from(["add", "sub", "mul", "relu_grad", "sigmoid_grad", "tanh_grad"]),
+       shape=shapes(), dtype=st.sampled_from(FLOATS), seed=seeds,
+       options=st.sampled_from(OPTIONS))
+def test_binary(op, shape, dtype, seed, options):
+    rng = np.random.default_rng(seed)
+    check(op, [random_array(rng, shape, dtype), random_array(rng, shape, dtype)], {}, options)
+
+
+@SETTINGS
+@given(shape=shapes(4).filter(len), dtype=st.sampled_from(FLOATS), data=st.data(),
+       options=st.sampled_from(OPTIONS))
+def test_bias_add(shape, dtype, data, options):
+    axis = data.draw(st.integers(0, len(shape) - 1))
+    rng = np.random.default_rng(data.draw(seeds))
+    check("bias_add", [random_array(rng, shape, dtype),
+                       random_array(rng, (shape[axis],), dtype)], {"axis": axis}, options)
+
+
+@SETTINGS
+@given(target=shapes(4).filter(len), data=st.data(), dtype=st.sampled_from(FLOATS))
+def test_broadcast_to(target, data, dtype):
+    # (not to shape []: the reference's np.ascontiguousarray turns a 0-d result 1-d)
+    keep = data.draw(st.integers(0, len(target)))
+    source = tuple(d if data.draw(st.booleans()) else 1 for d in target[len(target) - keep:])
+    x = random_array(np.random.default_rng(data.draw(seeds)), source, dtype)
+    check("broadcast_to", [x], {"shape": list(target)})
+
+
+@FEW
+@given(shape=st.sampled_from([(2, 3, 1, 1), (1, 4, 1, 1), (3, 2, 1, 1)]),
+       hw=st.sampled_from([(1, 1), (2, 3), (4, 4)]), dtype=st.sampled_from(FLOATS),
+       seed=seeds)
+def test_global_avg_pool_grad(shape, hw, dtype, seed):
+    gy = random_array(np.random.default_rng(seed), shape, dtype)
+    check("global_avg_pool_grad", [gy], {"input_shape": [*shape[:2], *hw]})
+
+
+@FEW
+@given(shape=shapes(3), dtype=st.sampled_from(list(DType)), value=st.sampled_from([0.0, 1.5, -3.0]))
+def test_fill(shape, dtype, value):
+    check("fill", [], {"shape": list(shape), "dtype": dtype.value, "value": value})
+
+
+@SETTINGS
+@given(shape=shapes(3, sizes=(1, 3, 7, 64)), p=st.sampled_from([0.0, 0.1, 0.5, 0.9]),
+       seed=st.integers(-2**63, 2**63 - 1), iteration=st.integers(-2**31, 2**31 - 1),
+       dtype=st.sampled_from(["f32", "f64"]), counter=st.sampled_from(["i32", "i64"]))
+def test_dropout_mask_is_bitwise_the_reference(shape, p, seed, iteration, dtype, counter):
+    it = np.array(iteration, DType(counter).numpy)
+    attrs = {"shape": list(shape), "p": p, "seed": seed, "dtype": dtype}
+    check("dropout_mask", [it], attrs, exact=True)
+
+
+def test_dropout_mask_changes_with_the_iteration_and_keeps_the_rate():
+    attrs = {"shape": [4096], "p": 0.3, "seed": 7, "dtype": "f32"}
+    node = one_node("dropout_mask", [np.array(0, np.int64)], attrs)
+    masks = [run_kernel(node, [np.array(i, np.int64)])[0] for i in range(3)]
+    assert not np.array_equal(masks[0], masks[1])
+    assert abs((masks[2] == 0).mean() - 0.3) < 0.03
+    assert set(np.unique(masks[0])) == {np.float32(0), np.float32(1 / 0.7)}
+
+
+@SETTINGS
+@given(shape=shapes(3).filter(len), dtype=st.sampled_from(FLOATS), seed=seeds,
+       options=st.sampled_from(OPTIONS))
+def test_sgd(shape, dtype, seed, options):
+    rng = np.random.default_rng(seed)
+    args = [random_array(rng, shape, dtype) for _ in range(3)]
+    check("sgd", args, {"lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4}, options)
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+def test_sgd_updates_weight_and_history_in_place(options):
+    rng = np.random.default_rng(0)
+    w, h, g = (random_array(rng, (64, 513), DType.f32) for _ in range(3))
+    node = one_node("sgd", [w, h, g], {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3})
+    want = reference(node, [w, h, g])
+    cpu.compile_node(node, options).fn(w, h, g, w, h)  # outputs are the inputs
+    np.testing.assert_array_equal(w, want[0])
+    np.testing.assert_array_equal(h, want[1])
+
+
+@pytest.mark.parametrize("op", ["relu", "sigmoid", "scale", "add", "relu_grad", "bias_add",
+                                "cast"])
+@pytest.mark.parametrize("options", OPTIONS)
+def test_elementwise_output_may_alias_its_input(op, options):
+    """Writing into an input gives what writing into a fresh array gives."""
+    rng = np.random.default_rng(1)
+    x = random_array(rng, (4, 3, 33), DType.f32)
+    other = {"add": x + 1, "relu_grad": random_array(rng, (4, 3, 33), DType.f32),
+             "bias_add": random_array(rng, (3,), DType.f32)}.get(op)
+    inputs = [x] if other is None else [x, other]
+    attrs = {"scale": {"alpha": 3.0}, "cast": {"dtype": "f32"}}.get(op, {})
+    node = one_node(op, inputs, attrs)
+    (fresh,) = run_kernel(node, inputs, options)
+    np.testing.assert_allclose(fresh, reference(node, inputs)[0], rtol=1e-6)
+    reused = other if op == "relu_grad" else x  # the gradient is what a planner reuses
+    cpu.compile_node(node, options).fn(*inputs, reused)
+    np.testing.assert_array_equal(reused, fresh)
+
+
+# ---------------------------------------------------------------------------------------
+# Reductions and data movement.
+
+
+@SETTINGS
+@given(shape=shapes(4), data=st.data(), dtype=st.sampled_from([*FLOATS, DType.i32]),
+       keepdims=st.booleans(), options=st.sampled_from(OPTIONS))
+def test_reduce_sum(shape, data, dtype, keepdims, options):
+    axes = data.draw(st.lists(st.integers(0, max(len(shape) - 1, 0)), unique=True,
+                              max_size=len(shape)))
+    x = random_array(np.random.default_rng(data.draw(seeds)), shape, dtype)
+    check("reduce_sum", [x], {"axes": axes, "keepdims": keepdims}, options)
+
+
+@SETTINGS
+@given(shape=shapes(4), data=st.data(), dtype=st.sampled_from([*FLOATS, DType.i64]),
+       options=st.sampled_from(OPTIONS))
+def test_reshape(shape, data, dtype, options):
+    target = list(data.draw(st.permutations(shape))) + [1] * data.draw(st.integers(0, 1))
+    x = random_array(np.random.default_rng(data.draw(seeds)), shape, dtype)
+    check("reshape", [x], {"shape": target}, options, exact=True)
+
+
+@SETTINGS
+@given(shape=shapes(4).filter(len), data=st.data(), options=st.sampled_from(OPTIONS))
+def test_concat_and_split(shape, data, options):
+    axis = data.draw(st.integers(0, len(shape) - 1))
+    sections = data.draw(st.lists(st.sampled_from([1, 2, 3]), min_size=1, max_size=3))
+    rng = np.random.default_rng(data.draw(seeds))
+    parts = []
+    for s in sections:
+        part_shape = list(shape)
+        part_shape[axis] = s
+        parts.append(random_array(rng, tuple(part_shape), DType.f32))
+    check("concat", parts, {"axis": axis}, options, exact=True)
+    whole = np.concatenate(parts, axis=axis)
+    check("split", [whole], {"axis": axis, "sections": sections}, options, exact=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Matrix products and convolutions.
+
+
+@SETTINGS
+@given(m=st.sampled_from([1, 3, 8]), n=st.sampled_from([1, 4, 9]), k=st.sampled_from([1, 5, 16]),
+       trans_a=st.booleans(), trans_b=st.booleans(), dtype=st.sampled_from(FLOATS), seed=seeds,
+       options=st.sampled_from(OPTIONS))
+def test_matmul(m, n, k, trans_a, trans_b, dtype, seed, options):
+    rng = np.random.default_rng(seed)
+    a = random_array(rng, (k, m) if trans_a else (m, k), dtype)
+    b = random_array(rng, (n, k) if trans_b else (k, n), dtype)
+    check("matmul", [a, b], {"trans_a": trans_a, "trans_b": trans_b}, options)
+
+
+@st.composite
+def conv_problems(draw):
+    """(x shape, w shape, attrs) of a small valid convolution."""
+    groups = draw(st.sampled_from([1, 1, 2]))
+    cin_g, cout_g = draw(st.sampled_from([1, 3])), draw(st.sampled_from([1, 2]))
+    kh, kw = draw(st.sampled_from([(1, 1), (3, 3), (2, 3)]))
+    stride = draw(st.sampled_from([(1, 1), (2, 2), (1, 2)]))
+    pad = draw(st.sampled_from([(0, 0), (1, 1), (0, 2)]))
+    pad = (min(pad[0], kh - 1), min(pad[1], kw - 1))
+    h, w = draw(st.sampled_from([(4, 5), (3, 3), (6, 4)]))
+    assume(h + 2 * pad[0] >= kh and w + 2 * pad[1] >= kw)
+    n = draw(st.sampled_from([1, 2]))
+    attrs = {"stride": list(stride), "pad": list(pad), "groups": groups}
+    return (n, cin_g * groups, h, w), (cout_g * groups, cin_g, kh, kw), attrs
+
+
+@settings(SETTINGS, max_examples=8)
+@given(problem=conv_problems(), dtype=st.sampled_from(FLOATS), seed=seeds,
+       options=st.sampled_from(OPTIONS))
+def test_conv2d_and_its_gradients(problem, dtype, seed, options):
+    x_shape, w_shape, attrs = problem
+    rng = np.random.default_rng(seed)
+    x, w = random_array(rng, x_shape, dtype), random_array(rng, w_shape, dtype)
+    check("conv2d", [x, w], attrs, options)
+    oh = conv_output_size(x_shape[2], w_shape[2], attrs["stride"][0], attrs["pad"][0])
+    ow = conv_output_size(x_shape[3], w_shape[3], attrs["stride"][1], attrs["pad"][1])
+    gy = random_array(rng, (x_shape[0], w_shape[0], oh, ow), dtype)
+    check("conv2d_grad_input", [gy, w], {**attrs, "input_shape": list(x_shape)}, options)
+    check("conv2d_grad_weight", [x, gy], {**attrs, "kernel": list(w_shape[2:])}, options)
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+def test_pointwise_conv_skips_im2col_and_agrees(options):
+    rng = np.random.default_rng(3)
+    x, w = random_array(rng, (3, 4, 5, 6), DType.f32), random_array(rng, (6, 2, 1, 1), DType.f32)
+    attrs = {"stride": [1, 1], "pad": [0, 0], "groups": 2}
+    source = cpu.render(one_node("conv2d", [x, w], attrs), options)
+    assert "col = " not in source
+    check("conv2d", [x, w], attrs, options)
+    gy = random_array(rng, (3, 6, 5, 6), DType.f32)
+    check("conv2d_grad_input", [gy, w], {**attrs, "input_shape": [3, 4, 5, 6]}, options)
+    check("conv2d_grad_weight", [x, gy], {**attrs, "kernel": [1, 1]}, options)
+
+
+# ---------------------------------------------------------------------------------------
+# Pooling, LRN, softmax and the losses.
+
+
+@st.composite
+def pool_problems(draw):
+    kernel = draw(st.sampled_from([(2, 2), (3, 3), (1, 2)]))
+    stride = draw(st.sampled_from([(1, 1), (2, 2), (3, 2)]))
+    pad = (draw(st.integers(0, kernel[0] - 1)), draw(st.integers(0, kernel[1] - 1)))
+    h, w = draw(st.sampled_from([(4, 4), (5, 7), (3, 6)]))
+    shape = (draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 3])), h, w)
+    assume(pool_output_size(h, kernel[0], stride[0], pad[0]) >= 1)
+    assume(pool_output_size(w, kernel[1], stride[1], pad[1]) >= 1)
+    return shape, {"kernel": list(kernel), "stride": list(stride), "pad": list(pad)}
+
+
+def _pooled(shape, attrs):
+    return (*shape[:2], *(pool_output_size(shape[2 + a], attrs["kernel"][a], attrs["stride"][a],
+                                           attrs["pad"][a]) for a in range(2)))
+
+
+@settings(SETTINGS, max_examples=6)
+@given(problem=pool_problems(), dtype=st.sampled_from(FLOATS), seed=seeds,
+       options=st.sampled_from(OPTIONS))
+def test_pooling_and_its_gradients(problem, dtype, seed, options):
+    shape, attrs = problem
+    rng = np.random.default_rng(seed)
+    x = random_array(rng, shape, dtype)
+    check("max_pool2d", [x], attrs, options, exact=True)
+    check("avg_pool2d", [x], attrs, options)
+    (y,) = nnref.max_pool2d(x, **attrs)
+    gy = random_array(rng, y.shape, dtype)
+    check("max_pool2d_grad", [x, y, gy], attrs, options)
+    check("avg_pool2d_grad", [gy], {**attrs, "input_shape": list(shape)}, options)
+
+
+def test_max_pool_grad_routes_ties_to_the_first_maximum():
+    x = np.zeros((1, 1, 4, 4), np.float32)  # every window is a tie
+    attrs = {"kernel": [3, 3], "stride": [1, 1], "pad": [1, 1]}
+    (y,) = nnref.max_pool2d(x, **attrs)
+    check("max_pool2d_grad", [x, y, np.ones_like(y)], attrs, exact=True)
+
+
+@FEW
+@given(shape=st.sampled_from([(1, 1, 1, 1), (2, 3, 4, 5), (3, 2, 1, 6)]),
+       dtype=st.sampled_from(FLOATS), seed=seeds, options=st.sampled_from(OPTIONS))
+def test_global_avg_pool(shape, dtype, seed, options):
+    check("global_avg_pool", [random_array(np.random.default_rng(seed), shape, dtype)], {},
+          options)
+
+
+@settings(SETTINGS, max_examples=5)
+@given(shape=st.sampled_from([(1, 1, 2, 2), (2, 5, 3, 2), (1, 7, 1, 3)]),
+       size=st.sampled_from([1, 3, 5]), dtype=st.sampled_from(FLOATS), seed=seeds,
+       options=st.sampled_from(OPTIONS))
+def test_lrn_and_its_gradient(shape, size, dtype, seed, options):
+    rng = np.random.default_rng(seed)
+    attrs = {"size": size, "alpha": 0.3, "beta": 0.75, "k": 2.0}
+    x, gy = random_array(rng, shape, dtype), random_array(rng, shape, dtype)
+    check("lrn", [x], attrs, options)
+    check("lrn_grad", [x, gy], attrs, options)
+
+
+@SETTINGS
+@given(shape=shapes(3).filter(len), data=st.data(), dtype=st.sampled_from(FLOATS),
+       options=st.sampled_from(OPTIONS))
+def test_softmax_and_its_gradient(shape, data, dtype, options):
+    axis = data.draw(st.integers(0, len(shape) - 1))
+    rng = np.random.default_rng(data.draw(seeds))
+    x = random_array(rng, shape, dtype, -5, 5)
+    check("softmax", [x], {"axis": axis}, options)
+    (y,) = REGISTRY["softmax"].reference(x, axis=axis)
+    check("softmax_grad", [y, random_array(rng, shape, dtype)], {"axis": axis}, options)
+
+
+@SETTINGS
+@given(rows=st.sampled_from([1, 4, 7]), classes=st.sampled_from([1, 3, 10]),
+       dtype=st.sampled_from(FLOATS), label=st.sampled_from([DType.i32, DType.i64]),
+       seed=seeds)
+def test_softmax_xent_its_gradient_and_accuracy(rows, classes, dtype, label, seed):
+    rng = np.random.default_rng(seed)
+    logits = random_array(rng, (rows, classes), dtype, -4, 4)
+    labels = rng.integers(0, classes, rows).astype(label.numpy)
+    check("softmax_xent", [logits, labels])
+    check("softmax_xent_grad", [logits, labels, np.array(0.7, dtype.numpy)])
+    check("accuracy", [logits, labels], exact=True)
+    logits[:, :] = 1  # ties: the first largest logit counts
+    check("accuracy", [logits, labels], exact=True)
+
+
+def test_a_label_outside_the_classes_raises():
+    logits = np.zeros((2, 3), np.float32)
+    node = one_node("softmax_xent", [logits, np.array([0, 3], np.int32)])
+    with pytest.raises(ValueError, match="label"):
+        run_kernel(node, [logits, np.array([0, 3], np.int32)])
+
+
+# ---------------------------------------------------------------------------------------
+# Fused nodes: the three shapes of group `purinec.passes.fuse` makes.
+
+
+def fused_graph(build) -> tuple[Graph, Node]:
+    """``build(graph, make)`` makes members with ``make(op, inputs, attrs, name)``
+    and returns (members, exported values); the graph gets one fused node."""
+    graph = Graph("f")
+
+    def make(op, inputs, attrs=None, names=None):
+        return graph.make_node(op, inputs, attrs or {}, names=names)
+
+    members, exported = build(graph, make)
+    node = graph.add_fused(members, external_inputs(members), exported, "fused_test")
+    graph.set_outputs([(v.name, v) for v in exported])
+    return graph, node
+
+
+def check_fused(graph: Graph, node: Node, inputs: dict[str, np.ndarray], options) -> None:
+    values = {v.name: inputs[v.name] for v in node.inputs}
+    for member in node.body:
+        results = reference(member, [values[v.name] for v in member.inputs])
+        values.update({v.name: r for v, r in zip(member.outputs, results)})
+    got = run_kernel(node, [inputs[v.name] for v in node.inputs], options)
+    for value, array in zip(node.outputs, got):
+        np.testing.assert_allclose(array, values[value.name], rtol=1e-4, atol=1e-4)
+
+
+def _inputs(graph: Graph, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {v.name: random_array(rng, v.type.shape, v.type.dtype) for v in graph.inputs}
+
+
+@pytest.mark.parametrize("export_conv", [False, True])
+@pytest.mark.parametrize("options", OPTIONS)
+def test_fused_conv2d_epilogue(export_conv, options):
+    def build(g, make):
+        x = g.add_input("x", TensorType((3, 2, 6, 5), DType.f32))
+        w = g.add_input("w", TensorType((4, 2, 3, 3), DType.f32))
+        b = g.add_input("b", TensorType((4,), DType.f32))
+        conv = make("conv2d", [x, w], {"pad": [1, 1]}, ["conv"])
+        biased = make("bias_add", [conv.outputs[0], b], {}, ["biased"])
+        relu = make("relu", biased.outputs, {}, ["relu"])
+        exported = [conv.outputs[0]] if export_conv else []
+        return [conv, biased, relu], exported + [biased.outputs[0], relu.outputs[0]]
+    graph, node = fused_graph(build)
+    check_fused(graph, node, _inputs(graph, 0), options)
+
+
+@pytest.mark.parametrize("export_product", [False, True])
+@pytest.mark.parametrize("options", OPTIONS)
+def test_fused_matmul_epilogue_with_an_sgd_update(export_product, options):
+    def build(g, make):
+        a = g.add_input("a", TensorType((7, 5), DType.f32))
+        b = g.add_input("b", TensorType((7, 6), DType.f32))
+        w = g.add_input("w", TensorType((5, 6), DType.f32))
+        h = g.add_input("h", TensorType((5, 6), DType.f32))
+        grad = make("matmul", [a, b], {"trans_a": True}, ["grad"])
+        sgd = make("sgd", [w, h, grad.outputs[0]], {"lr": 0.1, "momentum": 0.9},
+                   ["w.next", "h.next"])
+        return [grad, sgd], ([grad.outputs[0]] if export_product else []) + sgd.outputs
+    graph, node = fused_graph(build)
+    check_fused(graph, node, _inputs(graph, 1), options)
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+def test_fused_loop_and_horizontal_groups(options):
+    def chain(g, make):
+        x = g.add_input("x", TensorType((4, 3, 5), DType.f32))
+        b = g.add_input("b", TensorType((3,), DType.f32))
+        s = g.add_input("s", TensorType((), DType.f32))
+        t = make("bias_add", [x, b], {}, ["t"])
+        u = make("sigmoid", t.outputs, {}, ["u"])
+        v = make("mul", [u.outputs[0], t.outputs[0]], {}, ["v"])
+        grown = make("broadcast_to", [s], {"shape": [4, 3, 5]}, ["grown"])
+        out = make("add", [v.outputs[0], grown.outputs[0]], {}, ["out"])
+        return [t, u, v, grown, out], [u.outputs[0], out.outputs[0]]
+
+    def updates(g, make):
+        members = []
+        for i, shape in enumerate([(3, 4), (5,), ()]):
+            w, h, grad = (g.add_input(f"{k}{i}", TensorType(shape, DType.f32)) for k in "whg")
+            members.append(make("sgd", [w, h, grad], {"lr": 0.5, "weight_decay": 0.1},
+                                [f"w{i}.next", f"h{i}.next"]))
+        return members, [v for m in members for v in m.outputs]
+
+    for build in (chain, updates):
+        graph, node = fused_graph(build)
+        check_fused(graph, node, _inputs(graph, 2), options)
+
+
+def test_fused_kernel_source_names_every_member():
+    def build(g, make):
+        x = g.add_input("x", TensorType((2, 3), DType.f32))
+        a = make("relu", [x], {}, ["a"])
+        b = make("tanh", a.outputs, {}, ["b"])
+        return [a, b], b.outputs
+    _, node = fused_graph(build)
+    source = cpu.render(node)
+    assert "def fused_test(" in source
+    for member in node.body:
+        assert f"%{member.outputs[0].name} = {member.op}(" in source
+
+
+def test_every_generated_line_maps_back_to_its_ir_node():
+    def build(g, make):
+        x = g.add_input("x", TensorType((2, 3), DType.f32))
+        a = make("relu", [x], {}, ["a"])
+        b = make("tanh", a.outputs, {}, ["b"])
+        return [a, b], b.outputs
+    _, node = fused_graph(build)
+    builder = cpu.render_module(node).builder()
+    lines = builder.text().splitlines()
+    origins = builder.origins()
+    (tanh_line,) = [i for i, line in enumerate(lines, 1) if "np.tanh(" in line]
+    assert origins[tanh_line] == (node.body[1],)
+    assert lines[tanh_line - 2].strip().startswith("# %b = tanh(%a)")
+
+
+# ---------------------------------------------------------------------------------------
+# The registry, errors and inspection.
+
+
+def test_every_registered_op_has_a_cpu_renderer():
+    assert sorted(set(REGISTRY) - set(RENDERERS)) == []
+
+
+def test_an_op_without_a_renderer_is_a_clear_error(monkeypatch):
+    node = one_node("relu", [np.zeros(3, np.float32)])
+    node.loc = "model.py:7"
+    monkeypatch.delitem(RENDERERS, "relu")
+    with pytest.raises(CodegenError, match=r"no kernel for op 'relu'.*%relu = relu\(%in0\).*"
+                                           r"model.py:7"):
+        cpu.render(node)
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+def test_a_kernel_refuses_arrays_of_another_shape(options):
+    node = one_node("relu", [np.zeros((2, 3), np.float32)])
+    kernel = cpu.compile_node(node, options)
+    assert (kernel.fn is kernel.dispatcher) == (options is not BLOCKED)
+    with pytest.raises(ValueError, match=r"must be f32\[2,3\]"):
+        kernel.fn(np.zeros((3, 2), np.float32), np.zeros((2, 3), np.float32))
+
+
+def test_blocks_cover_the_items_once_on_the_threads_allowed():
+    seen = []
+    run_blocked(lambda lo, hi, out: seen.append((lo, hi)), 10, [None])
+    assert sorted(seen) == [(0, 3), (3, 6), (6, 10)]  # three threads (the fixture's)
+    set_threads(1)
+    seen.clear()
+    run_blocked(lambda lo, hi, out: seen.append((lo, hi)), 10, [None])
+    assert seen == [(0, 10)]
+
+
+def test_an_error_in_any_block_reaches_the_caller():
+    def fail_late(lo, hi):
+        if hi == 10:
+            raise ValueError("last block failed")
+    with pytest.raises(ValueError, match="last block"):
+        run_blocked(fail_late, 10, [])
+
+
+def test_kernels_show_their_llvm_and_assembly():
+    node = one_node("scale", [np.zeros(5, np.float32)], {"alpha": 2.0})
+    kernel = cpu.compile_node(node)
+    assert "define" in kernel.llvm() and "scale" in kernel.llvm()
+    assert "scale" in kernel.asm() and "ret" in kernel.asm()
+
+
+def test_compile_kernels_covers_every_node_of_a_graph():
+    g = Graph("g")
+    x = g.add_input("x", TensorType((2, 4), DType.f32))
+    w = g.add_input("w", TensorType((3, 4), DType.f32))
+    y = g.add_node("matmul", [x, w], {"trans_b": True}).outputs[0]
+    z = g.add_node("relu", [y]).outputs[0]
+    g.set_outputs([("z", z)])
+    kernels = cpu.compile_kernels(g)
+    assert list(kernels) == g.nodes
+    assert [k.name for k in kernels.values()] == ["matmul", "relu"]
+    assert kernels[g.nodes[1]].nodes == (g.nodes[1],)

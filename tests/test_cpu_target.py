@@ -1,0 +1,107 @@
+"""The cpu target end to end: fused Numba kernels under the runtime, against the
+reference target, saved and loaded in a fresh process, traced."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import purinec
+from purinec.runtime.trace import Trace
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SGD = purinec.SGD(lr=0.05, momentum=0.9, weight_decay=5e-4)
+
+# (model, input shape) at batch 2; nin and inception compile ~100 kernels each, minutes
+# on these machines, so they run only when PURINEC_SLOW=1 is set.
+MODELS = [("mlp", (1, 8, 8)), ("lenet", (1, 28, 28)), ("convnet", (1, 8, 8)),
+          ("cifar_quick", (3, 32, 32))]
+SLOW_MODELS = [("nin", (3, 32, 32)), ("inception", (3, 32, 32))]
+slow = pytest.mark.skipif(not os.environ.get("PURINEC_SLOW"),
+                          reason="compiles minutes of kernels; set PURINEC_SLOW=1")
+
+
+def feeds(shape, seed, batch=2):
+    rng = np.random.default_rng(seed)
+    return {"data": rng.normal(size=(batch, *shape)).astype(np.float32),
+            "label": rng.integers(0, 10, batch).astype(np.int32)}
+
+
+def check_iterations_match(model, shape):
+    options = dict(train=SGD, batch=2, input_shape=shape, num_classes=10, seed=4)
+    cpu = purinec.compile(model, target="cpu", **options)
+    ref = purinec.compile(model, target="reference", **options)
+    assert any(node.op == "fused" for node in cpu.ir.nodes)
+    for step in range(2):  # the second step reads momentum written by the first
+        f = feeds(shape, seed=step)
+        assert cpu.step(f) == pytest.approx(ref.step(f), rel=1e-5, abs=1e-6)
+        for name in ref.params:
+            np.testing.assert_allclose(cpu.params[name], ref.params[name], rtol=1e-4,
+                                       atol=1e-6, err_msg=f"{model} step {step}: {name}")
+        for name in ref.state:
+            np.testing.assert_allclose(cpu.state[name], ref.state[name], rtol=1e-4,
+                                       atol=1e-6, err_msg=f"{model} step {step}: {name}")
+    f = feeds(shape, seed=9)
+    np.testing.assert_allclose(cpu.run({"data": f["data"]})["logits"],
+                               ref.run({"data": f["data"]})["logits"], rtol=1e-4, atol=1e-5)
+    cpu.close()
+
+
+@pytest.mark.parametrize("model, shape", MODELS, ids=[m for m, _ in MODELS])
+def test_compiled_training_iteration_equals_the_reference(model, shape):
+    check_iterations_match(model, shape)
+
+
+@slow
+@pytest.mark.parametrize("model, shape", SLOW_MODELS, ids=[m for m, _ in SLOW_MODELS])
+def test_compiled_training_iteration_equals_the_reference_big_models(model, shape):
+    check_iterations_match(model, shape)
+
+
+FRESH = """
+import sys
+import numpy as np
+import purinec
+
+program = purinec.load(sys.argv[1])
+inputs = np.load(sys.argv[2])
+logits = program.run({"data": inputs["data"]})["logits"]
+loss = program.step({"data": inputs["data"], "label": inputs["label"]})
+np.savez(sys.argv[3], logits=logits, loss=np.float32(loss), **dict(program.params))
+"""
+
+
+def test_saved_program_gives_bitwise_the_same_outputs_in_a_fresh_process(tmp_path):
+    program = purinec.compile("convnet", target="cpu", train=SGD, batch=4,
+                              input_shape=(1, 8, 8), num_classes=10, seed=2)
+    program.step(feeds((1, 8, 8), seed=1, batch=4))  # not just initial weights
+    program.save(tmp_path / "convnet.purine")
+    f = feeds((1, 8, 8), seed=5, batch=4)
+    np.savez(tmp_path / "in.npz", **f)
+    result = subprocess.run([sys.executable, "-c", FRESH, str(tmp_path / "convnet.purine"),
+                             str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
+                            capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert result.returncode == 0, result.stderr
+    logits = program.run({"data": f["data"]})["logits"]
+    loss = program.step(f)
+    with np.load(tmp_path / "out.npz") as out:
+        assert out["logits"].tobytes() == logits.tobytes()
+        assert out["loss"] == np.float32(loss)
+        for name, value in program.params.items():
+            assert out[name].tobytes() == value.tobytes(), name
+
+
+def test_trace_has_one_event_per_kernel(tmp_path):
+    trace = Trace()
+    with purinec.compile("mlp", target="cpu", batch=2, input_shape=(1, 8, 8),
+                         num_classes=10, trace=trace) as program:
+        program.run({"data": np.ones((2, 1, 8, 8), np.float32)})
+        kernels = [n for n in program.ir.nodes if n.op != "reshape"]
+    trace.write(str(tmp_path / "trace.json"))
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert len(spans) == len(kernels)
+    assert all(e["dur"] >= 0 for e in spans)
