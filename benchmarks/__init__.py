@@ -1,0 +1,1 @@
+"""Benchmarks of purinec against its peers; see benchmarks/README.md."""

@@ -1,0 +1,743 @@
+"""Time one training iteration on purinec's targets and on PyTorch and JAX, side by side.
+
+    python -m benchmarks.bench_train [--models mlp,lenet,cifar_quick] [--targets reference,cpu]
+        [--peers torch,torch.compile,jax|none] [--iterations N] [--warmup N] [--rounds R]
+        [--threads 2] [--max-seconds S] [--startup-repeats R] [--no-startup] [--quick]
+        [--json OUT]
+
+One iteration is forward, backward and SGD (lr 0.01, momentum 0.9, weight decay 5e-4) of
+`mlp` (batch 64), `lenet` (64) and `cifar_quick` (100). Every contender runs in its own
+processes (the contenders take turns over a few rounds), with the same thread budget,
+after its numerics were checked against purinec's reference target; a contender that
+disagrees is reported and not timed. Then fresh
+processes measure purinec's cold compile and the warm start from a saved artifact.
+benchmarks/README.md says what each number means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from benchmarks.peers import NETS, PEERS, make_trainer
+
+MODELS = {"mlp": 64, "lenet": 64, "cifar_quick": 100}
+SOLVER = {"lr": 0.01, "momentum": 0.9, "weight_decay": 5e-4}
+PURINEC = "purinec:"  # contenders "purinec:<target>" are purinec's targets
+
+# The numerics check: CHECK_STEPS iterations from purinec's initial weights; each loss
+# within LOSS_RTOL of the reference's and every parameter's change over those steps
+# within PARAM_RTOL of the reference's change (relative to its largest entry), beyond
+# the rounding of the float32 weights themselves: a change of 1e-6 to a weight of 0.05
+# (cifar_quick's conv2 in two steps) is only 270 float32 steps of that weight, so each
+# weight may also differ by ULPS_PER_STEP of its own spacing per step. PARAM_RTOL leaves
+# room for float32 sums of ~1e5 partly cancelling terms: cifar_quick's conv1 gradients
+# at batch 100 come out of PyTorch's kernels 1.4e-3 (relative) from float64, out of the
+# reference target 7e-7. A wrong layer or solver is off by 0.1 and more.
+CHECK_STEPS = 2
+LOSS_RTOL = 1e-4
+PARAM_RTOL = 1e-2
+ULPS_PER_STEP = 2
+
+MIN_TIMED = 3  # timed iterations kept even past --max-seconds
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+               "NUMBA_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
+REPO = Path(__file__).resolve().parent.parent
+VERSIONED = ("purinec", "numpy", "numba", "scipy", "torch", "jax", "jaxlib")
+
+
+# ---------------------------------------------------------------------------------------
+# Shared by parent and workers: the solver, batches, the numerics check.
+
+
+def solver():
+    import purinec
+
+    return purinec.SGD(**SOLVER)
+
+
+def random_batch(rng: np.random.Generator, data_shape, classes: int):
+    x = rng.random(data_shape, dtype=np.float32)
+    y = rng.integers(0, classes, data_shape[0]).astype(np.int32)
+    return x, y
+
+
+class CheckData:
+    """purinec reference target's CHECK_STEPS iterations: the initial weights, the
+    batches, each step's loss and the weights afterwards."""
+
+    def __init__(self, init: dict, batches: list, losses: list[float], final: dict):
+        self.init, self.batches, self.losses, self.final = init, batches, losses, final
+
+    @classmethod
+    def compute(cls, model: str, batch: int, seed: int = 0) -> "CheckData":
+        import purinec
+
+        program = purinec.compile(model, target="reference", train=solver(), batch=batch,
+                                  seed=seed)
+        rng = np.random.default_rng(seed + 1)
+        data_shape = program.ir.input("data").type.shape
+        classes = program.ir.value("logits").type.shape[1]
+        init = {k: np.array(v) for k, v in program.params.items()}
+        batches = [random_batch(rng, data_shape, classes) for _ in range(CHECK_STEPS)]
+        losses = [program.step({"data": x, "label": y}) for x, y in batches]
+        final = {k: np.array(v) for k, v in program.params.items()}
+        return cls(init, batches, losses, final)
+
+    def save(self, path: str) -> None:
+        arrays = {f"init/{k}": v for k, v in self.init.items()}
+        arrays.update({f"final/{k}": v for k, v in self.final.items()})
+        for i, (x, y) in enumerate(self.batches):
+            arrays[f"x{i}"], arrays[f"y{i}"] = x, y
+        np.savez(path, losses=np.array(self.losses, dtype=np.float64), **arrays)
+
+    @classmethod
+    def load(cls, path: str) -> "CheckData":
+        with np.load(path) as f:
+            init = {k[5:]: f[k] for k in f.files if k.startswith("init/")}
+            final = {k[6:]: f[k] for k in f.files if k.startswith("final/")}
+            losses = [float(v) for v in f["losses"]]
+            batches = [(f[f"x{i}"], f[f"y{i}"]) for i in range(len(losses))]
+        return cls(init, batches, losses, final)
+
+
+def compare(check: CheckData, losses: list[float],
+            params: dict[str, np.ndarray]) -> tuple[dict, list[str]]:
+    """The largest relative errors against the reference, and every problem found.
+    A parameter's error is how far its change exceeds the reference's change plus the
+    float32 rounding of the weight, relative to the largest entry of that change."""
+    problems = []
+    loss_err = 0.0
+    for i, (got, want) in enumerate(zip(losses, check.losses), 1):
+        err = abs(got - want) / max(abs(want), 1e-30)
+        loss_err = max(loss_err, err) if np.isfinite(err) else float("inf")
+        if not err <= LOSS_RTOL:
+            problems.append(f"step {i}: loss {got:.7g}, purinec's reference {want:.7g}")
+    param_err = 0.0
+    for name, start in check.init.items():
+        if name not in params:
+            problems.append(f"parameter {name} is missing")
+            continue
+        want = check.final[name] - start
+        got = params[name] - start
+        rounding = ULPS_PER_STEP * len(losses) * np.spacing(
+            np.maximum(np.abs(start), np.abs(check.final[name])))
+        excess = np.maximum(np.abs(got - want) - rounding, 0)
+        err = float(excess.max() / max(float(np.abs(want).max()), 1e-30))
+        param_err = max(param_err, err) if np.isfinite(err) else float("inf")
+        if not err <= PARAM_RTOL:
+            problems.append(f"{name}: its change over {len(losses)} steps differs from the "
+                            f"reference's by {err:.3g} of the largest change (beyond the "
+                            f"weights' float32 rounding)")
+    return {"loss_rel_err": loss_err, "param_rel_err": param_err}, problems
+
+
+# ---------------------------------------------------------------------------------------
+# Workers: one process per measurement.
+
+
+class PurinecTrainer:
+    """purinec's `Program` behind the peers' trainer interface (see benchmarks.peers)."""
+
+    def __init__(self, model: str, batch: int, target: str, params: dict):
+        import purinec
+
+        self.program = purinec.compile(model, target=target, train=solver(), batch=batch)
+        for name, value in params.items():
+            self.program.params[name] = value
+
+    def prepare(self, x, y):
+        return {"data": x, "label": y}
+
+    def step(self, feeds) -> float:
+        return self.program.step(feeds)
+
+    def params(self) -> dict[str, np.ndarray]:
+        return {k: np.array(v) for k, v in self.program.params.items()}
+
+    def close(self) -> None:
+        close_program(self.program)
+
+
+def close_program(program) -> None:
+    """Stop the program's worker threads, where its runtime has any."""
+    if hasattr(program, "close"):
+        program.close()
+
+
+def _limit_threads(threads: int, contender: str) -> None:
+    """Keep the process on ``threads`` CPUs (JAX sizes its pool from them) and set each
+    library's own knob; the thread variables came in the environment."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cpus) > threads:
+        os.sched_setaffinity(0, cpus[:threads])
+    if contender.startswith("torch"):
+        import torch
+
+        torch.set_num_threads(threads)
+    if contender.startswith(PURINEC):
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(threads)
+
+
+def _timed(step: Callable, batch, warmup: int, iterations: int,
+           max_seconds: float) -> list[float]:
+    """Seconds per iteration; warm-up stops after a quarter of the budget, timing after
+    the whole budget once MIN_TIMED iterations are in."""
+    start = time.perf_counter()
+    for _ in range(warmup):
+        step(batch)
+        if time.perf_counter() - start > max_seconds / 4:
+            break
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < iterations:
+        t = time.perf_counter()
+        step(batch)
+        times.append(time.perf_counter() - t)
+        if len(times) >= MIN_TIMED and time.perf_counter() - start > max_seconds:
+            break
+    return times
+
+
+def _shape_problems(trainer, batch: int, expected: dict) -> list[str]:
+    got = trainer.layer_shapes(batch)
+    problems = []
+    for value, shape in got.items():
+        if value not in expected:
+            problems.append(f"{value}: no such value in purinec's graph")
+        elif tuple(shape) != tuple(expected[value]):
+            problems.append(f"{value}: shape {list(shape)}, purinec's {list(expected[value])}")
+    return problems
+
+
+def work_train(job: dict) -> dict:
+    """Check one contender's numerics, then time its training iteration."""
+    contender, model, batch = job["contender"], job["model"], job["batch"]
+    check = CheckData.load(job["check_file"])
+    t0 = time.perf_counter()
+    if contender.startswith(PURINEC):
+        trainer = PurinecTrainer(model, batch, contender[len(PURINEC):], check.init)
+        problems = []
+    else:
+        trainer = make_trainer(contender, model, check.init, **SOLVER)
+        problems = _shape_problems(trainer, batch, job["shapes"])
+    first, *rest = check.batches
+    losses = [trainer.step(trainer.prepare(*first))]
+    startup = time.perf_counter() - t0  # build (compile) and the first step
+    losses += [trainer.step(trainer.prepare(*batch)) for batch in rest]
+    errors, numeric_problems = compare(check, losses, trainer.params())
+    problems += numeric_problems
+    result = {"startup_s": startup, "check": errors}
+    if problems:
+        result.update(status="mismatch", problems=problems)
+    else:
+        batch_data = trainer.prepare(*check.batches[0])
+        times = _timed(trainer.step, batch_data, job["warmup"], job["iterations"],
+                       job["max_seconds"])
+        result.update(status="ok", times_ms=[t * 1e3 for t in times])
+    if isinstance(trainer, PurinecTrainer):
+        trainer.close()
+    return result
+
+
+def _first_batch(program) -> dict:
+    x, y = random_batch(np.random.default_rng(0), program.ir.input("data").type.shape,
+                        program.ir.value("logits").type.shape[1])
+    return {"data": x, "label": y}
+
+
+def _first_result(program) -> float:
+    """Run the program's first step (or inference, if it cannot train) on a random
+    batch; returns the seconds that took."""
+    feeds = _first_batch(program)
+    start = time.perf_counter()
+    if program.trainable:
+        program.step(feeds)
+    else:
+        program.run({"data": feeds["data"]})
+    return time.perf_counter() - start
+
+
+def work_cold(job: dict) -> dict:
+    """Import, compile with an empty kernel cache, first step; then save the artifact."""
+    t0 = time.perf_counter()
+    import purinec
+
+    t_import = time.perf_counter()
+    program = purinec.compile(job["model"], target=job["target"], train=solver(),
+                              batch=job["batch"])
+    t_compile = time.perf_counter()
+    first_step = _first_result(program)
+    result = {"status": "ok", "import_s": t_import - t0, "compile_s": t_compile - t_import,
+              "first_step_s": first_step, "saved": False}
+    if hasattr(program, "save"):
+        t_save = time.perf_counter()
+        program.save(job["artifact"])
+        result.update(saved=True, save_s=time.perf_counter() - t_save)
+    close_program(program)
+    return result
+
+
+def work_warm(job: dict) -> dict:
+    """Import, load the artifact (kernel cache warm), first step."""
+    t0 = time.perf_counter()
+    import purinec
+
+    t_import = time.perf_counter()
+    program = purinec.load(job["artifact"])
+    t_load = time.perf_counter()
+    first_step = _first_result(program)
+    close_program(program)
+    return {"status": "ok", "import_s": t_import - t0, "load_s": t_load - t_import,
+            "first_step_s": first_step}
+
+
+WORK = {"train": work_train, "cold": work_cold, "warm": work_warm}
+
+
+def worker_main(job_path: str) -> int:
+    with open(job_path, encoding="utf-8") as f:
+        job = json.load(f)
+    _limit_threads(job["threads"], job.get("contender", PURINEC))
+    try:
+        result = WORK[job["kind"]](job)
+    except Exception as err:  # reported in the table, with the traceback on stderr
+        import traceback
+
+        traceback.print_exc()
+        result = {"status": "error", "problems": [f"{type(err).__name__}: {err}"]}
+    with open(job["result"], "w", encoding="utf-8") as f:
+        json.dump(result, f)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+# The parent: plan, run workers, print.
+
+
+def child_env(threads: int, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({var: str(threads) for var in THREAD_VARS})
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def run_worker(job: dict, env: dict[str, str], workdir: str, timeout: float) -> dict:
+    """Run ``job`` in a fresh process; its result, plus the process's wall time."""
+    fd, job_path = tempfile.mkstemp(suffix=".json", dir=workdir)
+    job = {**job, "result": job_path + ".out"}
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(job, f)
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_train", "--worker",
+                               job_path], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": "error", "problems": [f"no result within {timeout:.0f} s"]}
+    wall = time.perf_counter() - start
+    try:
+        with open(job["result"], encoding="utf-8") as f:
+            result = json.load(f)
+    except (OSError, ValueError):
+        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        result = {"status": "error",
+                  "problems": [f"worker exited with status {proc.returncode}: {tail}"]}
+    if result["status"] == "error" and proc.stderr.strip():
+        result["stderr"] = proc.stderr[-4000:]
+    result["process_s"] = wall
+    result["load_1m"] = load_average()
+    return result
+
+
+def load_average() -> float | None:
+    """The 1-minute load average: how busy the (shared) machine was."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine() -> dict:
+    cpu = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f
+                       if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = {"cpu": cpu, "cpus": os.cpu_count(), "python": platform.python_version(),
+            "versions": {d: version(d) for d in VERSIONED if version(d)},
+            "load_1m": load_average()}
+    try:
+        from threadpoolctl import threadpool_info
+
+        info["blas"] = [f"{p.get('internal_api')} {p.get('version')} "
+                        f"({p.get('architecture', '?')})" for p in threadpool_info()
+                        if p.get("user_api") == "blas"]
+    except ImportError:
+        pass
+    return info
+
+
+def summarize(times_ms: list[float]) -> dict:
+    t = np.array(times_ms)
+    return {"median_ms": float(np.median(t)), "p10_ms": float(np.percentile(t, 10)),
+            "p90_ms": float(np.percentile(t, 90)), "n": len(t)}
+
+
+def model_facts(model: str, batch: int) -> dict:
+    """The training graph's FLOPs and the shapes of the values the peers produce."""
+    import purinec
+    from purinec.compiler import build_graph, load_source
+    from purinec.passes.cost import flops
+
+    graph = build_graph(load_source(model, batch), purinec.SGD(**SOLVER))
+    shapes = {layer.output: list(graph.value(layer.output).type.shape)
+              for layer in NETS[model].layers}
+    return {"flops": flops(graph), "shapes": shapes}
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def bench_model(model: str, batch: int, contenders: list[str], args, workdir: str) -> list:
+    """Every contender's row for ``model``. The contenders take turns over
+    ``args.rounds`` rounds, a fresh process each, so that a burst of load from elsewhere
+    on a shared machine falls on all of them rather than on one."""
+    facts = model_facts(model, batch)
+    say(f"[{model}] computing the reference check ({CHECK_STEPS} steps on the reference "
+        f"target)")
+    check_file = os.path.join(workdir, f"{model}.check.npz")
+    CheckData.compute(model, batch).save(check_file)
+    job = {"kind": "train", "model": model, "batch": batch, "check_file": check_file,
+           "shapes": facts["shapes"], "iterations": -(-args.iterations // args.rounds),
+           "warmup": args.warmup, "max_seconds": args.max_seconds / args.rounds,
+           "threads": args.threads}
+    runs: dict[str, list[dict]] = {c: [] for c in contenders}
+    for r in range(args.rounds):
+        for contender in contenders:
+            if runs[contender] and runs[contender][-1]["status"] != "ok":
+                continue  # it failed or disagreed: once is enough
+            say(f"[{model}] {contender}, round {r + 1}/{args.rounds} ...")
+            result = run_worker({**job, "contender": contender}, child_env(args.threads),
+                                workdir, args.timeout)
+            say(f"[{model}] {contender}: " + (
+                f"{np.median(result['times_ms']):.2f} ms" if result["status"] == "ok"
+                else result["status"].upper()))
+            runs[contender].append(result)
+    rows = [{"model": model, "batch": batch, "flops": facts["flops"], "contender": c,
+             **merge_rounds(runs[c])} for c in contenders]
+    for row in rows:
+        if row["status"] == "ok":
+            row["gflops_per_s"] = facts["flops"] / row["median_ms"] / 1e6
+    best = min((r["median_ms"] for r in rows
+                if r["status"] == "ok" and r["contender"].startswith(PURINEC)), default=None)
+    for row in rows:
+        if best is not None and row["status"] == "ok" and not row["contender"].startswith(
+                PURINEC):
+            row["peer_over_purinec"] = row["median_ms"] / best
+    return rows
+
+
+def merge_rounds(results: list[dict]) -> dict:
+    """One row from a contender's rounds: all timed iterations together, the first
+    round's startup, the largest check errors and load; the last round's status."""
+    last = results[-1]
+    row = {"status": last["status"], "rounds": len(results),
+           "startup_s": results[0].get("startup_s"),
+           "load_1m": max((r["load_1m"] for r in results if r.get("load_1m") is not None),
+                          default=None),
+           "process_s": sum(r["process_s"] for r in results if "process_s" in r)}
+    for key in ("problems", "stderr"):
+        if key in last:
+            row[key] = last[key]
+    checks = [r["check"] for r in results if "check" in r]
+    if checks:
+        row["check"] = {k: max(c[k] for c in checks) for k in checks[0]}
+    if last["status"] == "ok":
+        row["times_ms"] = [t for r in results for t in r["times_ms"]]
+        row.update(summarize(row["times_ms"]))
+    return row
+
+
+def bench_startup(model: str, batch: int, target: str, args, workdir: str) -> dict:
+    """Cold compile and warm start, each in fresh processes, ``args.startup_repeats``
+    times; every cold run gets an empty kernel cache, its warm run reuses that cache."""
+    import purinec
+
+    row: dict[str, Any] = {"model": model, "target": target, "cold": [], "warm": []}
+    can_load = hasattr(purinec, "load") and hasattr(purinec.Program, "save")
+    if not can_load:
+        row["note"] = "Program.save/purinec.load not available: warm start not measured"
+    base = {"model": model, "batch": batch, "target": target, "threads": args.threads}
+    for r in range(args.startup_repeats):
+        cache = tempfile.mkdtemp(prefix=f"cache-{model}-{target}-{r}-", dir=workdir)
+        env = child_env(args.threads, PURINEC_CACHE_DIR=cache)
+        env.pop("NUMBA_CACHE_DIR", None)  # Numba caches beside the kernels, in `cache`
+        artifact = os.path.join(cache, f"{model}.purine")
+        say(f"[{model}] {PURINEC}{target} cold start {r + 1}/{args.startup_repeats} ...")
+        cold = run_worker({**base, "kind": "cold", "artifact": artifact}, env, workdir,
+                          args.timeout)
+        row["cold"].append(cold)
+        if cold["status"] != "ok" or not can_load:
+            continue
+        if not cold["saved"]:
+            row["note"] = f"target {target} programs have no save(): warm start not measured"
+            continue
+        say(f"[{model}] {PURINEC}{target} warm start {r + 1}/{args.startup_repeats} ...")
+        row["warm"].append(run_worker({**base, "kind": "warm", "artifact": artifact}, env,
+                                      workdir, args.timeout))
+    _summarize_startup(row)
+    return row
+
+
+def _summarize_startup(row: dict) -> None:
+    def median(runs, *keys):
+        ok = [r for r in runs if r["status"] == "ok"]
+        return float(np.median([sum(r[k] for k in keys) for r in ok])) if ok else None
+
+    row["cold_s"] = median(row["cold"], "compile_s", "first_step_s")
+    row["cold_process_s"] = median(row["cold"], "process_s")
+    row["warm_s"] = median(row["warm"], "load_s", "first_step_s")
+    row["warm_process_s"] = median(row["warm"], "process_s")
+    row["import_s"] = median(row["cold"] + row["warm"], "import_s")
+    failed = [p for r in row["cold"] + row["warm"] if r["status"] != "ok"
+              for p in r.get("problems", [])]
+    row["status"] = "error" if failed else "ok"
+    row["problems"] = failed
+
+
+# ---------------------------------------------------------------------------------------
+# Reporting.
+
+
+def _fmt(value, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def check_text(row: dict) -> str:
+    if row["status"] in ("ok", "mismatch") and "check" in row:
+        c = row["check"]
+        head = "ok" if row["status"] == "ok" else "MISMATCH"
+        return f"{head} (loss {c['loss_rel_err']:.0e}, dw {c['param_rel_err']:.0e})"
+    return row["status"].upper()
+
+
+def train_table(rows: list[dict], threads: int) -> str:
+    lines = [f"One training iteration: forward, backward, SGD (lr {SOLVER['lr']}, momentum "
+             f"{SOLVER['momentum']}, weight decay {SOLVER['weight_decay']}), {threads} "
+             f"threads each.",
+             "peer/purinec = peer median / purinec's best target median (>1: purinec is "
+             "faster); n = timed iterations over all rounds; startup = build (compile) + "
+             "first step in the first round's process; load = the machine's highest "
+             "1-minute load average after a round; check = largest relative error vs "
+             "purinec's reference target.",
+             ""]
+    head = (f"{'model':<12}{'batch':>6}{'GFLOP':>8}  {'contender':<19}{'median ms':>10}"
+            f"{'p10':>9}{'p90':>9}{'n':>5}{'GFLOP/s':>9}{'peer/purinec':>13}"
+            f"{'startup s':>10}{'load':>6}  check")
+    lines += [head, "-" * len(head)]
+    last_model = None
+    for r in rows:
+        first = r["model"] != last_model
+        last_model = r["model"]
+        model_cols = (f"{r['model']:<12}{r.get('batch', ''):>6}"
+                      f"{_fmt(r.get('flops') and r['flops'] / 1e9, '.3f', ''):>8}"
+                      if first else " " * 26)
+        ok = r["status"] == "ok"
+        lines.append(
+            f"{model_cols}  {r['contender']:<19}"
+            f"{_fmt(r.get('median_ms') if ok else None, '.2f'):>10}"
+            f"{_fmt(r.get('p10_ms') if ok else None, '.2f'):>9}"
+            f"{_fmt(r.get('p90_ms') if ok else None, '.2f'):>9}"
+            f"{_fmt(r.get('n') if ok else None, 'd'):>5}"
+            f"{_fmt(r.get('gflops_per_s') if ok else None, '.1f'):>9}"
+            f"{_fmt(r.get('peer_over_purinec'), '.2f'):>13}"
+            f"{_fmt(r.get('startup_s'), '.2f'):>10}{_fmt(r.get('load_1m'), '.1f'):>6}"
+            f"  {check_text(r)}")
+    return "\n".join(lines)
+
+
+def startup_table(rows: list[dict]) -> str:
+    lines = ["Startup, fresh processes (medians): cold = compile with an empty kernel cache "
+             "+ first step; warm = purinec.load(artifact) + first step, kernel cache warm; "
+             "process = the whole process, interpreter and imports included.", ""]
+    head = (f"{'model':<12}  {'target':<19}{'import s':>9}{'cold s':>9}{'process':>9}"
+            f"{'warm s':>9}{'process':>9}{'cold/warm':>10}")
+    lines += [head, "-" * len(head)]
+    for r in rows:
+        ratio = r["cold_s"] / r["warm_s"] if r["cold_s"] and r["warm_s"] else None
+        lines.append(f"{r['model']:<12}  {PURINEC + r['target']:<19}"
+                     f"{_fmt(r['import_s'], '.2f'):>9}{_fmt(r['cold_s'], '.3f'):>9}"
+                     f"{_fmt(r['cold_process_s'], '.2f'):>9}{_fmt(r['warm_s'], '.3f'):>9}"
+                     f"{_fmt(r['warm_process_s'], '.2f'):>9}{_fmt(ratio, '.1f'):>10}")
+    notes = sorted({r["note"] for r in rows if r.get("note")})
+    return "\n".join(lines + [f"note: {n}" for n in notes])
+
+
+def problems_text(train_rows: list[dict], startup_rows: list[dict]) -> str:
+    blocks = []
+    for r in train_rows:
+        if r["status"] == "mismatch":
+            blocks.append(f"!!! NUMERICS MISMATCH: {r['contender']} on {r['model']} disagrees "
+                          f"with purinec's reference target; it was NOT timed:")
+        elif r["status"] == "error":
+            blocks.append(f"!!! FAILED: {r['contender']} on {r['model']}:")
+        else:
+            continue
+        blocks += [f"      {p}" for p in r.get("problems", [])]
+    for r in startup_rows:
+        if r["status"] != "ok":
+            blocks.append(f"!!! FAILED: startup of {PURINEC}{r['target']} on {r['model']}:")
+            blocks += [f"      {p}" for p in r["problems"]]
+    return "\n".join(blocks)
+
+
+def machine_text(info: dict, threads: int) -> str:
+    versions = ", ".join(f"{k} {v}" for k, v in info["versions"].items())
+    start, end = info.get("load_1m"), info.get("load_1m_end")
+    load_text = (f", 1-minute load average {start:.2f} at the start, {end:.2f} at the end"
+                 if start is not None and end is not None else "")
+    return "\n".join([
+        f"machine: {info['cpu']}, {info['cpus']} CPUs{load_text}; {threads} threads per "
+        f"contender (a shared machine: expect noise)",
+        f"BLAS: {'; '.join(info.get('blas', [])) or '?'}",
+        f"versions: Python {info['python']}, {versions}"])
+
+
+# ---------------------------------------------------------------------------------------
+# Command line.
+
+
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_train",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=",".join(MODELS),
+                   help=f"comma-separated, from {', '.join(MODELS)} (default: all)")
+    p.add_argument("--targets", help="purinec targets (default: every registered one)")
+    p.add_argument("--peers", help=f"from {', '.join(PEERS)}, or none (default: every "
+                                   "installed one)")
+    p.add_argument("--iterations", type=int, help="timed iterations (default 60)")
+    p.add_argument("--warmup", type=int, help="untimed iterations first (default 5)")
+    p.add_argument("--max-seconds", type=float,
+                   help="time budget per contender; stops early, keeping at least "
+                        f"{MIN_TIMED} iterations a round (default 45)")
+    p.add_argument("--rounds", type=int,
+                   help="the contenders take turns this many times, a fresh process each; "
+                        "iterations and budget are split between the rounds (default 3)")
+    p.add_argument("--threads", type=int, default=2, help="threads per contender (default 2)")
+    p.add_argument("--startup-repeats", type=int,
+                   help="fresh-process cold/warm starts per model and target (default 3)")
+    p.add_argument("--no-startup", action="store_true", help="skip the cold/warm starts")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny counts (3 iterations, 1 warm-up, 1 round, 1 startup repeat): "
+                        "a smoke test")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per worker process")
+    p.add_argument("--json", metavar="OUT", help="also write every number to this file")
+    p.add_argument("--worker", metavar="JOB", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    defaults = ((3, 1, 10.0, 1, 1) if args.quick else (60, 5, 45.0, 3, 3))
+    for key, default in zip(("iterations", "warmup", "max_seconds", "startup_repeats",
+                             "rounds"), defaults):
+        if getattr(args, key) is None:
+            setattr(args, key, default)
+    if args.worker:
+        return args
+    args.models = _names(args.models)
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown:
+        p.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    from purinec.compiler import TARGETS
+
+    args.targets = _names(args.targets) if args.targets else list(TARGETS)
+    unknown = [t for t in args.targets if t not in TARGETS]
+    if unknown:
+        p.error(f"unknown target(s) {', '.join(unknown)}; registered: {', '.join(TARGETS)}")
+    args.peers = [] if args.peers == "none" else _names(args.peers or ",".join(PEERS))
+    unknown = [n for n in args.peers if n not in PEERS]
+    if unknown:
+        p.error(f"unknown peer(s) {', '.join(unknown)}; peers: {', '.join(PEERS)}, or none")
+    if min(args.iterations, args.rounds, args.threads, args.startup_repeats) < 1 or \
+            args.warmup < 0:
+        p.error("--iterations, --rounds, --threads and --startup-repeats must be >= 1, "
+                "--warmup >= 0")
+    return args
+
+
+def installed_peers(names: list[str]) -> tuple[list[str], list[str]]:
+    """The peers whose framework is installed, and notes about the others."""
+    chosen = [n for n in names if installed(n.split(".")[0])]
+    notes = [f"{n}: {n.split('.')[0]} is not installed; skipped (pip install the 'bench' "
+             f"extras)" for n in names if n not in chosen]
+    return chosen, notes
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker)
+    peers, notes = installed_peers(args.peers)
+    from purinec.compiler import TARGETS
+
+    if "cpu" not in TARGETS:
+        notes.append("purinec's cpu target is not registered in this build; only "
+                     f"{', '.join(TARGETS)} measured")
+    info = machine()
+    contenders = [PURINEC + t for t in args.targets] + peers
+    train_rows, startup_rows = [], []
+    with tempfile.TemporaryDirectory(prefix="purinec-bench-") as workdir:
+        for model in args.models:
+            train_rows += bench_model(model, MODELS[model], contenders, args, workdir)
+        if not args.no_startup:
+            for model in args.models:
+                for target in args.targets:
+                    startup_rows.append(bench_startup(model, MODELS[model], target, args,
+                                                      workdir))
+    info["load_1m_end"] = load_average()
+    report = [machine_text(info, args.threads), "", train_table(train_rows, args.threads)]
+    if startup_rows:
+        report += ["", startup_table(startup_rows)]
+    report += [f"note: {n}" for n in notes]
+    problems = problems_text(train_rows, startup_rows)
+    if problems:
+        report += ["", problems]
+    print("\n".join(report))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"machine": info, "threads": args.threads, "solver": SOLVER,
+                       "train": train_rows, "startup": startup_rows, "notes": notes}, f,
+                      indent=1)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

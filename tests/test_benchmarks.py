@@ -1,0 +1,212 @@
+"""The FLOP counter, the training benchmark's quick mode, and the PyTorch/JAX peers as an
+independent check of purinec's numerics (skipped where those are not installed)."""
+
+import json
+
+import numpy as np
+import pytest
+
+import purinec
+from benchmarks import bench_train
+from benchmarks.bench_train import SOLVER, CheckData, compare
+from benchmarks.peers import NETS, make_trainer, param_shapes, torch_module
+from purinec.compiler import build_graph, load_source
+from purinec.errors import PurinecError
+from purinec.ir import Graph, TensorType
+from purinec.ir.graph import Node
+from purinec.ir.ops import REGISTRY
+from purinec.ir.types import DType
+from purinec.passes.cost import RULES, flops, flops_by_node, node_flops
+
+F32 = DType.f32
+
+
+def _graph_with(op, input_shapes, attrs):
+    graph = Graph("g")
+    inputs = [graph.add_input(f"in{i}", TensorType(s, F32)) for i, s in enumerate(input_shapes)]
+    node = graph.add_node(op, inputs, attrs)
+    graph.set_outputs([("out", node.outputs[0])])
+    return graph, node
+
+
+# ---------------------------------------------------------------------------------------
+# FLOP counts.
+
+
+def test_conv2d_flops_by_hand():
+    # x 2x3x8x8, 4 filters 3x3 with pad 1: output 2x4x8x8, each a sum of 3*3*3 products.
+    graph, node = _graph_with("conv2d", [(2, 3, 8, 8), (4, 3, 3, 3)],
+                              {"stride": [1, 1], "pad": [1, 1]})
+    assert node.outputs[0].type.shape == (2, 4, 8, 8)
+    assert node_flops(node) == 2 * (2 * 4 * 8 * 8) * (3 * 3 * 3) == 27648
+    assert flops(graph) == 27648
+
+
+def test_grouped_strided_conv2d_flops_by_hand():
+    # 6 input channels in 2 groups: each output sums 3 channels * 5*5; 2x2 stride: 6x6 out.
+    _, node = _graph_with("conv2d", [(1, 6, 16, 16), (4, 3, 5, 5)],
+                          {"stride": [2, 2], "groups": 2})
+    assert node.outputs[0].type.shape == (1, 4, 6, 6)
+    assert node_flops(node) == 2 * (4 * 6 * 6) * (3 * 5 * 5)
+
+
+@pytest.mark.parametrize("trans_a, a_shape", [(False, (5, 7)), (True, (7, 5))])
+def test_matmul_flops_by_hand(trans_a, a_shape):
+    # (5 x 7) @ (7 x 3), b given transposed: 15 outputs, 7 multiply-adds each.
+    _, node = _graph_with("matmul", [a_shape, (3, 7)], {"trans_a": trans_a, "trans_b": True})
+    assert node.outputs[0].type.shape == (5, 3)
+    assert node_flops(node) == 2 * 5 * 3 * 7 == 210
+
+
+def test_elementwise_flops_count_elements():
+    _, relu = _graph_with("relu", [(4, 5)], {})
+    _, reduce = _graph_with("reduce_sum", [(4, 5)], {"axes": [0]})
+    _, reshape = _graph_with("reshape", [(4, 5)], {"shape": [20]})
+    assert (node_flops(relu), node_flops(reduce), node_flops(reshape)) == (20, 15, 0)
+
+
+def _lenet_forward_by_hand(n):
+    conv1 = 2 * n * 20 * 24 * 24 * 1 * 5 * 5 + n * 20 * 24 * 24      # conv + bias
+    pool1 = n * 20 * 12 * 12 * 2 * 2
+    conv2 = 2 * n * 50 * 8 * 8 * 20 * 5 * 5 + n * 50 * 8 * 8
+    pool2 = n * 50 * 4 * 4 * 2 * 2
+    ip1 = 2 * n * 500 * 800 + n * 500                                 # matmul + bias
+    relu1 = n * 500
+    ip2 = 2 * n * 10 * 500 + n * 10
+    return conv1 + pool1 + conv2 + pool2 + ip1 + relu1 + ip2
+
+
+def test_lenet_forward_total_by_hand():
+    graph = build_graph(load_source("lenet", 2), None)
+    assert flops(graph) == _lenet_forward_by_hand(2) == 2 * 4_616_450
+
+
+def test_lenet_training_graph_counts_both_conv_gradients_like_the_forward_conv():
+    graph = build_graph(load_source("lenet", 2), purinec.SGD(lr=0.1))
+    per_node = flops_by_node(graph)
+    by_output = {node.outputs[0].name: count for node, count in per_node.items()}
+    assert by_output["grad.conv2.weight"] == by_output["conv2.conv"]
+    assert by_output["grad.pool1"] == by_output["conv2.conv"]  # conv2d_grad_input
+    assert "grad.data" not in by_output                         # no gradient for data
+    assert sum(per_node.values()) == flops(graph) > 2 * _lenet_forward_by_hand(2)
+
+
+def test_a_fused_graph_costs_what_the_unfused_one_does():
+    fuse = pytest.importorskip("purinec.passes.fuse", reason="the fuse pass is not here yet")
+    graph = build_graph(load_source("lenet", 2), purinec.SGD(lr=0.1))
+    fused = fuse.fuse(graph)
+    assert any(node.op == "fused" for node in fused.nodes)
+    assert flops(fused) == flops(graph)
+
+
+def test_every_registered_op_has_a_flop_rule():
+    assert sorted(set(REGISTRY) - set(RULES)) == []
+
+
+def test_an_op_without_a_rule_is_named():
+    node = Node("mystery", [], [])
+    with pytest.raises(PurinecError, match="no FLOP rule for op 'mystery'"):
+        node_flops(node)
+
+
+# ---------------------------------------------------------------------------------------
+# The benchmark itself.
+
+
+def test_quick_mode_runs_end_to_end_on_the_reference_target(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PURINEC_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "bench.json"
+    status = bench_train.main(["--quick", "--models", "mlp", "--targets", "reference",
+                               "--peers", "none", "--iterations", "2", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "purinec:reference" in printed and "median ms" in printed
+    report = json.loads(out.read_text())
+    (row,) = report["train"]
+    assert row["status"] == "ok" and row["contender"] == "purinec:reference"
+    assert row["n"] == 2 and row["median_ms"] > 0
+    assert row["flops"] == flops(build_graph(load_source("mlp", 64), purinec.SGD(**SOLVER)))
+    assert row["gflops_per_s"] == pytest.approx(row["flops"] / row["median_ms"] / 1e6)
+    assert row["check"] == {"loss_rel_err": 0.0, "param_rel_err": 0.0}
+    (startup,) = report["startup"]
+    assert startup["status"] == "ok" and startup["cold_s"] > 0
+    if hasattr(purinec, "load"):
+        assert startup["warm_s"] > 0
+
+
+def test_the_check_flags_a_wrong_loss_or_update_but_not_float32_rounding():
+    check = CheckData.compute("mlp", 4)
+    final = {k: v.copy() for k, v in check.final.items()}
+    errors, problems = compare(check, check.losses, final)
+    assert problems == [] and errors == {"loss_rel_err": 0.0, "param_rel_err": 0.0}
+
+    # One float32 step of every weight: rounding, not a disagreement.
+    rounded = {k: np.nextafter(v, np.float32(np.inf)) for k, v in final.items()}
+    assert compare(check, check.losses, rounded)[1] == []
+
+    wrong_loss = [check.losses[0] * 1.001] + check.losses[1:]
+    assert "step 1: loss" in compare(check, wrong_loss, final)[1][0]
+
+    name = "ip2.weight"
+    change = check.final[name] - check.init[name]
+    off = dict(final, **{name: check.init[name] + 1.05 * change})
+    (problem,) = compare(check, check.losses, off)[1]
+    assert problem.startswith(name)
+
+
+def test_peer_layer_lists_transcribe_the_zoo():
+    for model in NETS:
+        program = purinec.compile(model, batch=2)
+        assert param_shapes(model) == {k: v.shape for k, v in program.params.items()}
+
+
+# ---------------------------------------------------------------------------------------
+# PyTorch and JAX: the same network, the same step (an independent numerics check).
+
+
+def _check_peer(peer, model, batch=4):
+    check = CheckData.compute(model, batch)
+    trainer = make_trainer(peer, model, check.init, **SOLVER)
+    graph = build_graph(load_source(model, batch), None)
+    shapes = trainer.layer_shapes(batch)
+    assert shapes == {name: graph.value(name).type.shape for name in shapes}
+    losses = [trainer.step(trainer.prepare(x, y)) for x, y in check.batches]
+    return compare(check, losses, trainer.params())
+
+
+@pytest.mark.parametrize("model", ["lenet", "cifar_quick"])
+def test_pytorch_step_equals_the_reference_target(model):
+    pytest.importorskip("torch", reason="PyTorch is an optional extra (bench)")
+    errors, problems = _check_peer("torch", model)
+    assert problems == []
+    assert errors["loss_rel_err"] < 1e-5
+
+
+def test_jax_step_equals_the_reference_target():
+    # cifar_quick: both pool kinds in ceil mode, padded convolutions, inner products.
+    pytest.importorskip("jax", reason="JAX is an optional extra (bench)")
+    errors, problems = _check_peer("jax", "cifar_quick")
+    assert problems == []
+    assert errors["loss_rel_err"] < 1e-5
+
+
+def test_explicitly_padded_average_pools_equal_ceil_mode_in_pytorch():
+    # What torch.compile runs instead of ceil_mode=True (see peers.torch_module).
+    torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (bench)")
+    torch.manual_seed(0)
+    ceil = torch_module("cifar_quick")
+    padded = torch_module("cifar_quick", explicit_ceil_padding=True)
+    padded.load_state_dict(ceil.state_dict())
+    x = torch.rand(2, 3, 32, 32)
+    ceil(x).square().sum().backward()
+    padded(x).square().sum().backward()
+    for (name, a), (_, b) in zip(ceil.named_parameters(), padded.named_parameters()):
+        assert (a.grad - b.grad).abs().max() <= 1e-5 * a.grad.abs().max(), name
+
+
+def test_pytorch_with_another_weight_decay_is_a_mismatch():
+    pytest.importorskip("torch", reason="PyTorch is an optional extra (bench)")
+    check = CheckData.compute("mlp", 4)
+    trainer = make_trainer("torch", "mlp", check.init, **dict(SOLVER, weight_decay=0.05))
+    losses = [trainer.step(trainer.prepare(x, y)) for x, y in check.batches]
+    assert compare(check, losses, trainer.params())[1]
