@@ -138,9 +138,8 @@ def cmd_dump(args) -> int:
 def _wanted_stages(args, runs: list[str]) -> list[str]:
     """The stages to show: the named one (checked against what runs for this target and
     mode, with the reason when it does not run), all that run, or the final IR."""
-    from purinec.compiler import STAGES, get_target
+    from purinec.compiler import STAGES
 
-    get_target(args.target)
     if args.stage is None:
         return [runs[-1]]
     if args.stage == "all":

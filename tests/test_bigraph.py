@@ -825,15 +825,10 @@ def build(batch=8):
 def test_user_model_errors_from_the_command_line(kind, tmp_path):
     """A user's model with a shape mismatch or a cycle: one paragraph naming the layer
     and its line, exit status 1, no traceback."""
-    import subprocess
+    from test_cli import assert_clean_error, purinec
 
     source, fragments = USER_MODELS[kind]
     (tmp_path / "mynet.py").write_text(source)
-    result = subprocess.run([sys.executable, "-m", "purinec", "dump", "mynet.py"],
-                            capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    result = purinec("dump", "mynet.py", cwd=tmp_path)
     assert result.returncode == 1
-    assert "Traceback" not in result.stderr
-    assert result.stderr.startswith("purinec: error: ")
-    assert result.stderr.strip().count("\n") == 0
-    for fragment in fragments:
-        assert fragment in result.stderr, result.stderr
+    assert_clean_error(result, *fragments)
