@@ -827,6 +827,119 @@ register(OpDef("sgd", ("weight", "history", "grad"), _sgd_infer, _sgd_ref, E,
                    "returns (weight - update, update)"))
 
 
+# ---------------------------------------------------------------------------------------
+# Communication: what the boxing pass inserts where a producer's distribution differs
+# from what its consumer needs. In a logical graph (one value per logical tensor, with a
+# distribution) each is the identity on the logical tensor; the partitioner turns it into
+# one physical node per rank whose inputs and outputs are that rank's members' pieces, in
+# group order (see purinec.passes.parallel). `group` lists the devices, comma-separated.
+
+
+def _group_attr(op: str, attrs: dict) -> tuple:
+    from purinec.ir.types import Device
+
+    try:
+        group = tuple(Device.parse(d) for d in attrs["group"].split(","))
+    except ValueError as err:
+        raise VerifyError(f"op {op}: attribute group: {err}") from None
+    if len(set(group)) != len(group):
+        raise VerifyError(f"op {op}: group {attrs['group']} names a device twice")
+    return group
+
+
+def _copy_infer(types, attrs):
+    return [types[0]]
+
+
+def _allreduce_infer(types, attrs):
+    group = _group_attr("allreduce", attrs)
+    per = attrs["tensors"]
+    if per < 1 or len(types) % per or len(types) // per > len(group):
+        raise _fail("allreduce", f"{len(types)} inputs are not {per} tensor(s) for each of at "
+                                 f"most {len(group)} local member(s) of the group")
+    for i, t in enumerate(types):
+        if t != types[i % per]:
+            raise _fail("allreduce", f"input {i} is {t} but the same tensor on the first "
+                                     f"member is {types[i % per]}")
+    return list(types)
+
+
+def _allreduce_ref(*xs, group, tensors):
+    members = len(xs) // tensors
+    if members != len(group.split(",")):
+        raise ValueError("allreduce across ranks has no in-process reference")
+    sums = [sum(xs[m * tensors + t] for m in range(members)).astype(xs[t].dtype)
+            for t in range(tensors)]
+    return tuple(sums[i % tensors].copy() for i in range(len(xs)))
+
+
+def _allgather_infer(types, attrs):
+    group = _group_attr("allgather", attrs)
+    axis, sizes = attrs["axis"], attrs["sizes"]
+    if len(sizes) != len(group) or any(n < 0 for n in sizes):
+        raise _fail("allgather", f"sizes {sizes} must give one extent per group member "
+                                 f"({len(group)})")
+    if len(types) > len(group):
+        raise _fail("allgather", f"{len(types)} inputs for a group of {len(group)}")
+    out = []
+    for t in types:
+        if not 0 <= axis < t.rank:
+            raise _fail("allgather", f"axis {axis} out of range for {t}")
+        if t.shape[axis] not in (*sizes, sum(sizes)):
+            raise _fail("allgather", f"input {t} has extent {t.shape[axis]} on axis {axis}, "
+                                     f"not one of the pieces {sizes}")
+        shape = list(t.shape)
+        shape[axis] = sum(sizes)
+        out.append(t.with_shape(shape))
+    return out
+
+
+def _allgather_ref(*xs, group, axis, sizes):
+    if len(xs) == 1 and xs[0].shape[axis] == sum(sizes):  # logical: the identity
+        return (xs[0].copy(),)
+    if len(xs) != len(sizes):
+        raise ValueError("allgather across ranks has no in-process reference")
+    whole = np.concatenate(xs, axis=axis)
+    return tuple(whole.copy() for _ in xs)
+
+
+def _slice_infer(types, attrs):
+    x = types[0]
+    axis, start, stop = attrs["axis"], attrs["start"], attrs["stop"]
+    if not 0 <= axis < x.rank:
+        raise _fail("slice", f"axis {axis} out of range for {x}")
+    if not 0 <= start <= stop <= x.shape[axis]:
+        raise _fail("slice", f"[{start}:{stop}] is outside axis {axis} of {x}")
+    shape = list(x.shape)
+    shape[axis] = stop - start
+    return [x.with_shape(shape)]
+
+
+def _slice_ref(x, axis, start, stop):
+    index = [slice(None)] * x.ndim
+    index[axis] = slice(start, stop)
+    return (np.ascontiguousarray(x[tuple(index)]),)
+
+
+COMM_OPS = ("copy", "allreduce", "allgather")
+
+register(OpDef("copy", ("x",), _copy_infer, lambda x: (x.copy(),), X, differentiable=False,
+               doc="the same tensor on another device"))
+register(OpDef("allreduce", ("xs",), _allreduce_infer, _allreduce_ref, X,
+               attrs={"group": Attr("str"), "tensors": Attr("int", 1)}, variadic=True,
+               differentiable=False,
+               doc="sum over the group's members; inputs and outputs are `tensors` tensors "
+                   "for each member on this rank, in group order"))
+register(OpDef("allgather", ("xs",), _allgather_infer, _allgather_ref, X,
+               attrs={"group": Attr("str"), "axis": Attr("int"), "sizes": Attr("ints")},
+               variadic=True, differentiable=False,
+               doc="every member gets the concatenation of the members' pieces along axis; "
+                   "one input and one output for each member on this rank"))
+register(OpDef("slice", ("x",), _slice_infer, _slice_ref, I,
+               attrs={"axis": Attr("int"), "start": Attr("int"), "stop": Attr("int")},
+               differentiable=False, doc="x[start:stop] along axis"))
+
+
 def _from_body(what: str):
     def refuse(*args, **kwargs):
         raise VerifyError(f"op fused: a fused node's {what} come from its body, one member "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,6 +90,19 @@ class Device:
     def __str__(self) -> str:
         local = f"{self.kind}:{self.index}"
         return local if self.rank == 0 else f"r{self.rank}/{local}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Device":
+        """The inverse of ``str``: ``cpu:1``, ``r2/cpu:0``. Raises ValueError."""
+        m = _DEVICE_RE.fullmatch(text.strip())
+        if not m:
+            raise ValueError(f"{text!r} is not a device; write KIND:INDEX or rRANK/KIND:INDEX, "
+                             f"e.g. cpu:1 or r1/cpu:0")
+        rank, kind, index = m.groups()
+        return cls(kind, int(index), int(rank or 0))
+
+
+_DEVICE_RE = re.compile(r"(?:r([0-9]+)/)?([a-z]+):([0-9]+)")
 
 
 CPU0 = Device("cpu", 0, 0)

@@ -16,9 +16,10 @@ from purinec.ir.types import Device
 COMPUTE = "compute"
 COPY_IN = "copy_in"
 COPY_OUT = "copy_out"
+COMM = "comm"  # collectives (in process, and MPI across ranks)
 
 # The queues of one device, in the order traces list them.
-QUEUE_KINDS = (COMPUTE, COPY_IN, COPY_OUT)
+QUEUE_KINDS = (COMPUTE, COPY_IN, COPY_OUT, COMM)
 
 
 @dataclass(frozen=True, order=True)

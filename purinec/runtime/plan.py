@@ -21,7 +21,7 @@ import numpy as np
 from purinec.errors import ExecutionError, PurinecError
 from purinec.ir.graph import Graph, Node, Value
 from purinec.ir.ops import get_op
-from purinec.runtime.devices import COMPUTE, QueueId
+from purinec.runtime.devices import COMM, COMPUTE, COPY_IN, QueueId
 from purinec.runtime.memory import (ALIGNMENT, ARENA, COPY, EXTERNAL, FRESH, VARIABLE,
                                     MemoryPlan, is_view, may_alias, plan_memory)
 
@@ -52,6 +52,13 @@ class Task:
         loc = f" ({node.loc})" if node.loc else ""
         inputs = ", ".join(f"%{v.name}: {v.type} @{v.device}" for v in node.inputs)
         return f"node {node!r}{loc} on {node.device} with inputs [{inputs}]"
+
+
+def queue_of(node: Node) -> QueueId:
+    """Copies run on their destination's inbound copy queue and collectives on the
+    communication queue, so neither waits behind (or blocks) a device's compute."""
+    kind = {"copy": COPY_IN, "allreduce": COMM, "allgather": COMM}.get(node.op, COMPUTE)
+    return QueueId(node.device, kind)
 
 
 @dataclass
@@ -110,7 +117,7 @@ class Plan:
                 if value not in self._static:
                     slots.setdefault(value, []).append((args, len(args)))
                 args.append(self._static.get(value))
-            tasks.append(Task(len(tasks), KERNEL, QueueId(node.device, COMPUTE), fn, args,
+            tasks.append(Task(len(tasks), KERNEL, queue_of(node), fn, args,
                               node, sum(v.type.nbytes for v in operands)))
         self._variables = [
             _Variable(cls.root, cls.external.name if cls.storage == EXTERNAL else None,
