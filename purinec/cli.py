@@ -21,6 +21,10 @@ stages, in pipeline order (autodiff and optimizer only with --train):
   optimizer     SGD's updates appended: new params and momentum histories
   dce           nodes that reach no output removed
   cse           identical nodes merged
+  parallel      with --devices: every value's distribution, and the copies and
+                collectives the boxing pass inserted (--explain says why each is there)
+  partition     with --devices: the physical graph of one rank (--rank), every device's
+                nodes on their pieces of the tensors
   fuse          nodes grouped into fused kernels (cpu target; the final IR)
   kernels       the generated Numba source of every kernel (cpu target)
 """
@@ -30,6 +34,28 @@ MODEL_HELP = ("a zoo name (mlp, lenet, convnet, cifar_quick, nin, inception), a 
 
 
 SOLVER_OPTIONS = ("lr", "momentum", "weight_decay")
+
+PARALLEL_HELP = """\
+parallelism: --devices cpu:0,cpu:1 (or a count: --devices 2) spreads the program over
+devices of this process, each with its own worker thread and share of the cores;
+`mpiexec -n 2 purinec train lenet --parallel data` puts one device on each MPI rank
+(--devices r0/cpu:0,r0/cpu:1,r1/cpu:0,r1/cpu:1 names several per rank).
+"""
+
+
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    from purinec.passes.parallel import STRATEGIES
+
+    p.add_argument("--devices", metavar="LIST|N",
+                   help="devices to spread the program over: cpu:0,cpu:1 in this process, "
+                        "r1/cpu:0 for a device of MPI rank 1, or a count N for cpu:0..N-1")
+    p.add_argument("--parallel", choices=sorted(STRATEGIES), metavar="STRATEGY",
+                   help="how to spread it: " + "; ".join(f"{name}: {doc}" for name, doc
+                                                        in STRATEGIES.items()))
+
+
+def _parallel_kwargs(args) -> dict:
+    return {"devices": args.devices, "parallel": args.parallel}
 
 
 def _add_solver_args(p: argparse.ArgumentParser, lr: float) -> None:
@@ -90,15 +116,24 @@ def _positive(text: str) -> int:
 
 
 def cmd_dump(args) -> int:
-    from purinec.compiler import STAGES, build_graph, load_source, passes_for
+    from purinec.compiler import (STAGES, build_graph, load_source, parallel_plan,
+                                  passes_for, physical_passes)
+    from purinec.passes.pipeline import run_passes
 
     train = _sgd(args) if args.train else None
-    runs = ["lower"] + [p.name for p in passes_for(train, args.target)]
+    spread = parallel_plan(args.devices, args.parallel)
+    if spread is None:
+        runs = ["lower"] + [p.name for p in passes_for(train, args.target)]
+    else:
+        runs = (["lower"] + [p.name for p in passes_for(train, args.target, spread)] +
+                [p.name for p in physical_passes(args.rank, args.target)])
+        if args.rank >= spread.ranks:
+            raise PurinecError(f"--rank {args.rank}: the devices span {spread.ranks} rank(s)")
     wanted = _wanted_stages(args, runs)
     if (args.llvm or args.asm) and wanted != ["kernels"]:
         raise PurinecError("--llvm and --asm go with --stage kernels")
-    if args.explain and "fuse" not in wanted:
-        raise PurinecError("--explain goes with --stage fuse (or all)")
+    if args.explain and not {"fuse", "parallel"} & set(wanted):
+        raise PurinecError("--explain goes with --stage fuse or parallel (or all)")
     if args.output:
         os.makedirs(args.output, exist_ok=True)
     written: list[str] = []
@@ -126,13 +161,31 @@ def cmd_dump(args) -> int:
 
             reasons = "\n".join(f"# {apart}" for apart in explain(before_fuse[0]))
             emit(f"{graph.name}.fuse-explain.txt", reasons or "# every pair fused")
+        if stage == "parallel" and args.explain:
+            from purinec.passes.parallel import explain
 
-    graph = build_graph(load_source(args.model, args.batch), train, show, args.target)
+            reasons = "\n".join(f"# {why}" for why in explain(graph))
+            emit(f"{graph.name}.parallel-explain.txt", reasons or "# no communication")
+
+    graph = build_graph(load_source(args.model, args.batch), train, show, args.target, spread)
+    if spread is not None:
+        before_fuse[:] = []
+        graph = run_passes(graph, physical_passes(args.rank, args.target), _fuse_input(
+            show, before_fuse)).graph
     if "kernels" in wanted:
         _dump_kernels(graph, args, emit)
     for path in written:
         print(f"wrote {path}")
     return 0
+
+
+def _fuse_input(show, before_fuse: list):
+    """A stage hook that also keeps the partitioned graph, which fusion explains."""
+    def hook(stage, graph):
+        if stage == "partition":
+            before_fuse[:] = [graph]
+        show(stage, graph)
+    return hook
 
 
 def _wanted_stages(args, runs: list[str]) -> list[str]:
@@ -153,6 +206,7 @@ def _wanted_stages(args, runs: list[str]) -> list[str]:
                            "kernels, all")
     if args.stage not in runs:
         why = ("runs only with --train" if args.stage in ("autodiff", "optimizer")
+               else "runs only with --devices" if args.stage in ("parallel", "partition")
                else f"does not run for target {args.target}")
         raise PurinecError(f"stage {args.stage} {why}")
     return [args.stage]
@@ -188,7 +242,8 @@ def cmd_compile(args) -> int:
         model_kwargs["num_classes"] = args.num_classes
     start = time.perf_counter()
     program = compile(args.model, target=args.target, train=_sgd(args) if args.train else None,
-                      batch=args.batch, seed=args.seed, **model_kwargs)
+                      batch=args.batch, seed=args.seed, **_parallel_kwargs(args),
+                      **model_kwargs)
     compiled = time.perf_counter() - start
     try:
         saved = program.save(args.output)
@@ -210,11 +265,12 @@ def cmd_run(args) -> int:
 
         trace = Trace()
     if _is_artifact(args.model):
-        _refuse_options(args, ("batch",), f"{args.model} was compiled with a fixed batch")
+        _refuse_options(args, ("batch", "devices", "parallel"),
+                        f"{args.model} was compiled with a fixed batch and devices")
         program = load(args.model, args.target, trace=trace)
     else:
         program = compile(args.model, target=args.target or "reference", batch=args.batch,
-                          seed=args.seed, trace=trace)
+                          seed=args.seed, trace=trace, **_parallel_kwargs(args))
     try:
         feeds = _feeds(program.eval_ir, args.input, args.seed)
         times, outputs = [], {}
@@ -318,7 +374,7 @@ def cmd_train(args) -> int:
 
     artifact = args.resume or (args.model if _is_artifact(args.model) else None)
     if artifact:
-        _refuse_options(args, SOLVER_OPTIONS + ("batch",),
+        _refuse_options(args, SOLVER_OPTIONS + ("batch", "devices", "parallel"),
                         f"{artifact} has them fixed in its IR; compile the model again to "
                         "change them")
     elif args.model is None:
@@ -395,7 +451,7 @@ def _training_program(args, data, seed):
         if not args.model.endswith(".pir"):
             model_kwargs = {"input_shape": data.input_shape, "num_classes": data.num_classes}
         program = compile(args.model, target=args.target or "reference", train=_sgd(args),
-                          batch=args.batch, seed=seed, **model_kwargs)
+                          batch=args.batch, seed=seed, **_parallel_kwargs(args), **model_kwargs)
         what = "compiled"
     print(f"{what} {program.ir.name} for target {program.target} in "
           f"{time.perf_counter() - start:.2f} s ({len(program.ir.nodes)} nodes, "
@@ -449,7 +505,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="target whose pipeline to run (default: cpu; reference does not "
                            "fuse)")
     dump.add_argument("--explain", action="store_true",
-                      help="with --stage fuse: say why each pair of neighbours did not fuse")
+                      help="with --stage fuse: say why each pair of neighbours did not fuse; "
+                           "with --stage parallel: why each copy and collective is there")
+    _add_parallel_args(dump)
+    dump.add_argument("--rank", type=_non_negative, default=0,
+                      help="with --devices over several ranks: whose physical graph to show")
     dump.add_argument("--llvm", action="store_true",
                       help="with --stage kernels: the LLVM IR Numba produced")
     dump.add_argument("--asm", action="store_true",
@@ -472,6 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--batch", type=_positive, help="batch size (default: the model's)")
     comp.add_argument("--target", default="reference",
                       help="code generation target (default: reference, NumPy)")
+    _add_parallel_args(comp)
     comp.add_argument("--seed", type=_non_negative, default=0,
                       help="seed of the initial weights (default 0)")
     comp.add_argument("--input-shape", type=_parse_shape, metavar="C,H,W",
@@ -504,6 +565,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "a MODEL)")
     run.add_argument("--batch", type=_positive,
                      help="batch size of MODEL (default: the model's; fixed in an artifact)")
+    _add_parallel_args(run)
     run.add_argument("--seed", type=_non_negative, default=0,
                      help="seed of the random inputs and of MODEL's weights (default 0)")
     run.set_defaults(func=cmd_run)
@@ -513,7 +575,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train MODEL (compiled now) or FILE.purine (compiled with --train) and "
                     "report loss and test accuracy every epoch; with --checkpoint, save "
                     "the training program, its weights and momentum state and the epoch "
-                    "after every epoch, and continue from such a file with --resume.")
+                    "after every epoch, and continue from such a file with --resume.",
+        epilog=PARALLEL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     tr.add_argument("model", metavar="MODEL|FILE.purine", nargs="?",
                     help=MODEL_HELP + ", or an artifact compiled with --train; optional "
                                       "with --resume")
@@ -538,6 +601,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="continue from a checkpoint: its training program, weights, "
                          "momentum state, epoch, data set and seed; gives the same weights "
                          "as a run that was never interrupted")
+    _add_parallel_args(tr)
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
     tr.add_argument("--progress", action="store_true",
                     help="show the progress bar even when stderr is not a terminal")

@@ -13,13 +13,16 @@ from purinec.errors import ExecutionError, ModelError, PurinecError
 from purinec.ir.graph import Graph, Value
 from purinec.ir.init import initial_value
 from purinec.ir.parser import parse
-from purinec.ir.types import DType
+from purinec.ir.types import Device, DType
 from purinec.ir.verify import verify
 from purinec.passes.autodiff import autodiff
 from purinec.passes.fuse import fuse
 from purinec.passes.optimizer import SGD
+from purinec.passes.parallel import Parallel, parallelize, parse_devices, partition
 from purinec.passes.pipeline import Pass, StageHook, run_passes
 from purinec.passes.simplify import cse, dce, infer_shapes
+from purinec.runtime.collectives import HOST_OPS, host_kernel, spans_ranks
+from purinec.runtime.distributed import DistributedExecutable
 from purinec.runtime.reference import execute
 
 @dataclass(frozen=True)
@@ -42,8 +45,27 @@ def _cpu_executable(graph: Graph, trace: Any = None):
     from purinec.codegen.cpu import compile_kernels
     from purinec.runtime.executor import Executable
 
-    kernels = {node: kernel.fn for node, kernel in compile_kernels(graph).items()}
+    generated = Graph(graph.name)
+    generated.nodes = [node for node in graph.nodes if node.op not in HOST_OPS]
+    kernels = {node: kernel.fn for node, kernel in compile_kernels(generated).items()}
+    kernels.update(host_kernels(graph))
     return Executable(graph, kernels, trace=trace)
+
+
+def host_kernels(graph: Graph) -> dict:
+    """Kernels of the communication nodes: in-process, or MPI for groups that span
+    ranks (those need the job to run under mpiexec)."""
+    kernels = {}
+    for node in graph.nodes:
+        if node.op not in HOST_OPS:
+            continue
+        if spans_ranks(node):
+            from purinec.runtime import comm
+
+            kernels[node] = comm.mpi_kernel(node, comm.world())
+        else:
+            kernels[node] = host_kernel(node)
+    return kernels
 
 
 TARGETS: dict[str, Target] = {
@@ -58,7 +80,10 @@ TARGETS: dict[str, Target] = {
 # Every stage a dump can show, in pipeline order. "lower" is the graph as the front end
 # produced it (for a .pir file: as parsed). autodiff and optimizer run only for training,
 # fuse only for targets that fuse (cpu).
-STAGES = ("lower", "infer_shapes", "verify", "autodiff", "optimizer", "dce", "cse", "fuse")
+# With several devices, "parallel" (distributions and boxing) ends the logical pipeline
+# and "partition" starts each rank's physical one.
+STAGES = ("lower", "infer_shapes", "verify", "autodiff", "optimizer", "dce", "cse",
+          "parallel", "partition", "fuse")
 
 
 def get_target(name: str) -> Target:
@@ -73,7 +98,10 @@ def _verify_pass(graph: Graph) -> Graph:
     return graph
 
 
-def passes_for(train: SGD | None, target: str = "reference") -> list[Pass]:
+def passes_for(train: SGD | None, target: str = "reference",
+               parallel: Parallel | None = None) -> list[Pass]:
+    """The pipeline to final IR; with ``parallel``, to the distributed logical graph
+    (each rank's physical pipeline follows: `physical_passes`)."""
     passes = [Pass("infer_shapes", infer_shapes, "recompute output types from inputs"),
               Pass("verify", _verify_pass, "check every IR invariant")]
     if train is not None:
@@ -81,7 +109,36 @@ def passes_for(train: SGD | None, target: str = "reference") -> list[Pass]:
                    Pass("optimizer", train.apply, "append the solver's updates")]
     passes += [Pass("dce", dce, "drop nodes that reach no output"),
                Pass("cse", cse, "merge identical nodes")]
+    if parallel is not None:
+        return passes + [Pass("parallel", lambda g: parallelize(g, parallel),
+                              f"distribute: {parallel.describe()}")]
     return passes + list(get_target(target).passes)
+
+
+def physical_passes(rank: int, target: str) -> list[Pass]:
+    """From a distributed logical graph to the physical graph ``rank`` runs."""
+    return [Pass("partition", lambda g: partition(g, rank), f"the graph of rank {rank}"),
+            *get_target(target).passes]
+
+
+def is_distributed(graph: Graph) -> bool:
+    return any(v.dist is not None for v in graph.inputs)
+
+
+def rank_of(graph: Graph) -> int:
+    """This process's rank in the job ``graph`` is laid out for: 0 unless its devices
+    span ranks, which needs a job started with mpiexec of the right size."""
+    ranks = {d.rank for v in graph.inputs if v.dist is not None for d in v.dist.group}
+    if ranks <= {0}:
+        return 0
+    from purinec.runtime import comm
+
+    world = comm.world()
+    if world.size != max(ranks) + 1:
+        raise PurinecError(f"graph {graph.name} is laid out over {max(ranks) + 1} ranks but "
+                           f"this job has {world.size}; start it with "
+                           f"mpiexec -n {max(ranks) + 1}")
+    return world.rank
 
 
 def load_source(model: Any, batch: int | None = None, **model_kwargs) -> Any:
@@ -110,9 +167,9 @@ def load_source(model: Any, batch: int | None = None, **model_kwargs) -> Any:
 
 
 def build_graph(source: Any, train: SGD | None, after: StageHook | None = None,
-                target: str = "reference") -> Graph:
-    """Lower (or take) the graph and run ``target``'s pipeline; ``after`` sees every
-    stage."""
+                target: str = "reference", parallel: Parallel | None = None) -> Graph:
+    """Lower (or take) the graph and run ``target``'s pipeline (with ``parallel``: to the
+    distributed logical graph); ``after`` sees every stage."""
     from purinec.passes.lower import lower
 
     if isinstance(source, Graph):
@@ -121,7 +178,7 @@ def build_graph(source: Any, train: SGD | None, after: StageHook | None = None,
         graph = lower(source, mode="train" if train is not None else "inference")
     if after is not None:
         after("lower", graph)
-    return run_passes(graph, passes_for(train, target), after).graph
+    return run_passes(graph, passes_for(train, target, parallel), after).graph
 
 
 class TensorStore(MutableMapping):
@@ -218,7 +275,8 @@ class Program:
                  target: str = "reference", seed: int = 0,
                  params: Mapping[str, np.ndarray] | None = None,
                  state: Mapping[str, np.ndarray] | None = None,
-                 trace: Any = None, metadata: dict | None = None):
+                 trace: Any = None, metadata: dict | None = None,
+                 after: StageHook | None = None):
         if trace is not None and not get_target(target).records_traces:
             raise PurinecError(f"target {target} does not record traces; run without a trace "
                                f"or on a target that records them")
@@ -230,9 +288,10 @@ class Program:
         rng = np.random.default_rng(seed)
         self.params = TensorStore("parameter", _initial_arrays(graphs, "param", params, rng))
         self.state = TensorStore("state", _initial_arrays(graphs, "state", state, rng))
-        self._run_main = _executable(target, graph, trace)
+        self.physical_ir: Graph | None = None  # the graph this rank runs, if distributed
+        self._run_main = self._executable(graph, trace, after)
         self._run_eval = (self._run_main if self.eval_ir is graph
-                          else _executable(target, self.eval_ir, trace))
+                          else self._executable(self.eval_ir, trace))
         self.last_outputs: dict[str, np.ndarray] = {}  # of the latest step
 
     @classmethod
@@ -242,6 +301,16 @@ class Program:
                 trace: Any = None, metadata: dict | None = None) -> "Program":
         """A program from final IR and (optionally) its weights, with no pipeline run."""
         return cls(graph, eval_graph, target, seed, params, state, trace, metadata)
+
+    def _executable(self, graph: Graph, trace: Any, after: StageHook | None = None):
+        build = get_target(self.target).build
+        if not is_distributed(graph):
+            return build(graph, trace)
+        rank = rank_of(graph)
+        physical = run_passes(graph, physical_passes(rank, self.target), after).graph
+        if graph is self.ir:
+            self.physical_ir = physical
+        return DistributedExecutable(graph, build(physical, trace), rank)
 
     @property
     def trainable(self) -> bool:
@@ -326,26 +395,46 @@ def _initial_arrays(graphs: list[Graph], role: str, given: Mapping[str, np.ndarr
             for name, v in variables(*graphs).items() if v.role == role}
 
 
-def _executable(target: str, graph: Graph, trace: Any):
-    return get_target(target).build(graph, trace)
-
-
 def compile(model: Any, target: str = "reference", train: SGD | None = None,
             batch: int | None = None, seed: int = 0, after: StageHook | None = None,
-            trace: Any = None, **model_kwargs) -> Program:
+            trace: Any = None, devices: Any = None, parallel: str | None = None,
+            **model_kwargs) -> Program:
     """Compile ``model`` for ``target``.
 
     ``model`` is a purinec.bigraph.Net, a zoo name ("lenet"), a Python file defining
     ``build(batch)``, a ``.pir`` IR file, or an IR Graph. With ``train=SGD(...)`` the
     program's main graph is the training iteration. ``after(stage, graph)`` is called
     with the IR after every stage of the main graph's pipeline (see STAGES). ``trace``
-    goes to the target (see `Program`).
+    goes to the target (see `Program`). ``devices`` ("cpu:0,cpu:1", a count, or Device
+    objects; ranks as ``r1/cpu:0``) and ``parallel`` (a strategy in
+    purinec.passes.parallel.STRATEGIES, default "data") spread the program over
+    several devices; ``Program.ir`` is then the distributed logical graph.
     """
     get_target(target)
+    spread = parallel_plan(devices, parallel)
     source = load_source(model, batch, **model_kwargs)
-    graph = build_graph(source, train, after, target)
-    eval_graph = build_graph(source, None, target=target) if train is not None else None
-    return Program(graph, eval_graph, target, seed, trace=trace)
+    graph = build_graph(source, train, after, target, spread)
+    eval_graph = (build_graph(source, None, target=target, parallel=spread)
+                  if train is not None else None)
+    return Program(graph, eval_graph, target, seed, trace=trace, after=after)
+
+
+def parallel_plan(devices: Any, strategy: str | None) -> Parallel | None:
+    """A `Parallel` from compile()'s arguments, or None for one device."""
+    if devices is None and strategy is None:
+        return None
+    if devices is None:
+        from purinec.runtime import comm
+
+        size = comm.world().size
+        if size == 1:
+            raise PurinecError(f"--parallel {strategy} needs several devices: give "
+                               f"--devices (e.g. cpu:0,cpu:1) or start the job with mpiexec")
+        devices = [Device("cpu", 0, r) for r in range(size)]
+    if isinstance(devices, (str, int)):
+        devices = parse_devices(str(devices))
+    spread = Parallel(tuple(devices), strategy or "data")
+    return spread if len(spread.devices) > 1 else None
 
 
 def load(path: str | os.PathLike, target: str | None = None, trace: Any = None) -> Program:

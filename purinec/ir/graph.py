@@ -258,6 +258,12 @@ class Graph:
         return f"<Graph {self.name}: {len(self.inputs)} inputs, {len(self.nodes)} nodes>"
 
 
+def member_name(name: str, member: int) -> str:
+    """The physical name of group member ``member``'s piece of logical value ``name``
+    (see purinec.passes.parallel.partition)."""
+    return f"{name}.p{member}"
+
+
 def external_inputs(body: Iterable[Node]) -> list[Value]:
     """The values ``body``'s members read that no member defines, in first-use order:
     what a fused node over ``body`` takes as inputs."""

@@ -554,7 +554,9 @@ def _conv2d_grad_input_infer(types, attrs):
 
 register(OpDef("conv2d_grad_input", ("gy", "w"), _conv2d_grad_input_infer,
                nnref.conv2d_grad_input, X,
-               attrs={**CONV_ATTRS, "input_shape": Attr("ints")}, split=_batch_split,
+               attrs={**CONV_ATTRS, "input_shape": Attr("ints")},
+               split=lambda t, a: [SplitSignature(("S0", "B"), ("S0",)),
+                                   SplitSignature(("B", "B"), ("B",))],
                differentiable=False))
 
 
@@ -760,11 +762,20 @@ def _xent_grad_ref(logits, label, gy):
     return ((p * (gy / len(label))).astype(logits.dtype),)
 
 
+# Means over the batch rows (the loss, its gradient's 1/batch factor, accuracy) split by
+# rows into partial sums once each piece is weighted by its share of the rows: the
+# partitioner does that weighting (purinec.passes.parallel.partition.ROW_MEANS).
+def _row_mean_split(types, attrs):
+    return [SplitSignature(("S0", "S0"), ("P",)), SplitSignature(("B", "B"), ("B",))]
+
+
 register(OpDef("softmax_xent", ("logits", "label"), _xent_infer, _xent_ref, X,
-               split=lambda t, a: [SplitSignature(("B", "B"), ("B",))],
-               doc="mean over the batch of -log softmax(logits)[label]"))
+               split=_row_mean_split, doc="mean over the batch of -log softmax(logits)[label]"))
 register(OpDef("softmax_xent_grad", ("logits", "label", "gy"), _xent_grad_infer,
-               _xent_grad_ref, X, split=_batch_split, differentiable=False))
+               _xent_grad_ref, X,
+               split=lambda t, a: [SplitSignature(("S0", "S0", "B"), ("S0",)),
+                                   SplitSignature(("B", "B", "B"), ("B",))],
+               differentiable=False))
 
 
 def _accuracy_infer(types, attrs):
@@ -775,7 +786,7 @@ def _accuracy_infer(types, attrs):
 register(OpDef("accuracy", ("logits", "label"), _accuracy_infer,
                lambda logits, label: (np.asarray((logits.argmax(axis=1) == label).mean(),
                                                  dtype=logits.dtype),), X,
-               split=lambda t, a: [SplitSignature(("B", "B"), ("B",))], differentiable=False,
+               split=_row_mean_split, differentiable=False,
                doc="fraction of rows whose largest logit is the label (first on ties)"))
 
 
@@ -822,7 +833,9 @@ def _sgd_ref(w, h, g, lr, momentum, weight_decay):
 register(OpDef("sgd", ("weight", "history", "grad"), _sgd_infer, _sgd_ref, E,
                attrs={"lr": Attr("float"), "momentum": Attr("float", 0.0),
                       "weight_decay": Attr("float", 0.0)},
-               split=_elementwise_split, differentiable=False,
+               split=lambda t, a: [SplitSignature(s.inputs, s.outputs * 2)
+                                   for s in _elementwise_split(t, a)],
+               differentiable=False,
                doc="Purine's solver: update = momentum*history + lr*(grad + wd*weight); "
                    "returns (weight - update, update)"))
 

@@ -135,6 +135,24 @@ class Distribution:
         if not self.group:
             raise ValueError("a distribution needs at least one device")
 
+    def pieces(self, extent: int) -> list[int]:
+        """How a split axis of ``extent`` is cut over the group: as evenly as possible,
+        the first pieces one larger (numpy.array_split's rule)."""
+        base, extra = divmod(extent, len(self.group))
+        return [base + (1 if k < extra else 0) for k in range(len(self.group))]
+
+    def local_type(self, type: TensorType, member: int) -> TensorType:
+        """The piece of a logical tensor of ``type`` that group member ``member`` holds."""
+        if self.kind is not DistKind.split:
+            return type
+        shape = list(type.shape)
+        shape[self.axis] = self.pieces(shape[self.axis])[member]
+        return type.with_shape(shape)
+
+    def members_on(self, rank: int) -> list[tuple[int, Device]]:
+        """(position in the group, device) of the members that live on ``rank``."""
+        return [(k, d) for k, d in enumerate(self.group) if d.rank == rank]
+
     def __str__(self) -> str:
         head = f"split({self.axis})" if self.kind is DistKind.split else self.kind.value
         return f"{head}[{','.join(str(d) for d in self.group)}]"

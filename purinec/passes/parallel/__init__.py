@@ -1,0 +1,16 @@
+"""Parallelism by graph rewriting, as in Purine: distributions, boxing, partition.
+
+`parallelize` gives every value of a logical graph a distribution over a device group
+(the strategy seeds the graph's inputs; op split signatures from the registry carry it
+through every node) and inserts the boxing conversions; `partition` cuts the result into
+the physical graph of one rank, which the runtime executes.
+"""
+
+from purinec.passes.parallel.boxing import conversion_cost, convert, explain
+from purinec.passes.parallel.distribute import (STRATEGIES, Parallel, parallelize,
+                                                parse_devices)
+from purinec.ir.graph import member_name
+from purinec.passes.parallel.partition import partition
+
+__all__ = ["STRATEGIES", "Parallel", "conversion_cost", "convert", "explain", "member_name",
+           "parallelize", "parse_devices", "partition"]

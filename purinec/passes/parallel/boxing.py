@@ -1,0 +1,96 @@
+"""Boxing: the one table of conversions between distributions.
+
+Wherever a producer's distribution differs from what its consumer needs, the conversion
+is one or two communication nodes (registered in purinec.ir.ops), each the identity on
+the logical tensor:
+
+    from \\ to     replicated      split(b)               partial
+    replicated    -               slice (local)          (never needed)
+    split(a)      allgather       allgather, slice       (never needed)
+    partial       allreduce       allreduce, slice       -
+
+A value on one device that a consumer needs on another gets a `copy`. The cost of each
+conversion, in bytes moved per device, lets the distribution pass pick the cheapest of
+an op's split signatures.
+"""
+
+from __future__ import annotations
+
+import math
+
+from purinec.errors import PurinecError
+from purinec.ir.graph import Graph, Node, Value
+from purinec.ir.types import DistKind, Distribution
+
+REPLICATED, SPLIT, PARTIAL = DistKind.replicated, DistKind.split, DistKind.partial
+
+
+def group_attr(dist: Distribution) -> str:
+    return ",".join(str(d) for d in dist.group)
+
+
+def conversion_cost(src: Distribution, dst: Distribution, nbytes: int) -> float:
+    """Bytes each device sends to turn ``src`` into ``dst`` (inf: no conversion)."""
+    if src == dst:
+        return 0.0
+    if src.group != dst.group:
+        return float(nbytes) if len(src.group) == len(dst.group) == 1 else math.inf
+    if dst.kind is PARTIAL:
+        return math.inf
+    if src.kind is REPLICATED:
+        return 0.0  # a local slice
+    if src.kind is SPLIT:
+        return float(nbytes)  # allgather (then maybe a local slice)
+    return 2.0 * nbytes  # allreduce (then maybe a local slice)
+
+
+def convert(graph: Graph, value: Value, dst: Distribution, why: str) -> list[Node]:
+    """Nodes (not yet placed in ``graph.nodes``) turning ``value`` into ``dst``; the last
+    one's output is the converted value. ``why`` names the consumer, for the dump."""
+    src = value.dist
+    cost = conversion_cost(src, dst, value.type.nbytes)
+    if cost == math.inf:
+        raise PurinecError(f"%{value.name} is {src} but {why} needs {dst}; purinec has no "
+                           f"conversion from one to the other")
+    nodes: list[Node] = []
+    if src.group != dst.group:
+        nodes.append(_node(graph, "copy", value, {}, dst, "copy", why, device=dst.group[0]))
+        return nodes
+    current = value
+    if src.kind is PARTIAL:
+        full = Distribution(REPLICATED, src.group)
+        nodes.append(_node(graph, "allreduce", current,
+                           {"group": group_attr(src), "tensors": 1}, full, "sum", why))
+        current = nodes[-1].outputs[0]
+    elif src.kind is SPLIT and not (dst.kind is SPLIT and dst.axis == src.axis):
+        full = Distribution(REPLICATED, src.group)
+        sizes = src.pieces(value.type.shape[src.axis])
+        nodes.append(_node(graph, "allgather", current,
+                           {"group": group_attr(src), "axis": src.axis, "sizes": sizes},
+                           full, "all", why))
+        current = nodes[-1].outputs[0]
+    if dst.kind is SPLIT and current.dist != dst:
+        extent = value.type.shape[dst.axis]
+        nodes.append(_node(graph, "slice", current, {"axis": dst.axis, "start": 0,
+                                                     "stop": extent}, dst, "part", why))
+    return nodes
+
+
+def _node(graph: Graph, op: str, value: Value, attrs: dict, dist: Distribution,
+          suffix: str, why: str, device=None) -> Node:
+    node = graph.make_node(op, [value], attrs,
+                           names=[graph.fresh_name(f"{value.name}.{suffix}")],
+                           device=device or dist.group[0], loc=f"boxing: {why}")
+    node.outputs[0].dist = dist
+    return node
+
+
+def explain(graph: Graph) -> list[str]:
+    """Why each communication node of a distributed graph is there, one line each."""
+    lines = []
+    for node in graph.nodes:
+        if node.loc and node.loc.startswith("boxing: "):
+            (src,), (dst,) = node.inputs, node.outputs
+            lines.append(f"{node.op} %{dst.name}: %{src.name} is {src.dist}, "
+                         f"{node.loc[len('boxing: '):]} needs {dst.dist}")
+    return lines

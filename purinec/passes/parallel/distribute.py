@@ -1,0 +1,197 @@
+"""parallelize: give every value of a logical graph a distribution over a device group,
+inserting the boxing conversions wherever a consumer needs another one.
+
+A strategy sets the distributions of the graph's inputs; each node then takes the split
+signature of its op (from the registry) that is cheapest given its inputs' current
+distributions: bytes its inputs' conversions move, plus what its outputs will cost to
+convert where the graph returns them, plus a small charge for computing a value whole on
+every device where it could be split. An op with no signature that fits runs replicated.
+Conversions are placed right after their producer, so a gradient's allreduce comes as
+early in the schedule as the gradient does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from purinec.errors import PurinecError
+from purinec.ir.graph import Graph, Node, Value
+from purinec.ir.ops import SplitSignature, get_op
+from purinec.ir.types import Device, DistKind, Distribution, TensorType
+from purinec.passes.parallel.boxing import conversion_cost, convert
+
+STRATEGIES = {
+    "data": "split the batch over the devices, replicate the parameters, allreduce the "
+            "gradients",
+}
+
+# Computing a value whole on every device costs as much, in this pass's units, as moving
+# this fraction of its bytes: enough to prefer split work when moving nothing either way.
+REPLICATED_WORK = 1e-3
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How to spread a graph: over ``devices`` (two or more), with ``strategy``."""
+
+    devices: tuple[Device, ...]
+    strategy: str = "data"
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise PurinecError(f"unknown parallel strategy {self.strategy!r}; available: "
+                               f"{', '.join(STRATEGIES)}")
+        if len(set(self.devices)) != len(self.devices) or not self.devices:
+            raise PurinecError(f"devices must be distinct and at least one, got "
+                               f"{', '.join(map(str, self.devices)) or 'none'}")
+
+    @property
+    def ranks(self) -> int:
+        return max(d.rank for d in self.devices) + 1
+
+    def describe(self) -> str:
+        return f"{self.strategy} over {','.join(map(str, self.devices))}"
+
+
+def parse_devices(text: str) -> tuple[Device, ...]:
+    """``cpu:0,cpu:1`` or ``r0/cpu:0,r1/cpu:0``; ``N`` alone means cpu:0..cpu:N-1."""
+    text = text.strip()
+    if text.isdigit():
+        return tuple(Device("cpu", i) for i in range(int(text)))
+    try:
+        return tuple(Device.parse(part) for part in text.split(","))
+    except ValueError as err:
+        raise PurinecError(f"--devices {text}: {err}") from None
+
+
+def parallelize(graph: Graph, parallel: Parallel) -> Graph:
+    """The logical graph with a distribution on every value and boxing nodes added."""
+    return _Distributor(graph, parallel).run()
+
+
+class _Distributor:
+    def __init__(self, graph: Graph, parallel: Parallel):
+        self.source = graph
+        self.parallel = parallel
+        self.group = parallel.devices
+        self.new = Graph(graph.name)
+        self.mapping: dict[Value, Value] = {}
+        self.converted: dict[tuple[int, Distribution], Value] = {}
+        self.after: dict[int, list[Node]] = {}  # conversions placed after a producer
+        self.head: list[Node] = []  # conversions of graph inputs
+        self.wanted_out = self._wanted_outputs()
+
+    def dist(self, kind: DistKind, axis: int | None = None) -> Distribution:
+        return Distribution(kind, self.group, axis)
+
+    def _wanted_outputs(self) -> dict[int, Distribution]:
+        """Graph outputs come back whole: a variable's next value as the variable is
+        laid out, everything else replicated."""
+        wanted = {}
+        for name, value in self.source.outputs:
+            wanted[id(value)] = self.dist(DistKind.replicated)
+        return wanted
+
+    def run(self) -> Graph:
+        for v in self.source.inputs:
+            self.mapping[v] = self.new.add_input(v.name, v.type, self.group[0], v.role,
+                                                 self._input_dist(v), v.init)
+        body = [self._place(node) for node in self.source.nodes]
+        outputs = []
+        for name, v in self.source.outputs:
+            outputs.append((name, self._converted(self.mapping[v], self.wanted_out[id(v)],
+                                                  f"output {name}")))
+        self.new.nodes = [n for node in self.head + body for n in self._with_conversions(node)]
+        self.new.set_outputs(outputs)
+        return self.new
+
+    def _with_conversions(self, node: Node) -> list[Node]:
+        result = [node]
+        for conversion in self.after.get(id(node), []):
+            result += self._with_conversions(conversion)
+        return result
+
+    def _input_dist(self, v: Value) -> Distribution:
+        if (v.role == "data" and v.type.rank >= 1 and
+                v.type.shape[0] >= len(self.group)):
+            return self.dist(DistKind.split, 0)
+        return self.dist(DistKind.replicated)
+
+    # -- one node ---------------------------------------------------------------------
+
+    def _place(self, node: Node) -> Node:
+        if node.body is not None:
+            raise PurinecError(f"parallelize runs before fusion; node {node!r} is fused")
+        inputs = [self.mapping[v] for v in node.inputs]
+        signature = self._choose(node, inputs)
+        why = f"{node.op} %{node.outputs[0].name}" if node.outputs else node.op
+        boxed = [self._converted(v, self._entry_dist(entry), why)
+                 for v, entry in zip(inputs, signature.inputs)]
+        copy = self.new.make_node(node.op, boxed, dict(node.attrs),
+                                  names=[v.name for v in node.outputs],
+                                  types=[v.type for v in node.outputs],
+                                  device=self.group[0], loc=node.loc)
+        for old, new, entry in zip(node.outputs, copy.outputs, signature.outputs):
+            new.dist = self._entry_dist(entry)
+            self.mapping[old] = new
+        return copy
+
+    def _entry_dist(self, entry: str) -> Distribution:
+        if entry == "B":
+            return self.dist(DistKind.replicated)
+        if entry == "P":
+            return self.dist(DistKind.partial)
+        return self.dist(DistKind.split, int(entry[1:]))
+
+    def _fits(self, entry: str, ty: TensorType) -> bool:
+        if not entry.startswith("S"):
+            return True
+        axis = int(entry[1:])
+        return axis < ty.rank and ty.shape[axis] >= len(self.group)
+
+    def _choose(self, node: Node, inputs: list[Value]) -> SplitSignature:
+        opdef = get_op(node.op)
+        types = [v.type for v in inputs]
+        signatures = opdef.signatures(types, node.attrs)
+        for s in signatures:
+            assert (len(s.inputs), len(s.outputs)) == (len(inputs), len(node.outputs)), \
+                f"split signature {s} of {node.op} does not match its arity"
+        candidates = [s for s in signatures
+                      if all(map(self._fits, s.inputs, types)) and
+                      all(map(self._fits, s.outputs, [v.type for v in node.outputs]))]
+        fallback = SplitSignature(("B",) * len(inputs), ("B",) * len(node.outputs))
+        best, best_cost = fallback, self._cost(node, inputs, fallback)
+        for signature in candidates:
+            cost = self._cost(node, inputs, signature)
+            if cost < best_cost:
+                best, best_cost = signature, cost
+        if best_cost == math.inf:
+            raise PurinecError(f"node {node!r}: no way to lay out its inputs "
+                               f"({', '.join(str(v.dist) for v in inputs)}) for any of its "
+                               f"split signatures")
+        return best
+
+    def _cost(self, node: Node, inputs: list[Value], signature: SplitSignature) -> float:
+        cost = sum(conversion_cost(v.dist, self._entry_dist(e), v.type.nbytes)
+                   for v, e in zip(inputs, signature.inputs))
+        for v, e in zip(node.outputs, signature.outputs):
+            dist = self._entry_dist(e)
+            if id(v) in self.wanted_out:
+                cost += conversion_cost(dist, self.wanted_out[id(v)], v.type.nbytes)
+            if e == "B":
+                cost += REPLICATED_WORK * v.type.nbytes
+        return cost
+
+    def _converted(self, value: Value, dst: Distribution, why: str) -> Value:
+        key = (id(value), dst)
+        if value.dist == dst:
+            return value
+        if key not in self.converted:
+            nodes = convert(self.new, value, dst, why)
+            for node in nodes:
+                producer = node.inputs[0].producer
+                place = self.after.setdefault(id(producer), []) if producer else self.head
+                place.append(node)
+            self.converted[key] = nodes[-1].outputs[0]
+        return self.converted[key]

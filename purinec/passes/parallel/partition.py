@@ -1,0 +1,150 @@
+"""partition: cut a distributed logical graph into the physical graph of one rank.
+
+Every logical value becomes one physical value per group member on this rank, named
+``<name>.p<k>`` (k: the member's position in the group) and typed as that member's
+piece. Every compute node becomes one node per member, reading and writing pieces;
+attributes that spell the output's shape are rewritten to the piece's shape. Boxing
+nodes become what the runtime executes: one `allreduce` or `allgather` per rank over its
+members' pieces (the group may span ranks), and one `slice` per member at its offset.
+
+A mean over the batch rows (loss, accuracy, and the 1/batch of the loss gradient) on a
+piece of the rows is weighted by the piece's share of the rows, which makes the pieces'
+results partial sums of the whole batch's mean (see ROW_MEANS).
+"""
+
+from __future__ import annotations
+
+from purinec.errors import PurinecError
+from purinec.ir.graph import Graph, Node, Value, member_name
+from purinec.ir.types import DistKind, Distribution
+
+# Ops that average over the rows of their first input: the output to weight, or (for a
+# gradient) the input holding the upstream gradient to weight.
+ROW_MEANS = {"softmax_xent": ("output", 0), "accuracy": ("output", 0),
+             "softmax_xent_grad": ("input", 2)}
+
+# Attributes that spell a node's (first) output shape; a piece gets its own shape.
+SHAPE_ATTRS = ("shape", "input_shape")
+
+
+def partition(graph: Graph, rank: int = 0) -> Graph:
+    """The physical graph of ``rank`` (see the module doc)."""
+    return _Partitioner(graph, rank).run()
+
+
+def _dist(value: Value) -> Distribution:
+    if value.dist is None:
+        raise PurinecError(f"partition needs a distributed graph; %{value.name} has no "
+                           f"distribution (run parallelize first)")
+    return value.dist
+
+
+class _Partitioner:
+    def __init__(self, graph: Graph, rank: int):
+        self.source = graph
+        self.rank = rank
+        self.new = Graph(graph.name)
+        self.pieces: dict[tuple[int, int], Value] = {}  # (id(logical), member) -> piece
+
+    def piece(self, value: Value, member: int) -> Value:
+        try:
+            return self.pieces[id(value), member]
+        except KeyError:
+            raise PurinecError(f"%{value.name} has no piece on member {member} of "
+                               f"{value.dist} on rank {self.rank}") from None
+
+    def run(self) -> Graph:
+        for v in self.source.inputs:
+            dist = _dist(v)
+            for k, device in dist.members_on(self.rank):
+                self.pieces[id(v), k] = self.new.add_input(
+                    member_name(v.name, k), dist.local_type(v.type, k), device, v.role,
+                    None, v.init)
+        for node in self.source.nodes:
+            self._partition(node)
+        outputs = []
+        for name, v in self.source.outputs:
+            for k, _ in _dist(v).members_on(self.rank):
+                outputs.append((member_name(name, k), self.piece(v, k)))
+        self.new.set_outputs(outputs)
+        return self.new
+
+    def _partition(self, node: Node) -> None:
+        if node.op in ("allreduce", "allgather"):
+            self._collective(node)
+        elif node.op == "slice" and node.inputs[0].dist.kind is DistKind.replicated:
+            self._local_slices(node)
+        else:
+            for k, device in _dist(node.outputs[0]).members_on(self.rank):
+                self._compute(node, k, device)
+
+    def _add(self, op: str, inputs: list[Value], attrs: dict, outputs: list[tuple],
+             loc: str | None) -> Node:
+        """A physical node; ``outputs`` holds (logical value, member, device) triples."""
+        physical = self.new.add_node(
+            op, inputs, attrs, names=[member_name(v.name, k) for v, k, _ in outputs],
+            types=[_dist(v).local_type(v.type, k) for v, k, _ in outputs], loc=loc)
+        for out, (v, k, device) in zip(physical.outputs, outputs):
+            out.device = device
+            self.pieces[id(v), k] = out
+        return physical
+
+    def _collective(self, node: Node) -> None:
+        (x,), (y,) = node.inputs, node.outputs
+        members = _dist(x).members_on(self.rank)
+        if members:
+            self._add(node.op, [self.piece(x, k) for k, _ in members], dict(node.attrs),
+                      [(y, k, device) for k, device in members], node.loc)
+
+    def _local_slices(self, node: Node) -> None:
+        (x,), (y,) = node.inputs, node.outputs
+        dist = _dist(y)
+        sizes = dist.pieces(y.type.shape[dist.axis])
+        for k, device in dist.members_on(self.rank):
+            start = sum(sizes[:k])
+            self._add("slice", [self.piece(x, k)],
+                      {"axis": dist.axis, "start": start, "stop": start + sizes[k]},
+                      [(y, k, device)], node.loc)
+
+    def _compute(self, node: Node, k: int, device) -> None:
+        inputs = [self.piece(v, k) for v in node.inputs]
+        attrs = self._local_attrs(node, k)
+        weight = self._row_share(node, k)
+        where = ROW_MEANS.get(node.op)
+        if weight is not None and where[0] == "input":
+            inputs[where[1]] = self._scaled(inputs[where[1]], weight, device, node.loc)
+        if weight is not None and where[0] == "output":
+            (y,) = node.outputs
+            mean = self.new.add_node(node.op, inputs, attrs,
+                                     names=[member_name(f"{y.name}.rows", k)],
+                                     types=[y.type], device=device, loc=node.loc).outputs[0]
+            self._add("scale", [mean], {"alpha": weight}, [(y, k, device)], node.loc)
+            return
+        self._add(node.op, inputs, attrs, [(v, k, device) for v in node.outputs], node.loc)
+
+    def _scaled(self, value: Value, weight: float, device, loc) -> Value:
+        return self.new.add_node("scale", [value], {"alpha": weight},
+                                 names=[self.new.fresh_name(f"{value.name}.rows")],
+                                 device=device, loc=loc).outputs[0]
+
+    def _row_share(self, node: Node, k: int) -> float | None:
+        """For a row mean over a piece of the rows: the piece's share of them."""
+        if node.op not in ROW_MEANS:
+            return None
+        dist = _dist(node.inputs[0])
+        if dist.kind is not DistKind.split:
+            return None
+        rows = node.inputs[0].type.shape[0]
+        return dist.pieces(rows)[k] / rows
+
+    def _local_attrs(self, node: Node, k: int) -> dict:
+        attrs = dict(node.attrs)
+        out = node.outputs[0] if node.outputs else None
+        for key in SHAPE_ATTRS:
+            if key not in attrs or out is None:
+                continue
+            if list(attrs[key]) != list(out.type.shape):
+                raise PurinecError(f"node {node!r}: cannot partition attribute {key}="
+                                   f"{attrs[key]}, which is not its output's shape")
+            attrs[key] = list(_dist(out).local_type(out.type, k).shape)
+        return attrs

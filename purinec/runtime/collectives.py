@@ -1,0 +1,72 @@
+"""Kernels for the communication nodes of a physical graph whose members all live in
+this process: copies between device buffers, slices, and collectives over the local
+members. Each sums or gathers once and writes the same bytes to every member, so
+replicas stay bitwise identical. Groups that span ranks get MPI kernels from
+`purinec.runtime.comm` instead.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from purinec.ir.graph import Node
+from purinec.ir.types import Device
+
+# Ops whose kernels live here rather than in a code generator.
+HOST_OPS = ("copy", "slice", "allreduce", "allgather")
+
+
+def spans_ranks(node: Node) -> bool:
+    group = node.attrs.get("group")
+    return group is not None and len({Device.parse(d).rank for d in group.split(",")}) > 1
+
+
+def host_kernel(node: Node) -> Callable:
+    """The in-process kernel of a HOST_OPS node: ``fn(*inputs, *outputs)``."""
+    if node.op == "copy":
+        return _copy
+    if node.op == "slice":
+        return _slicer(node.attrs["axis"], node.attrs["start"], node.attrs["stop"])
+    if node.op == "allreduce":
+        return _allreducer(node.attrs["tensors"])
+    if node.op == "allgather":
+        return _allgatherer(node.attrs["axis"])
+    raise ValueError(f"no host kernel for op {node.op}")
+
+
+def _copy(x: np.ndarray, y: np.ndarray) -> None:
+    np.copyto(y, x)
+
+
+def _slicer(axis: int, start: int, stop: int) -> Callable:
+    def fn(x: np.ndarray, y: np.ndarray) -> None:
+        index = [slice(None)] * x.ndim
+        index[axis] = slice(start, stop)
+        np.copyto(y, x[tuple(index)])
+    return fn
+
+
+def _allreducer(tensors: int) -> Callable:
+    def fn(*arrays: np.ndarray) -> None:
+        half = len(arrays) // 2
+        xs, ys = arrays[:half], arrays[half:]
+        for t in range(tensors):
+            total = ys[t]
+            np.copyto(total, xs[t])
+            for m in range(tensors + t, half, tensors):
+                np.add(total, xs[m], out=total)
+            for m in range(tensors + t, half, tensors):
+                np.copyto(ys[m], total)
+    return fn
+
+
+def _allgatherer(axis: int) -> Callable:
+    def fn(*arrays: np.ndarray) -> None:
+        half = len(arrays) // 2
+        xs, ys = arrays[:half], arrays[half:]
+        np.concatenate(xs, axis=axis, out=ys[0])
+        for y in ys[1:]:
+            np.copyto(y, ys[0])
+    return fn

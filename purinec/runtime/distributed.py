@@ -1,0 +1,81 @@
+"""Running one rank's physical graph behind the logical graph's names.
+
+A distributed program keeps the logical graph's interface: it is fed whole inputs and
+holds one array per parameter. `DistributedExecutable` hands each local group member its
+piece: a split input as a view of the rows it owns, a replicated parameter as the
+caller's own array for the first local member (so in-place updates land there) and as
+a replica this object keeps for every other member. The replicas are updated by the
+same kernels on the same bytes, so they stay identical; when the caller passes a
+different array for a variable (new weights were set), the replicas are refreshed from
+it. Outputs come back under their logical names, from the first local member.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import numpy as np
+
+from purinec.ir.graph import Graph, member_name
+from purinec.ir.types import DistKind
+
+VARIABLE_ROLES = ("param", "state")
+
+
+class DistributedExecutable:
+    """``exe(env) -> outputs`` over logical names, running ``physical`` (an executable
+    of the physical graph of ``rank``)."""
+
+    def __init__(self, logical: Graph, physical: Callable, rank: int):
+        self.physical = physical
+        self.inputs = [(v, v.dist.members_on(rank)) for v in logical.inputs]
+        self.outputs = [(name, [k for k, _ in v.dist.members_on(rank)])
+                        for name, v in logical.outputs]
+        self.variables = {v.name for v in logical.inputs_with_role(*VARIABLE_ROLES)}
+        self.replicas: dict[tuple[str, int], np.ndarray] = {}
+        self.synced: dict[str, np.ndarray] = {}  # the array the replicas were made from
+
+    def __call__(self, env: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        physical_env = {}
+        for v, members in self.inputs:
+            array = env[v.name]
+            if v.dist.kind is DistKind.split:
+                physical_env.update(self._pieces(v, array, members))
+            elif v.name in self.variables:
+                physical_env.update(self._replicas(v.name, array, members))
+            else:
+                physical_env.update({member_name(v.name, k): array for k, _ in members})
+        results = self.physical(physical_env)
+        outputs = {}
+        for name, members in self.outputs:
+            outputs[name] = results[member_name(name, members[0])]
+            if name in self.variables:
+                for k in members[1:]:
+                    self.replicas[name, k] = results[member_name(name, k)]
+                self.synced[name] = outputs[name]
+        return outputs
+
+    @staticmethod
+    def _pieces(v, array: np.ndarray, members) -> dict[str, np.ndarray]:
+        sizes = v.dist.pieces(array.shape[v.dist.axis])
+        index = [slice(None)] * array.ndim
+        pieces = {}
+        for k, _ in members:
+            start = sum(sizes[:k])
+            index[v.dist.axis] = slice(start, start + sizes[k])
+            pieces[member_name(v.name, k)] = np.ascontiguousarray(array[tuple(index)])
+        return pieces
+
+    def _replicas(self, name: str, array: np.ndarray, members) -> dict[str, np.ndarray]:
+        first, *others = [k for k, _ in members]
+        if self.synced.get(name) is not array:
+            for k in others:
+                self.replicas[name, k] = array.copy()
+            self.synced[name] = array
+        return {member_name(name, first): array,
+                **{member_name(name, k): self.replicas[name, k] for k in others}}
+
+    def close(self) -> None:
+        close = getattr(self.physical, "close", None)
+        if close is not None:
+            close()
