@@ -53,6 +53,8 @@ def convert(graph: Graph, value: Value, dst: Distribution, why: str) -> list[Nod
         raise PurinecError(f"%{value.name} is {src} but {why} needs {dst}; purinec has no "
                            f"conversion from one to the other")
     nodes: list[Node] = []
+    if src == dst:
+        return nodes
     if src.group != dst.group:
         nodes.append(_node(graph, "copy", value, {}, dst, "copy", why, device=dst.group[0]))
         return nodes

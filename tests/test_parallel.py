@@ -1,0 +1,189 @@
+"""Parallelism by graph rewriting: boxing keeps the logical tensor, data-parallel programs
+equal the single-device one, and the dumps say what was inserted and why."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import purinec
+from purinec.errors import PurinecError
+from purinec.ir.graph import Graph, member_name
+from purinec.ir.parser import parse
+from purinec.ir.types import Device, DistKind, Distribution, DType, TensorType
+from purinec.ir.verify import verify
+from purinec.passes.parallel import (Parallel, conversion_cost, convert, explain, parallelize,
+                                     parse_devices, partition)
+from purinec.runtime.reference import execute
+
+SGD = purinec.SGD(lr=0.05, momentum=0.9, weight_decay=5e-4)
+
+KINDS = [("B", None), ("S", 0), ("S", 1), ("P", None)]
+
+
+def _dist(kind: str, axis, group) -> Distribution:
+    kinds = {"B": DistKind.replicated, "S": DistKind.split, "P": DistKind.partial}
+    return Distribution(kinds[kind], group, axis)
+
+
+def _pieces(x: np.ndarray, dist: Distribution, rng) -> list[np.ndarray]:
+    """What each member holds of logical ``x`` under ``dist`` (random summands for a
+    partial sum, so a wrong reduction cannot pass by accident)."""
+    n = len(dist.group)
+    if dist.kind is DistKind.replicated:
+        return [x.copy() for _ in range(n)]
+    if dist.kind is DistKind.split:
+        return np.array_split(x, n, axis=dist.axis)
+    parts = [rng.standard_normal(x.shape) for _ in range(n - 1)]
+    return parts + [x - sum(parts)]
+
+
+def _whole(pieces: list[np.ndarray], dist: Distribution) -> np.ndarray:
+    if dist.kind is DistKind.split:
+        return np.concatenate(pieces, axis=dist.axis)
+    if dist.kind is DistKind.partial:
+        return sum(pieces)
+    for piece in pieces[1:]:
+        np.testing.assert_array_equal(piece, pieces[0])  # replicas agree exactly
+    return pieces[0]
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("src,dst", [(s, d) for s, d in itertools.product(KINDS, KINDS)
+                                     if d[0] != "P" or s[0] == "P"])
+def test_every_boxing_conversion_keeps_the_logical_tensor(src, dst, devices):
+    group = tuple(Device("cpu", i) for i in range(devices))
+    rng = np.random.default_rng(devices)
+    shape = (7, 5)  # uneven pieces on both axes
+    src_dist, dst_dist = _dist(*src, group), _dist(*dst, group)
+    g = Graph("box")
+    x = g.add_input("x", TensorType(shape, DType.f64), group[0], dist=src_dist)
+    nodes = convert(g, x, dst_dist, "the test")
+    g.nodes = nodes
+    g.set_outputs([("y", nodes[-1].outputs[0] if nodes else x)])
+    verify(g)
+    physical = partition(g, 0)
+    verify(physical)
+    assert str(parse(str(physical))) == str(physical)
+    logical = rng.standard_normal(shape)
+    env = {member_name("x", k): p for k, p in enumerate(_pieces(logical, src_dist, rng))}
+    out = execute(physical, env)
+    got = _whole([out[member_name("y", k)] for k in range(devices)], dst_dist)
+    np.testing.assert_allclose(got, logical, rtol=1e-12, atol=1e-12)
+    assert conversion_cost(src_dist, dst_dist, logical.nbytes) < float("inf")
+
+
+def test_a_conversion_the_table_lacks_is_refused_with_the_consumer_named():
+    group = (Device("cpu", 0), Device("cpu", 1))
+    g = Graph("box")
+    x = g.add_input("x", TensorType((4,), DType.f32), group[0],
+                    dist=Distribution(DistKind.replicated, group))
+    with pytest.raises(PurinecError, match="relu %y needs partial"):
+        convert(g, x, Distribution(DistKind.partial, group), "relu %y")
+
+
+def _feeds(graph, rng):
+    feeds = {}
+    for v in graph.inputs_with_role("data"):
+        if v.type.dtype.is_float:
+            feeds[v.name] = rng.standard_normal(v.type.shape).astype(v.type.dtype.numpy)
+        else:
+            feeds[v.name] = rng.integers(0, 10, v.type.shape).astype(v.type.dtype.numpy)
+    return feeds
+
+
+def _assert_same_training(model: str, batch: int, devices: str, target: str,
+                          iterations: int = 2) -> purinec.Program:
+    one = purinec.compile(model, target=target, train=SGD, batch=batch, seed=7)
+    many = purinec.compile(model, target=target, train=SGD, batch=batch, seed=7,
+                           devices=devices, parallel="data")
+    rng = np.random.default_rng(1)
+    for _ in range(iterations):
+        feeds = _feeds(one.ir, rng)
+        loss_one, loss_many = one.step(feeds), many.step(feeds)
+        assert loss_many == pytest.approx(loss_one, rel=1e-5)
+    for name in one.params:
+        scale = np.max(np.abs(one.params[name])) + 1e-12
+        np.testing.assert_allclose(many.params[name] / scale, one.params[name] / scale,
+                                   atol=2e-5, err_msg=name)
+    # Every replica holds bitwise the same weights and momentum.
+    replicas = many._run_main.replicas
+    assert replicas, "no replicas: the program did not run on several devices"
+    for (name, member), array in replicas.items():
+        store = many.params if name in many.params else many.state
+        np.testing.assert_array_equal(array, store[name], err_msg=f"{name} on member {member}")
+    one.close()
+    return many
+
+
+@pytest.mark.parametrize("model,batch", [("lenet", 12), ("cifar_quick", 10)])
+@pytest.mark.parametrize("devices", ["2", "3"])
+def test_data_parallel_training_equals_one_device(model, batch, devices):
+    many = _assert_same_training(model, batch, devices, "reference")
+    sizes = {v.type.shape[0] for v in many.physical_ir.inputs if v.name.startswith("data.")}
+    assert sizes == {batch // int(devices)} if batch % int(devices) == 0 else len(sizes) == 2
+    many.close()
+
+
+def test_data_parallel_on_the_cpu_target_equals_one_device():
+    many = _assert_same_training("lenet", 16, "cpu:0,cpu:1", "cpu", iterations=3)
+    devices = {n.device for n in many.physical_ir.nodes}
+    assert devices == {Device("cpu", 0), Device("cpu", 1)}
+    fused = [n for n in many.physical_ir.nodes if n.op == "fused"]
+    assert fused and all(len({m.device for m in n.body}) == 1 for n in fused)
+    many.close()
+
+
+def test_uneven_batch_weights_each_piece_by_its_rows():
+    # 10 rows over 3 devices: 4, 3, 3. The loss is the mean over all 10 rows.
+    _assert_same_training("mlp", 10, "3", "reference", iterations=1).close()
+
+
+def test_inference_outputs_are_gathered_whole():
+    one = purinec.compile("lenet", batch=6, seed=2)
+    many = purinec.compile("lenet", batch=6, seed=2, devices=3)
+    feeds = _feeds(one.ir, np.random.default_rng(0))
+    a, b = one.run(feeds), many.run(feeds)
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_allclose(b[name], a[name], rtol=1e-5, atol=1e-6)
+
+
+def test_distributed_graph_prints_and_parses_back_and_explains_itself():
+    from purinec.compiler import build_graph, load_source
+
+    logical = build_graph(load_source("lenet", 8), SGD,
+                          parallel=Parallel(parse_devices("cpu:0,cpu:1")))
+    text = str(logical)
+    assert str(parse(text)) == text
+    assert "~ split(0)[cpu:0,cpu:1]" in text and "~ partial[cpu:0,cpu:1]" in text
+    reasons = explain(logical)
+    comm = [n for n in logical.nodes if n.op in ("allreduce", "allgather", "slice", "copy")]
+    assert len(reasons) == len(comm) > 0
+    # One allreduce per gradient, each for its sgd update.
+    grads = [n for n in comm if n.op == "allreduce" and n.inputs[0].name.startswith("grad.")]
+    assert len(grads) == sum(1 for v in logical.inputs if v.role == "param")
+    assert all("sgd %" in why for why in reasons if why.startswith("allreduce %grad."))
+    # Each gradient's allreduce follows right after the node that makes the gradient, so
+    # the runtime can post it while the backward pass goes on.
+    position = {id(n): i for i, n in enumerate(logical.nodes)}
+    for node in grads:
+        assert position[id(node)] == position[id(node.inputs[0].producer)] + 1
+
+
+def test_parallel_options_are_checked():
+    with pytest.raises(PurinecError, match="unknown parallel strategy"):
+        Parallel(parse_devices("2"), "sideways")
+    with pytest.raises(PurinecError, match="not a device"):
+        parse_devices("cpu:0,gpu")
+    with pytest.raises(PurinecError, match="distinct"):
+        Parallel(parse_devices("cpu:0,cpu:0"))
+    with pytest.raises(PurinecError, match="needs several devices"):
+        purinec.compile("mlp", parallel="data")
+
+
+def test_a_program_over_ranks_refuses_to_start_without_mpiexec():
+    with pytest.raises(PurinecError, match="mpiexec -n 2"):
+        purinec.compile("mlp", batch=4, devices="r0/cpu:0,r1/cpu:0")
