@@ -161,16 +161,22 @@ def test_distributed_graph_prints_and_parses_back_and_explains_itself():
     assert "~ split(0)[cpu:0,cpu:1]" in text and "~ partial[cpu:0,cpu:1]" in text
     reasons = explain(logical)
     comm = [n for n in logical.nodes if n.op in ("allreduce", "allgather", "slice", "copy")]
-    assert len(reasons) == len(comm) > 0
-    # One allreduce per gradient, each for its sgd update.
-    grads = [n for n in comm if n.op == "allreduce" and n.inputs[0].name.startswith("grad.")]
-    assert len(grads) == sum(1 for v in logical.inputs if v.role == "param")
+    reduced = [v.name for n in comm if n.op == "allreduce" for v in n.inputs]
+    assert len(reasons) == sum(len(n.inputs) for n in comm) > 0
+    # Every gradient is reduced, for its sgd update; small ones share a bucket.
+    params = [v.name for v in logical.inputs if v.role == "param"]
+    assert sorted(r for r in reduced if r.startswith("grad.")) == sorted(
+        f"grad.{p}" for p in params)
     assert all("sgd %" in why for why in reasons if why.startswith("allreduce %grad."))
-    # Each gradient's allreduce follows right after the node that makes the gradient, so
-    # the runtime can post it while the backward pass goes on.
+    buckets = [n for n in comm if n.op == "allreduce" and n.attrs["tensors"] > 1]
+    assert buckets and all(n.attrs["tensors"] == len(n.inputs) for n in buckets)
+    assert any("(bucket of" in why for why in reasons)
+    # Each allreduce follows right after the node that makes its last input, so the
+    # runtime can post it while the backward pass goes on.
     position = {id(n): i for i, n in enumerate(logical.nodes)}
-    for node in grads:
-        assert position[id(node)] == position[id(node.inputs[0].producer)] + 1
+    for node in (n for n in comm if n.op == "allreduce"):
+        last = max(position[id(v.producer)] for v in node.inputs)
+        assert position[id(node)] == last + 1
 
 
 def test_parallel_options_are_checked():

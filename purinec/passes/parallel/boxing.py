@@ -92,7 +92,9 @@ def explain(graph: Graph) -> list[str]:
     lines = []
     for node in graph.nodes:
         if node.loc and node.loc.startswith("boxing: "):
-            (src,), (dst,) = node.inputs, node.outputs
-            lines.append(f"{node.op} %{dst.name}: %{src.name} is {src.dist}, "
-                         f"{node.loc[len('boxing: '):]} needs {dst.dist}")
+            whys = node.loc[len("boxing: "):].split("; ")
+            bucket = f" (bucket of {len(whys)})" if len(whys) > 1 else ""
+            for src, dst, why in zip(node.inputs, node.outputs, whys):
+                lines.append(f"{node.op} %{dst.name}{bucket}: %{src.name} is {src.dist}, "
+                             f"{why} needs {dst.dist}")
     return lines

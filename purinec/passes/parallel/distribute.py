@@ -20,6 +20,7 @@ from purinec.ir.graph import Graph, Node, Value
 from purinec.ir.ops import SplitSignature, get_op
 from purinec.ir.types import Device, DistKind, Distribution, TensorType
 from purinec.passes.parallel.boxing import conversion_cost, convert
+from purinec.passes.parallel.bucket import bucket
 
 STRATEGIES = {
     "data": "split the batch over the devices, replicate the parameters, allreduce the "
@@ -66,8 +67,9 @@ def parse_devices(text: str) -> tuple[Device, ...]:
 
 
 def parallelize(graph: Graph, parallel: Parallel) -> Graph:
-    """The logical graph with a distribution on every value and boxing nodes added."""
-    return _Distributor(graph, parallel).run()
+    """The logical graph with a distribution on every value, boxing nodes added and
+    small allreduces bucketed."""
+    return bucket(_Distributor(graph, parallel).run())
 
 
 class _Distributor:

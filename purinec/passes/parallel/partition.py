@@ -90,11 +90,14 @@ class _Partitioner:
         return physical
 
     def _collective(self, node: Node) -> None:
-        (x,), (y,) = node.inputs, node.outputs
-        members = _dist(x).members_on(self.rank)
+        """One node over this rank's members: for each member, its pieces of every
+        tensor (a bucket holds several), in group order."""
+        members = _dist(node.inputs[0]).members_on(self.rank)
         if members:
-            self._add(node.op, [self.piece(x, k) for k, _ in members], dict(node.attrs),
-                      [(y, k, device) for k, device in members], node.loc)
+            self._add(node.op, [self.piece(x, k) for k, _ in members for x in node.inputs],
+                      dict(node.attrs),
+                      [(y, k, device) for k, device in members for y in node.outputs],
+                      node.loc)
 
     def _local_slices(self, node: Node) -> None:
         (x,), (y,) = node.inputs, node.outputs

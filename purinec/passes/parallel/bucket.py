@@ -1,0 +1,75 @@
+"""bucket: reduce small tensors together.
+
+Every allreduce costs a fixed latency (an MPI message, a runtime task) besides its bytes,
+and the backward pass makes many small gradients (biases). Neighbouring allreduce nodes
+over the same group are merged, in schedule order, into one multi-tensor allreduce of
+up to BUCKET_BYTES, placed where its last member was: it starts as soon as its last
+gradient exists, while the rest of the backward pass goes on. A bucket never grows past
+a point where one of its results is already needed.
+"""
+
+from __future__ import annotations
+
+from purinec.ir.graph import Graph, Node
+
+BUCKET_BYTES = 1 << 19
+
+
+def bucket(graph: Graph, limit: int = BUCKET_BYTES) -> Graph:
+    new = graph.clone()
+    position = {id(node): i for i, node in enumerate(new.nodes)}
+    first_use = _first_uses(new, position)
+    groups: list[list[Node]] = []
+    for node in new.nodes:
+        if node.op != "allreduce":
+            continue
+        current = groups[-1] if groups else None
+        if current is not None and _fits(current, node, limit, position, first_use):
+            current.append(node)
+        else:
+            groups.append([node])
+    merged = {id(group[-1]): group for group in groups if len(group) > 1}
+    gone = {id(n) for group in merged.values() for n in group[:-1]}
+    nodes = []
+    for node in new.nodes:
+        if id(node) in gone:
+            continue
+        nodes.append(_merge(merged[id(node)]) if id(node) in merged else node)
+    new.nodes = nodes
+    return new
+
+
+def _first_uses(graph: Graph, position: dict[int, int]) -> dict[int, int]:
+    """For each value, the position of the first node reading it."""
+    first: dict[int, int] = {}
+    for node in graph.nodes:
+        for v in node.inputs:
+            first.setdefault(id(v), position[id(node)])
+    return first
+
+
+def _fits(group: list[Node], node: Node, limit: int, position, first_use) -> bool:
+    if (node.attrs["group"] != group[0].attrs["group"] or
+            node.inputs[0].type.dtype != group[0].inputs[0].type.dtype):  # one buffer
+        return False
+    if sum(_bytes(n) for n in group) + _bytes(node) > limit:
+        return False
+    # Merged, every member's results appear where ``node`` is: none may be read before.
+    here = position[id(node)]
+    return all(first_use.get(id(v), here + 1) > here for n in group for v in n.outputs)
+
+
+def _bytes(node: Node) -> int:
+    return sum(v.type.nbytes for v in node.inputs)
+
+
+def _merge(group: list[Node]) -> Node:
+    inputs = [v for n in group for v in n.inputs]
+    outputs = [v for n in group for v in n.outputs]
+    reasons = "; ".join(n.loc[len("boxing: "):] for n in group if n.loc)
+    node = Node("allreduce", inputs, outputs,
+                {"group": group[0].attrs["group"], "tensors": len(inputs)},
+                f"boxing: {reasons}")
+    for v in outputs:
+        v.producer = node
+    return node
