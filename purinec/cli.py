@@ -130,6 +130,10 @@ def cmd_dump(args) -> int:
         if args.rank >= spread.ranks:
             raise PurinecError(f"--rank {args.rank}: the devices span {spread.ranks} rank(s)")
     wanted = _wanted_stages(args, runs)
+    if args.format in ("svg", "png") and not args.output:
+        raise PurinecError(f"--format {args.format} writes picture files; give -o DIR")
+    if args.format != "text" and "kernels" in wanted:
+        raise PurinecError("--stage kernels is source code, not a graph; use --format text")
     if (args.llvm or args.asm) and wanted != ["kernels"]:
         raise PurinecError("--llvm and --asm go with --stage kernels")
     if args.explain and not {"fuse", "parallel"} & set(wanted):
@@ -150,12 +154,28 @@ def cmd_dump(args) -> int:
                 print(f"// ---- {name} ----")
             print(text)
 
+    def draw(name: str, graph) -> None:
+        from purinec.viz import render_graph, to_dot
+
+        if not args.output:  # dot text only, checked above
+            if len(wanted) > 1:
+                print(f"// ---- {name} ----")
+            print(to_dot(graph))
+            return
+        path = os.path.join(args.output, name)
+        render_graph(graph, path, args.format)
+        written.append(path)
+
     def show(stage, graph):
         if stage == "cse":
             before_fuse[:] = [graph]
         if stage not in wanted:
             return
-        emit(f"{graph.name}.{STAGES.index(stage):02d}-{stage}.pir", str(graph))
+        base = f"{graph.name}.{STAGES.index(stage):02d}-{stage}"
+        if args.format == "text":
+            emit(f"{base}.pir", str(graph))
+        else:
+            draw(f"{base}.{args.format}", graph)
         if stage == "fuse" and args.explain:
             from purinec.passes.fuse import explain
 
@@ -260,7 +280,7 @@ def cmd_run(args) -> int:
     from purinec.compiler import compile, load
 
     trace = None
-    if args.trace:
+    if args.trace or args.timeline:
         from purinec.runtime.trace import Trace
 
         trace = Trace()
@@ -288,11 +308,23 @@ def cmd_run(args) -> int:
 
         write_atomically(args.output, lambda f: write_npz(f, outputs))
         print(f"wrote {args.output} ({', '.join(outputs)})")
-    if trace is not None:
+    if args.trace:
         trace.write(args.trace)
         print(f"wrote trace {args.trace}: {len(trace.records)} tasks over {trace.calls} "
               "iteration(s); open it in https://ui.perfetto.dev")
+    if args.timeline:
+        _write_timeline(trace, args.timeline)
     return 0
+
+
+def _write_timeline(trace, path: str) -> None:
+    from purinec.viz import overlap, timeline
+
+    events = trace.events()
+    timeline(events, path)
+    stats = overlap(events)
+    print(f"wrote timeline {path}: {stats['wall_ms']:.3f} ms, communication "
+          f"{stats['comm_ms']:.3f} ms ({stats['hidden_fraction']:.0%} hidden behind compute)")
 
 
 def _feeds(graph, specs: list[str], seed: int) -> dict[str, np.ndarray]:
@@ -379,6 +411,13 @@ def cmd_train(args) -> int:
                         "change them")
     elif args.model is None:
         raise PurinecError("give a MODEL to train, or --resume CHECKPOINT")
+    if args.resume and args.timeline:
+        raise PurinecError("--timeline records a fresh run; it does not go with --resume")
+    trace = None
+    if args.timeline:
+        from purinec.runtime.trace import Trace
+
+        trace = Trace()
     if args.resume:
         program, data_spec, seed, done = _resume(args)
         checkpoint_path = args.checkpoint or args.resume
@@ -395,11 +434,13 @@ def cmd_train(args) -> int:
     data = load_dataset(data_spec, seed=seed)
     print(data)
     if not args.resume:
-        program = _training_program(args, data, seed)
+        program = _training_program(args, data, seed, trace)
     _check_fits(program, data)
     batch = program.ir.input("data").type.shape[0]
 
     def end_of_epoch(e):
+        if trace is not None and e.epoch < args.epochs:
+            trace.clear()  # the timeline shows the last epoch: memory stays bounded
         print(f"epoch {e.epoch:3d}  loss {e.loss:.4f}  train accuracy {e.train_accuracy:.4f}"
               f"  test accuracy {e.test_accuracy:.4f}", flush=True)
         if checkpoint_path:
@@ -415,6 +456,8 @@ def cmd_train(args) -> int:
         program.close()
     print(f"trained {len(result.epochs)} epoch(s) in {time.perf_counter() - start:.1f} s: "
           f"test accuracy {result.final.test_accuracy:.4f}")
+    if trace is not None:
+        _write_timeline(trace, args.timeline)
     return 0
 
 
@@ -435,13 +478,13 @@ def _resume(args):
     return program, checkpoint.data, checkpoint.seed, checkpoint.epoch
 
 
-def _training_program(args, data, seed):
+def _training_program(args, data, seed, trace=None):
     """Compile MODEL's training iteration for ``data``, or load it from an artifact."""
     from purinec.compiler import compile, load
 
     start = time.perf_counter()
     if _is_artifact(args.model):
-        program = load(args.model, args.target)
+        program = load(args.model, args.target, trace=trace)
         if not program.trainable:
             raise PurinecError(f"{args.model} holds an inference program; compile it with "
                                "`purinec compile MODEL --train -o FILE.purine` to train it")
@@ -451,7 +494,8 @@ def _training_program(args, data, seed):
         if not args.model.endswith(".pir"):
             model_kwargs = {"input_shape": data.input_shape, "num_classes": data.num_classes}
         program = compile(args.model, target=args.target or "reference", train=_sgd(args),
-                          batch=args.batch, seed=seed, **_parallel_kwargs(args), **model_kwargs)
+                          batch=args.batch, seed=seed, trace=trace, **_parallel_kwargs(args),
+                          **model_kwargs)
         what = "compiled"
     print(f"{what} {program.ir.name} for target {program.target} in "
           f"{time.perf_counter() - start:.2f} s ({len(program.ir.nodes)} nodes, "
@@ -507,6 +551,10 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--explain", action="store_true",
                       help="with --stage fuse: say why each pair of neighbours did not fuse; "
                            "with --stage parallel: why each copy and collective is there")
+    dump.add_argument("--format", choices=("text", "dot", "svg", "png"), default="text",
+                      help="text: the IR (.pir); dot: Graphviz DOT of the bi-graph, ops and "
+                           "tensors coloured by device; svg/png: pictures drawn by Graphviz's "
+                           "dot (need -o DIR)")
     _add_parallel_args(dump)
     dump.add_argument("--rank", type=_non_negative, default=0,
                       help="with --devices over several ranks: whose physical graph to show")
@@ -557,6 +605,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="write the outputs of the last iteration to OUT.npz (atomically)")
     run.add_argument("--iterations", type=_positive, default=1, metavar="N",
                      help="run N times and report the first and the median time (default 1)")
+    run.add_argument("--timeline", metavar="FILE.png|FILE.svg",
+                     help="draw every task on its device's compute, copy and communication "
+                          "lanes into FILE, with how much communication compute hid")
     run.add_argument("--trace", metavar="FILE",
                      help="record every task as Chrome trace event JSON (Perfetto) into "
                           "FILE, on targets that record traces")
@@ -602,6 +653,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "momentum state, epoch, data set and seed; gives the same weights "
                          "as a run that was never interrupted")
     _add_parallel_args(tr)
+    tr.add_argument("--timeline", metavar="FILE.png|FILE.svg",
+                    help="draw the last epoch's tasks on each device's compute, copy and "
+                         "communication lanes into FILE (a target that records traces)")
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
     tr.add_argument("--progress", action="store_true",
                     help="show the progress bar even when stderr is not a terminal")

@@ -95,7 +95,7 @@ def test_dump_cpu_pipeline_fuses_and_writes_kernels(tmp_path):
     result = purinec("dump", "mlp", "--train", "--batch", "2", "--stage", "all", "-o",
                      str(tmp_path), "--explain")
     assert result.returncode == 0, result.stderr
-    fused = (tmp_path / "mlp.train.07-fuse.pir").read_text()
+    fused = (tmp_path / "mlp.train.09-fuse.pir").read_text()
     assert str(parse(fused)) + "\n" == fused
     assert "fused(" in fused and "kernel=\"fused_matmul_bias_add_relu\"" in fused
     explained = (tmp_path / "mlp.train.fuse-explain.txt").read_text()
@@ -330,3 +330,45 @@ def test_train_errors(artifact, tmp_path, capsys, args, fragments):
                         input_shape=(1, 4, 4)).save(tmp_path / "small.purine")
     args = [a.format(artifact=path, tmp=tmp_path) for a in args]
     assert_clean_error(purinec_here(capsys, *args), *fragments)
+
+
+def test_dump_parallel_stages_explain_each_collective(capsys):
+    result = purinec_here(capsys, "dump", "lenet", "--train", "--batch", "8", "--target",
+                          "reference", "--devices", "cpu:0,cpu:1", "--stage", "parallel",
+                          "--explain")
+    assert result.returncode == 0, result.stderr
+    assert "~ split(0)[cpu:0,cpu:1]" in result.stdout
+    reasons = [line for line in result.stdout.splitlines() if line.startswith("# allreduce")]
+    assert any("sgd %conv1.weight.next needs replicated" in r for r in reasons)
+    physical = purinec_here(capsys, "dump", "lenet", "--batch", "8", "--target", "reference",
+                            "--devices", "2", "--stage", "partition")
+    assert physical.returncode == 0, physical.stderr
+    parsed = parse(physical.stdout)
+    assert {str(n.device) for n in parsed.nodes} == {"cpu:0", "cpu:1"}
+    assert any(n.op == "allgather" and len(n.inputs) == 2 for n in parsed.nodes)
+
+
+def test_dump_parallel_stage_needs_devices(capsys):
+    assert_clean_error(purinec_here(capsys, "dump", "mlp", "--stage", "parallel"),
+                       "stage parallel runs only with --devices")
+    assert_clean_error(purinec_here(capsys, "dump", "mlp", "--devices", "2", "--rank", "1"),
+                       "--rank 1: the devices span 1 rank(s)")
+
+
+def test_dump_draws_the_bigraph(capsys, tmp_path):
+    dot = purinec_here(capsys, "dump", "mlp", "--target", "reference", "--format", "dot")
+    assert dot.returncode == 0, dot.stderr
+    assert dot.stdout.startswith("digraph ") and "%ip1" in dot.stdout
+    assert_clean_error(purinec_here(capsys, "dump", "mlp", "--format", "svg"),
+                       "--format svg writes picture files; give -o DIR")
+
+
+def test_train_on_two_devices_draws_its_timeline(tmp_path):
+    picture = tmp_path / "timeline.png"
+    result = purinec("train", "mlp", "--target", "cpu", "--devices", "2", "--epochs", "1",
+                     "--timeline", picture, "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert "hidden behind compute" in result.stdout
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    accuracy = float(result.stdout.split("test accuracy")[-1].splitlines()[0])
+    assert accuracy > 0.8

@@ -556,7 +556,8 @@ register(OpDef("conv2d_grad_input", ("gy", "w"), _conv2d_grad_input_infer,
                nnref.conv2d_grad_input, X,
                attrs={**CONV_ATTRS, "input_shape": Attr("ints")},
                split=lambda t, a: [SplitSignature(("S0", "B"), ("S0",)),
-                                   SplitSignature(("B", "B"), ("B",))],
+                                   SplitSignature(("B", "B"), ("B",))] + (
+                   [SplitSignature(("S1", "S0"), ("P",))] if a["groups"] == 1 else []),
                differentiable=False))
 
 
@@ -576,7 +577,8 @@ register(OpDef("conv2d_grad_weight", ("x", "gy"), _conv2d_grad_weight_infer,
                nnref.conv2d_grad_weight, X,
                attrs={**CONV_ATTRS, "kernel": Attr("ints")},
                split=lambda t, a: [SplitSignature(("S0", "S0"), ("P",)),
-                                   SplitSignature(("B", "B"), ("B",))],
+                                   SplitSignature(("B", "B"), ("B",))] + (
+                   [SplitSignature(("B", "S1"), ("S0",))] if a["groups"] == 1 else []),
                differentiable=False))
 
 

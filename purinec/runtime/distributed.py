@@ -37,10 +37,14 @@ class DistributedExecutable:
 
     def __call__(self, env: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         physical_env = {}
+        split_variables = {}
         for v, members in self.inputs:
             array = env[v.name]
             if v.dist.kind is DistKind.split:
-                physical_env.update(self._pieces(v, array, members))
+                pieces = self._pieces(v, array, members)
+                physical_env.update((member_name(v.name, k), p) for k, (_, p) in pieces.items())
+                if v.name in self.variables:
+                    split_variables[v.name] = (array, pieces)
             elif v.name in self.variables:
                 physical_env.update(self._replicas(v.name, array, members))
             else:
@@ -48,6 +52,9 @@ class DistributedExecutable:
         results = self.physical(physical_env)
         outputs = {}
         for name, members in self.outputs:
+            if name in split_variables:
+                outputs[name] = self._assembled(name, results, *split_variables[name])
+                continue
             outputs[name] = results[member_name(name, members[0])]
             if name in self.variables:
                 for k in members[1:]:
@@ -56,15 +63,29 @@ class DistributedExecutable:
         return outputs
 
     @staticmethod
-    def _pieces(v, array: np.ndarray, members) -> dict[str, np.ndarray]:
+    def _pieces(v, array: np.ndarray, members) -> dict[int, tuple[tuple, np.ndarray]]:
+        """Member -> (index into ``array``, its piece): a view where the piece is
+        contiguous (always along axis 0), so in-place updates land in ``array``."""
         sizes = v.dist.pieces(array.shape[v.dist.axis])
-        index = [slice(None)] * array.ndim
         pieces = {}
         for k, _ in members:
             start = sum(sizes[:k])
+            index = [slice(None)] * array.ndim
             index[v.dist.axis] = slice(start, start + sizes[k])
-            pieces[member_name(v.name, k)] = np.ascontiguousarray(array[tuple(index)])
+            index = tuple(index)
+            pieces[k] = (index, np.ascontiguousarray(array[index]))
         return pieces
+
+    @staticmethod
+    def _assembled(name: str, results, array: np.ndarray, pieces) -> np.ndarray:
+        """A split variable's next value, written back into the caller's array where a
+        piece was not updated in place. (On this rank's members only: a variable split
+        over ranks is whole on no rank.)"""
+        for k, (index, piece) in pieces.items():
+            result = results[member_name(name, k)]
+            if result is not piece:
+                array[index] = result
+        return array
 
     def _replicas(self, name: str, array: np.ndarray, members) -> dict[str, np.ndarray]:
         first, *others = [k for k, _ in members]

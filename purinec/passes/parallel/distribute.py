@@ -20,16 +20,29 @@ from purinec.ir.graph import Graph, Node, Value
 from purinec.ir.ops import SplitSignature, get_op
 from purinec.ir.types import Device, DistKind, Distribution, TensorType
 from purinec.passes.parallel.boxing import conversion_cost, convert
+from purinec.passes.cost import node_flops
 from purinec.passes.parallel.bucket import bucket
 
 STRATEGIES = {
     "data": "split the batch over the devices, replicate the parameters, allreduce the "
             "gradients",
+    "model": "split every layer's output features or channels (weights, biases and their "
+             "momentum) over the devices, gather the activations between layers",
+    "hybrid": "data-parallel convolutions, model-parallel fully connected layers",
 }
 
-# Computing a value whole on every device costs as much, in this pass's units, as moving
-# this fraction of its bytes: enough to prefer split work when moving nothing either way.
-REPLICATED_WORK = 1e-3
+# Where a parameter read by these ops is split for model parallelism: the axis holding
+# the output features (matmul's b, after its transpose) or output channels.
+OUTPUT_AXIS = {
+    ("matmul", 1): lambda attrs: 0 if attrs["trans_b"] else 1,
+    ("conv2d", 1): lambda attrs: 0,
+    ("bias_add", 1): lambda attrs: 0,
+}
+
+# The cost model's exchange rate: moving one byte between devices costs about as long as
+# this many floating-point operations (memory copies of ~10 GB/s against ~80 GFLOP/s of
+# GEMM on these machines' cores). Work done whole on every device wastes (n-1)/n of it.
+FLOPS_PER_BYTE = 8
 
 
 @dataclass(frozen=True)
@@ -82,17 +95,51 @@ class _Distributor:
         self.converted: dict[tuple[int, Distribution], Value] = {}
         self.after: dict[int, list[Node]] = {}  # conversions placed after a producer
         self.head: list[Node] = []  # conversions of graph inputs
+        self.param_axes = self._param_axes()
         self.wanted_out = self._wanted_outputs()
 
     def dist(self, kind: DistKind, axis: int | None = None) -> Distribution:
         return Distribution(kind, self.group, axis)
 
+    def _param_axes(self) -> dict[str, int]:
+        """The model-parallel split axis of each parameter (and its momentum) that the
+        strategy splits."""
+        if self.parallel.strategy == "data":
+            return {}
+        fully_connected = {id(n.inputs[1]) for n in self.source.nodes if n.op == "matmul"}
+        axes: dict[str, int] = {}
+        for node in self.source.nodes:
+            for position, v in enumerate(node.inputs):
+                rule = OUTPUT_AXIS.get((node.op, position))
+                if rule is None or v.role != "param":
+                    continue
+                if self.parallel.strategy == "hybrid" and not self._feeds_matmul(
+                        v, fully_connected):
+                    continue
+                axes.setdefault(v.name, rule(node.attrs))  # as the forward pass reads it
+        for node in self.source.nodes:  # the momentum is laid out like its weight
+            if node.op == "sgd" and node.inputs[0].name in axes:
+                axes[node.inputs[1].name] = axes[node.inputs[0].name]
+        return {name: axis for name, axis in axes.items()
+                if self.source.input(name).type.shape[axis] >= len(self.group)}
+
+    def _feeds_matmul(self, param: Value, fully_connected: set[int]) -> bool:
+        """Whether ``param`` belongs to a fully connected layer: a matmul's weight, or a
+        bias added to a matmul's output."""
+        if id(param) in fully_connected:
+            return True
+        return any(n.op == "bias_add" and n.inputs[1] is param and
+                   n.inputs[0].producer is not None and n.inputs[0].producer.op == "matmul"
+                   for n in self.source.nodes)
+
     def _wanted_outputs(self) -> dict[int, Distribution]:
-        """Graph outputs come back whole: a variable's next value as the variable is
-        laid out, everything else replicated."""
+        """Graph outputs come back as their variable is laid out (a parameter's next
+        value), everything else whole on every device."""
+        variables = {v.name: v for v in self.source.inputs_with_role("param", "state")}
         wanted = {}
         for name, value in self.source.outputs:
-            wanted[id(value)] = self.dist(DistKind.replicated)
+            wanted[id(value)] = (self._input_dist(variables[name]) if name in variables
+                                 else self.dist(DistKind.replicated))
         return wanted
 
     def run(self) -> Graph:
@@ -115,8 +162,10 @@ class _Distributor:
         return result
 
     def _input_dist(self, v: Value) -> Distribution:
-        if (v.role == "data" and v.type.rank >= 1 and
-                v.type.shape[0] >= len(self.group)):
+        if v.name in self.param_axes:
+            return self.dist(DistKind.split, self.param_axes[v.name])
+        if (v.role == "data" and self.parallel.strategy != "model" and v.type.rank >= 1
+                and v.type.shape[0] >= len(self.group)):
             return self.dist(DistKind.split, 0)
         return self.dist(DistKind.replicated)
 
@@ -175,14 +224,20 @@ class _Distributor:
         return best
 
     def _cost(self, node: Node, inputs: list[Value], signature: SplitSignature) -> float:
+        """Bytes moved to lay the inputs out, plus what the outputs will cost: their
+        conversion where the graph returns them, half an allreduce for a partial sum
+        (which nearly always needs one), and work repeated on every device."""
         cost = sum(conversion_cost(v.dist, self._entry_dist(e), v.type.nbytes)
                    for v, e in zip(inputs, signature.inputs))
         for v, e in zip(node.outputs, signature.outputs):
-            dist = self._entry_dist(e)
             if id(v) in self.wanted_out:
-                cost += conversion_cost(dist, self.wanted_out[id(v)], v.type.nbytes)
-            if e == "B":
-                cost += REPLICATED_WORK * v.type.nbytes
+                cost += conversion_cost(self._entry_dist(e), self.wanted_out[id(v)],
+                                        v.type.nbytes)
+            elif e == "P":
+                cost += v.type.nbytes
+        if all(e == "B" for e in signature.outputs):
+            n = len(self.group)
+            cost += node_flops(node) * (n - 1) / n / FLOPS_PER_BYTE
         return cost
 
     def _converted(self, value: Value, dst: Distribution, why: str) -> Value:
