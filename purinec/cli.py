@@ -117,11 +117,15 @@ def _positive(text: str) -> int:
 
 def cmd_dump(args) -> int:
     from purinec.compiler import (STAGES, build_graph, load_source, parallel_plan,
-                                  passes_for, physical_passes)
+                                  passes_for, physical_passes, placement)
+    from purinec.ir.graph import Graph
+    from purinec.passes.lower import lower
     from purinec.passes.pipeline import run_passes
 
     train = _sgd(args) if args.train else None
-    spread = parallel_plan(args.devices, args.parallel)
+    source = load_source(args.model, args.batch)
+    spread = parallel_plan(args.devices, args.parallel) or placement(
+        source if isinstance(source, Graph) else lower(source))
     if spread is None:
         runs = ["lower"] + [p.name for p in passes_for(train, args.target)]
     else:
@@ -187,7 +191,7 @@ def cmd_dump(args) -> int:
             reasons = "\n".join(f"# {why}" for why in explain(graph))
             emit(f"{graph.name}.parallel-explain.txt", reasons or "# no communication")
 
-    graph = build_graph(load_source(args.model, args.batch), train, show, args.target, spread)
+    graph = build_graph(source, train, show, args.target, spread)
     if spread is not None:
         before_fuse[:] = []
         graph = run_passes(graph, physical_passes(args.rank, args.target), _fuse_input(
@@ -226,7 +230,8 @@ def _wanted_stages(args, runs: list[str]) -> list[str]:
                            "kernels, all")
     if args.stage not in runs:
         why = ("runs only with --train" if args.stage in ("autodiff", "optimizer")
-               else "runs only with --devices" if args.stage in ("parallel", "partition")
+               else "runs only with --devices (or a model placed on several devices)"
+               if args.stage in ("parallel", "partition")
                else f"does not run for target {args.target}")
         raise PurinecError(f"stage {args.stage} {why}")
     return [args.stage]

@@ -178,7 +178,16 @@ def build_graph(source: Any, train: SGD | None, after: StageHook | None = None,
         graph = lower(source, mode="train" if train is not None else "inference")
     if after is not None:
         after("lower", graph)
+    parallel = parallel or placement(graph)
     return run_passes(graph, passes_for(train, target, parallel), after).graph
+
+
+def placement(graph: Graph) -> Parallel | None:
+    """For a graph whose model put its layers on several devices itself: run each node
+    where it was put, with copies between devices."""
+    devices = sorted({v.device for v in graph.inputs} |
+                     {v.device for node in graph.nodes for v in node.outputs})
+    return Parallel(tuple(devices), "placement") if len(devices) > 1 else None
 
 
 class TensorStore(MutableMapping):

@@ -68,9 +68,9 @@ def test_every_boxing_conversion_keeps_the_logical_tensor(src, dst, devices):
     verify(physical)
     assert str(parse(str(physical))) == str(physical)
     logical = rng.standard_normal(shape)
-    env = {member_name("x", k): p for k, p in enumerate(_pieces(logical, src_dist, rng))}
+    env = {member_name("x", k, devices): p for k, p in enumerate(_pieces(logical, src_dist, rng))}
     out = execute(physical, env)
-    got = _whole([out[member_name("y", k)] for k in range(devices)], dst_dist)
+    got = _whole([out[member_name("y", k, devices)] for k in range(devices)], dst_dist)
     np.testing.assert_allclose(got, logical, rtol=1e-12, atol=1e-12)
     assert conversion_cost(src_dist, dst_dist, logical.nbytes) < float("inf")
 
@@ -213,3 +213,47 @@ def test_parallel_options_are_checked():
 def test_a_program_over_ranks_refuses_to_start_without_mpiexec():
     with pytest.raises(PurinecError, match="mpiexec -n 2"):
         purinec.compile("mlp", batch=4, devices="r0/cpu:0,r1/cpu:0")
+
+
+PLACED_MODEL = """
+from purinec.bigraph import Accuracy, Blob, InnerProduct, Location, Net, ReLU, SoftmaxWithLoss
+
+
+def build(batch=16, input_shape=(1, 8, 8), num_classes=10, second=None):
+    with Net("placed") as net:
+        data = Blob("data", (batch, *input_shape))
+        label = Blob("label", (batch,), "i32")
+        hidden = data >> InnerProduct("ip1", 32) >> ReLU("relu1")
+        logits = (hidden >> InnerProduct("ip2", num_classes, location=second)
+                  >> Blob("logits"))
+        loss = [logits, label] >> SoftmaxWithLoss("loss")
+        accuracy = [logits, label] >> Accuracy("accuracy")
+        net.outputs = [logits, loss, accuracy]
+    return net
+"""
+
+
+@pytest.mark.parametrize("target", ["reference", "cpu"])
+def test_layers_placed_by_the_model_run_there_with_copies_between(tmp_path, target):
+    from purinec.bigraph import Location
+
+    path = tmp_path / "placed.py"
+    path.write_text(PLACED_MODEL)
+    one = purinec.compile(str(path), target=target, train=SGD, seed=4)
+    placed = purinec.compile(str(path), target=target, train=SGD, seed=4,
+                             second=Location(0, "cpu", 1))
+    copies = [n for n in placed.ir.nodes if n.op == "copy"]
+    # Activations forward and gradients back, each way across the cut.
+    assert sorted(n.inputs[0].name for n in copies) == [
+        "grad.logits", "grad.relu1", "logits", "relu1"]
+    assert all(n.loc.startswith("boxing: ") for n in copies)
+    assert {str(n.device) for n in placed.physical_ir.nodes} == {"cpu:0", "cpu:1"}
+    rng = np.random.default_rng(5)
+    for _ in range(2):
+        feeds = _feeds(one.ir, rng)
+        assert placed.step(feeds) == pytest.approx(one.step(feeds), rel=1e-6)
+    for name in one.params:
+        np.testing.assert_allclose(placed.params[name], one.params[name], rtol=1e-6,
+                                   atol=1e-7)
+    one.close()
+    placed.close()

@@ -258,10 +258,10 @@ class Graph:
         return f"<Graph {self.name}: {len(self.inputs)} inputs, {len(self.nodes)} nodes>"
 
 
-def member_name(name: str, member: int) -> str:
+def member_name(name: str, member: int, members: int) -> str:
     """The physical name of group member ``member``'s piece of logical value ``name``
-    (see purinec.passes.parallel.partition)."""
-    return f"{name}.p{member}"
+    (see purinec.passes.parallel.partition); a value on one device keeps its name."""
+    return name if members == 1 else f"{name}.p{member}"
 
 
 def external_inputs(body: Iterable[Node]) -> list[Value]:

@@ -29,7 +29,7 @@ class DistributedExecutable:
     def __init__(self, logical: Graph, physical: Callable, rank: int):
         self.physical = physical
         self.inputs = [(v, v.dist.members_on(rank)) for v in logical.inputs]
-        self.outputs = [(name, [k for k, _ in v.dist.members_on(rank)])
+        self.outputs = [(name, [k for k, _ in v.dist.members_on(rank)], len(v.dist.group))
                         for name, v in logical.outputs]
         self.variables = {v.name for v in logical.inputs_with_role(*VARIABLE_ROLES)}
         self.replicas: dict[tuple[str, int], np.ndarray] = {}
@@ -42,23 +42,26 @@ class DistributedExecutable:
             array = env[v.name]
             if v.dist.kind is DistKind.split:
                 pieces = self._pieces(v, array, members)
-                physical_env.update((member_name(v.name, k), p) for k, (_, p) in pieces.items())
+                n = len(v.dist.group)
+                physical_env.update((member_name(v.name, k, n), p)
+                                    for k, (_, p) in pieces.items())
                 if v.name in self.variables:
                     split_variables[v.name] = (array, pieces)
             elif v.name in self.variables:
-                physical_env.update(self._replicas(v.name, array, members))
+                physical_env.update(self._replicas(v, array, members))
             else:
-                physical_env.update({member_name(v.name, k): array for k, _ in members})
+                physical_env.update({member_name(v.name, k, len(v.dist.group)): array
+                                     for k, _ in members})
         results = self.physical(physical_env)
         outputs = {}
-        for name, members in self.outputs:
+        for name, members, n in self.outputs:
             if name in split_variables:
-                outputs[name] = self._assembled(name, results, *split_variables[name])
+                outputs[name] = self._assembled(name, n, results, *split_variables[name])
                 continue
-            outputs[name] = results[member_name(name, members[0])]
+            outputs[name] = results[member_name(name, members[0], n)]
             if name in self.variables:
                 for k in members[1:]:
-                    self.replicas[name, k] = results[member_name(name, k)]
+                    self.replicas[name, k] = results[member_name(name, k, n)]
                 self.synced[name] = outputs[name]
         return outputs
 
@@ -77,24 +80,25 @@ class DistributedExecutable:
         return pieces
 
     @staticmethod
-    def _assembled(name: str, results, array: np.ndarray, pieces) -> np.ndarray:
+    def _assembled(name: str, n: int, results, array: np.ndarray, pieces) -> np.ndarray:
         """A split variable's next value, written back into the caller's array where a
         piece was not updated in place. (On this rank's members only: a variable split
         over ranks is whole on no rank.)"""
         for k, (index, piece) in pieces.items():
-            result = results[member_name(name, k)]
+            result = results[member_name(name, k, n)]
             if result is not piece:
                 array[index] = result
         return array
 
-    def _replicas(self, name: str, array: np.ndarray, members) -> dict[str, np.ndarray]:
+    def _replicas(self, v, array: np.ndarray, members) -> dict[str, np.ndarray]:
+        name, n = v.name, len(v.dist.group)
         first, *others = [k for k, _ in members]
         if self.synced.get(name) is not array:
             for k in others:
                 self.replicas[name, k] = array.copy()
             self.synced[name] = array
-        return {member_name(name, first): array,
-                **{member_name(name, k): self.replicas[name, k] for k in others}}
+        return {member_name(name, first, n): array,
+                **{member_name(name, k, n): self.replicas[name, k] for k in others}}
 
     def close(self) -> None:
         close = getattr(self.physical, "close", None)

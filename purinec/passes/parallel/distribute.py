@@ -23,12 +23,18 @@ from purinec.passes.parallel.boxing import conversion_cost, convert
 from purinec.passes.cost import node_flops
 from purinec.passes.parallel.bucket import bucket
 
+# Strategies that spread every node over all the devices; the others run each node on
+# one device (where the model or the pipeline stages put it) and copy between them.
+SPREAD = ("data", "model", "hybrid")
+
 STRATEGIES = {
     "data": "split the batch over the devices, replicate the parameters, allreduce the "
             "gradients",
     "model": "split every layer's output features or channels (weights, biases and their "
              "momentum) over the devices, gather the activations between layers",
     "hybrid": "data-parallel convolutions, model-parallel fully connected layers",
+    "placement": "run every node on the device the model placed it on, copying tensors "
+                 "between devices (used when a model places its layers itself)",
 }
 
 # Where a parameter read by these ops is split for model parallelism: the axis holding
@@ -89,7 +95,8 @@ class _Distributor:
     def __init__(self, graph: Graph, parallel: Parallel):
         self.source = graph
         self.parallel = parallel
-        self.group = parallel.devices
+        self.spread = parallel.strategy in SPREAD
+        self.group = parallel.devices  # of the node being placed
         self.new = Graph(graph.name)
         self.mapping: dict[Value, Value] = {}
         self.converted: dict[tuple[int, Distribution], Value] = {}
@@ -104,7 +111,7 @@ class _Distributor:
     def _param_axes(self) -> dict[str, int]:
         """The model-parallel split axis of each parameter (and its momentum) that the
         strategy splits."""
-        if self.parallel.strategy == "data":
+        if self.parallel.strategy not in ("model", "hybrid"):
             return {}
         fully_connected = {id(n.inputs[1]) for n in self.source.nodes if n.op == "matmul"}
         axes: dict[str, int] = {}
@@ -132,9 +139,15 @@ class _Distributor:
                    n.inputs[0].producer is not None and n.inputs[0].producer.op == "matmul"
                    for n in self.source.nodes)
 
+    def _group_for(self, device: Device) -> tuple[Device, ...]:
+        return self.parallel.devices if self.spread else (device,)
+
     def _wanted_outputs(self) -> dict[int, Distribution]:
         """Graph outputs come back as their variable is laid out (a parameter's next
-        value), everything else whole on every device."""
+        value), everything else whole on every device. Placed graphs return values
+        where they are."""
+        if not self.spread:
+            return {}
         variables = {v.name: v for v in self.source.inputs_with_role("param", "state")}
         wanted = {}
         for name, value in self.source.outputs:
@@ -144,13 +157,14 @@ class _Distributor:
 
     def run(self) -> Graph:
         for v in self.source.inputs:
+            self.group = self._group_for(v.device)
             self.mapping[v] = self.new.add_input(v.name, v.type, self.group[0], v.role,
                                                  self._input_dist(v), v.init)
         body = [self._place(node) for node in self.source.nodes]
         outputs = []
         for name, v in self.source.outputs:
-            outputs.append((name, self._converted(self.mapping[v], self.wanted_out[id(v)],
-                                                  f"output {name}")))
+            wanted = self.wanted_out.get(id(v), self.mapping[v].dist)
+            outputs.append((name, self._converted(self.mapping[v], wanted, f"output {name}")))
         self.new.nodes = [n for node in self.head + body for n in self._with_conversions(node)]
         self.new.set_outputs(outputs)
         return self.new
@@ -162,6 +176,8 @@ class _Distributor:
         return result
 
     def _input_dist(self, v: Value) -> Distribution:
+        if not self.spread:
+            return self.dist(DistKind.replicated)
         if v.name in self.param_axes:
             return self.dist(DistKind.split, self.param_axes[v.name])
         if (v.role == "data" and self.parallel.strategy != "model" and v.type.rank >= 1
@@ -175,6 +191,7 @@ class _Distributor:
         if node.body is not None:
             raise PurinecError(f"parallelize runs before fusion; node {node!r} is fused")
         inputs = [self.mapping[v] for v in node.inputs]
+        self.group = self._group_for(node.device)
         signature = self._choose(node, inputs)
         why = f"{node.op} %{node.outputs[0].name}" if node.outputs else node.op
         boxed = [self._converted(v, self._entry_dist(entry), why)
@@ -212,6 +229,8 @@ class _Distributor:
                       if all(map(self._fits, s.inputs, types)) and
                       all(map(self._fits, s.outputs, [v.type for v in node.outputs]))]
         fallback = SplitSignature(("B",) * len(inputs), ("B",) * len(node.outputs))
+        if not self.spread:
+            return fallback  # one device: the whole tensors
         best, best_cost = fallback, self._cost(node, inputs, fallback)
         for signature in candidates:
             cost = self._cost(node, inputs, signature)

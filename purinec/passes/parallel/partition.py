@@ -58,14 +58,14 @@ class _Partitioner:
             dist = _dist(v)
             for k, device in dist.members_on(self.rank):
                 self.pieces[id(v), k] = self.new.add_input(
-                    member_name(v.name, k), dist.local_type(v.type, k), device, v.role,
+                    member_name(v.name, k, len(dist.group)), dist.local_type(v.type, k), device, v.role,
                     None, v.init)
         for node in self.source.nodes:
             self._partition(node)
         outputs = []
         for name, v in self.source.outputs:
             for k, _ in _dist(v).members_on(self.rank):
-                outputs.append((member_name(name, k), self.piece(v, k)))
+                outputs.append((member_name(name, k, len(v.dist.group)), self.piece(v, k)))
         self.new.set_outputs(outputs)
         return self.new
 
@@ -82,7 +82,7 @@ class _Partitioner:
              loc: str | None) -> Node:
         """A physical node; ``outputs`` holds (logical value, member, device) triples."""
         physical = self.new.add_node(
-            op, inputs, attrs, names=[member_name(v.name, k) for v, k, _ in outputs],
+            op, inputs, attrs, names=[member_name(v.name, k, len(_dist(v).group)) for v, k, _ in outputs],
             types=[_dist(v).local_type(v.type, k) for v, k, _ in outputs], loc=loc)
         for out, (v, k, device) in zip(physical.outputs, outputs):
             out.device = device
@@ -119,7 +119,7 @@ class _Partitioner:
         if weight is not None and where[0] == "output":
             (y,) = node.outputs
             mean = self.new.add_node(node.op, inputs, attrs,
-                                     names=[member_name(f"{y.name}.rows", k)],
+                                     names=[member_name(f"{y.name}.rows", k, len(y.dist.group))],
                                      types=[y.type], device=device, loc=node.loc).outputs[0]
             self._add("scale", [mean], {"alpha": weight}, [(y, k, device)], node.loc)
             return
