@@ -448,7 +448,7 @@ def cmd_train(args) -> int:
             trace.clear()  # the timeline shows the last epoch: memory stays bounded
         print(f"epoch {e.epoch:3d}  loss {e.loss:.4f}  train accuracy {e.train_accuracy:.4f}"
               f"  test accuracy {e.test_accuracy:.4f}", flush=True)
-        if checkpoint_path:
+        if checkpoint_path and _reporting_rank():
             Checkpoint(e.epoch, seed, data_spec).save(program, checkpoint_path)
             print(f"             checkpoint {checkpoint_path} (epoch {e.epoch})", flush=True)
 
@@ -464,6 +464,14 @@ def cmd_train(args) -> int:
     if trace is not None:
         _write_timeline(trace, args.timeline)
     return 0
+
+
+def _reporting_rank() -> bool:
+    """Whether this process is the one that writes files: rank 0 of an MPI job (every
+    rank holds the same replicated weights)."""
+    from purinec.runtime import comm
+
+    return comm.world().rank == 0
 
 
 def _resume(args):
@@ -502,7 +510,9 @@ def _training_program(args, data, seed, trace=None):
                           batch=args.batch, seed=seed, trace=trace, **_parallel_kwargs(args),
                           **model_kwargs)
         what = "compiled"
-    print(f"{what} {program.ir.name} for target {program.target} in "
+    devices = program.devices
+    where = f" on {len(devices)} devices ({','.join(map(str, devices))})" if len(devices) > 1 else ""
+    print(f"{what} {program.ir.name} for target {program.target}{where} in "
           f"{time.perf_counter() - start:.2f} s ({len(program.ir.nodes)} nodes, "
           f"{sum(p.size for p in program.params.values())} parameters)")
     return program
@@ -670,9 +680,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from purinec.runtime import comm
+
     args = build_parser().parse_args(argv)
+    here = comm.world()
+    if here.rank > 0:  # under mpiexec every rank runs the command; rank 0 reports
+        sys.stdout = open(os.devnull, "w")
     try:
-        return args.func(args)
+        # Under mpiexec, a rank that fails prints its error and ends the whole job.
+        return comm.run_guarded(lambda: args.func(args))
     except PurinecError as err:
         print(f"purinec: error: {err}", file=sys.stderr)
         return 1

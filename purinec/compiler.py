@@ -19,6 +19,7 @@ from purinec.passes.autodiff import autodiff
 from purinec.passes.fuse import fuse
 from purinec.passes.optimizer import SGD
 from purinec.passes.parallel import Parallel, parallelize, parse_devices, partition
+from purinec.passes.parallel.pipeline import assign_stages, microbatch
 from purinec.passes.pipeline import Pass, StageHook, run_passes
 from purinec.passes.simplify import cse, dce, infer_shapes
 from purinec.runtime.collectives import HOST_OPS, host_kernel, spans_ranks
@@ -38,7 +39,14 @@ class Target:
 
 
 def _reference_executable(graph: Graph, trace: Any = None):
-    return lambda env: execute(graph, env)
+    if not any(spans_ranks(node) for node in graph.nodes):
+        return lambda env: execute(graph, env)
+    # Collectives across ranks: each op's NumPy reference, run by the counting executor
+    # alongside the MPI kernels.
+    from purinec.runtime.executor import Executable
+    from purinec.runtime.plan import reference_kernels
+
+    return Executable(graph, {**reference_kernels(graph), **host_kernels(graph)})
 
 
 def _cpu_executable(graph: Graph, trace: Any = None):
@@ -49,23 +57,31 @@ def _cpu_executable(graph: Graph, trace: Any = None):
     generated.nodes = [node for node in graph.nodes if node.op not in HOST_OPS]
     kernels = {node: kernel.fn for node, kernel in compile_kernels(generated).items()}
     kernels.update(host_kernels(graph))
-    return Executable(graph, kernels, trace=trace)
+    return Executable(graph, kernels, trace=trace, worker_init=_core_share(graph))
 
 
 def host_kernels(graph: Graph) -> dict:
     """Kernels of the communication nodes: in-process, or MPI for groups that span
-    ranks (those need the job to run under mpiexec)."""
-    kernels = {}
-    for node in graph.nodes:
-        if node.op not in HOST_OPS:
-            continue
-        if spans_ranks(node):
-            from purinec.runtime import comm
+    ranks (those need the job to run under mpiexec). The MPI ones are made together,
+    so every rank creates their communicators in the same order."""
+    host = [node for node in graph.nodes if node.op in HOST_OPS]
+    kernels = {node: host_kernel(node) for node in host if not spans_ranks(node)}
+    spanning = [node for node in host if spans_ranks(node)]
+    if spanning:
+        from purinec.runtime import comm
 
-            kernels[node] = comm.mpi_kernel(node, comm.world())
-        else:
-            kernels[node] = host_kernel(node)
+        kernels.update(comm.comm_kernels(spanning, comm.world()))
     return kernels
+
+
+def _core_share(graph: Graph) -> Callable:
+    """Each device's compute threads get an equal share of this process's cores, so
+    devices working at once do not oversubscribe them."""
+    from purinec.codegen.cpu_runtime import available_cpus, set_threads
+
+    devices = {v.device for node in graph.nodes for v in node.outputs}
+    share = max(1, available_cpus() // max(1, len(devices)))
+    return lambda lane: set_threads(share)
 
 
 TARGETS: dict[str, Target] = {
@@ -82,8 +98,8 @@ TARGETS: dict[str, Target] = {
 # fuse only for targets that fuse (cpu).
 # With several devices, "parallel" (distributions and boxing) ends the logical pipeline
 # and "partition" starts each rank's physical one.
-STAGES = ("lower", "infer_shapes", "verify", "autodiff", "optimizer", "dce", "cse",
-          "parallel", "partition", "fuse")
+STAGES = ("lower", "infer_shapes", "verify", "stages", "autodiff", "optimizer", "dce", "cse",
+          "microbatch", "parallel", "partition", "fuse")
 
 
 def get_target(name: str) -> Target:
@@ -104,15 +120,31 @@ def passes_for(train: SGD | None, target: str = "reference",
     (each rank's physical pipeline follows: `physical_passes`)."""
     passes = [Pass("infer_shapes", infer_shapes, "recompute output types from inputs"),
               Pass("verify", _verify_pass, "check every IR invariant")]
+    pipelined = parallel is not None and parallel.strategy == "pipeline"
+    if pipelined:
+        passes.append(Pass("stages", lambda g: assign_stages(g, parallel.devices),
+                           "put layers on the devices in stages of equal FLOPs"))
     if train is not None:
         passes += [Pass("autodiff", autodiff, "append the backward graph"),
                    Pass("optimizer", train.apply, "append the solver's updates")]
     passes += [Pass("dce", dce, "drop nodes that reach no output"),
                Pass("cse", cse, "merge identical nodes")]
+    if pipelined:
+        passes.append(Pass("microbatch", lambda g: microbatch(g, parallel.micro_batches or
+                                                              default_micro_batches(g, parallel)),
+                           "one copy of the batch's work per micro-batch"))
     if parallel is not None:
         return passes + [Pass("parallel", lambda g: parallelize(g, parallel),
                               f"distribute: {parallel.describe()}")]
     return passes + list(get_target(target).passes)
+
+
+def default_micro_batches(graph: Graph, parallel: Parallel) -> int:
+    from purinec.passes.parallel.pipeline import default_micro_batches as default
+
+    data = graph.inputs_with_role("data")
+    return default(len(parallel.devices), min((v.type.shape[0] for v in data if v.type.rank),
+                                              default=1))
 
 
 def physical_passes(rank: int, target: str) -> list[Pass]:
@@ -322,6 +354,12 @@ class Program:
         return DistributedExecutable(graph, build(physical, trace), rank)
 
     @property
+    def devices(self) -> list[Device]:
+        """Every device the program runs on (on every rank)."""
+        values = [*self.ir.inputs, *(v for node in self.ir.nodes for v in node.outputs)]
+        return sorted({d for v in values for d in (v.dist.group if v.dist else (v.device,))})
+
+    @property
     def trainable(self) -> bool:
         return any(name in self.params for name, _ in self.ir.outputs)
 
@@ -407,7 +445,7 @@ def _initial_arrays(graphs: list[Graph], role: str, given: Mapping[str, np.ndarr
 def compile(model: Any, target: str = "reference", train: SGD | None = None,
             batch: int | None = None, seed: int = 0, after: StageHook | None = None,
             trace: Any = None, devices: Any = None, parallel: str | None = None,
-            **model_kwargs) -> Program:
+            micro_batches: int | None = None, **model_kwargs) -> Program:
     """Compile ``model`` for ``target``.
 
     ``model`` is a purinec.bigraph.Net, a zoo name ("lenet"), a Python file defining
@@ -418,9 +456,10 @@ def compile(model: Any, target: str = "reference", train: SGD | None = None,
     objects; ranks as ``r1/cpu:0``) and ``parallel`` (a strategy in
     purinec.passes.parallel.STRATEGIES, default "data") spread the program over
     several devices; ``Program.ir`` is then the distributed logical graph.
+    ``micro_batches`` goes with ``parallel="pipeline"``.
     """
     get_target(target)
-    spread = parallel_plan(devices, parallel)
+    spread = parallel_plan(devices, parallel, micro_batches)
     source = load_source(model, batch, **model_kwargs)
     graph = build_graph(source, train, after, target, spread)
     eval_graph = (build_graph(source, None, target=target, parallel=spread)
@@ -428,7 +467,8 @@ def compile(model: Any, target: str = "reference", train: SGD | None = None,
     return Program(graph, eval_graph, target, seed, trace=trace, after=after)
 
 
-def parallel_plan(devices: Any, strategy: str | None) -> Parallel | None:
+def parallel_plan(devices: Any, strategy: str | None,
+                  micro_batches: int | None = None) -> Parallel | None:
     """A `Parallel` from compile()'s arguments, or None for one device."""
     if devices is None and strategy is None:
         return None
@@ -442,7 +482,7 @@ def parallel_plan(devices: Any, strategy: str | None) -> Parallel | None:
         devices = [Device("cpu", 0, r) for r in range(size)]
     if isinstance(devices, (str, int)):
         devices = parse_devices(str(devices))
-    spread = Parallel(tuple(devices), strategy or "data")
+    spread = Parallel(tuple(devices), strategy or "data", micro_batches)
     return spread if len(spread.devices) > 1 else None
 
 

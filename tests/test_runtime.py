@@ -11,6 +11,7 @@ import json
 import random
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from purinec.errors import ExecutionError, PurinecError, VerifyError
 from purinec.ir.graph import Graph, Node
 from purinec.ir.types import DType, Device, TensorType
 from purinec.runtime import plan as plan_module
+from purinec.runtime.devices import Lane
 from purinec.runtime.executor import Executable
 from purinec.runtime.memory import is_view, plan_memory
 from purinec.runtime.plan import reference_kernel, reference_kernels
@@ -281,7 +283,7 @@ def failing_once(fn):
         if not state["failed"]:
             state["failed"] = True
             raise Boom("kernel exploded")
-        fn(*arrays)
+        return fn(*arrays)  # a collective's Pending, if any
     return kernel
 
 
@@ -592,3 +594,219 @@ def test_workers_persist_between_calls_and_close():
             break
         time.sleep(0.05)
     assert not new_threads(before)
+
+
+# ---------------------------------------------------------------------------------------
+# The comm queue: posting in plan order, polling what is pending. Fake collectives stand
+# in for MPI: each returns a Pending whose test() decides when it is complete.
+
+
+class FakePending:
+    """Completes (copying x into y) once ``ready()`` holds; refuses to be waited for,
+    since the comm worker must only poll."""
+
+    def __init__(self, comm, node, x, y, ready):
+        self.comm, self.node, self.x, self.y, self.ready = comm, node, x, y, ready
+        self.done = False
+
+    def test(self) -> bool:
+        if self.comm.broken is self.node:
+            raise Boom("lost the network")
+        if not self.done and self.ready():
+            np.copyto(self.y, self.x)
+            self.comm.log("done", self.node)
+            self.done = True
+        return self.done
+
+    def wait(self) -> None:
+        raise AssertionError("the comm worker blocked on one operation")
+
+
+class FakeComm:
+    """Kernels for a graph whose allreduce nodes return FakePendings; logs every event."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.lock = threading.Lock()
+        self.events: list[tuple[str, Node]] = []
+        self.ready_when: dict[Node, Callable] = {}
+        self.broken: Node | None = None  # this node's test() raises
+
+    def log(self, what: str, node: Node) -> None:
+        with self.lock:
+            self.events.append((what, node))
+
+    def happened(self, what: str, node: Node) -> bool:
+        with self.lock:
+            return (what, node) in self.events
+
+    def collective(self, node: Node):
+        def post(x, y):
+            self.log("post", node)
+            return FakePending(self, node, x, y, self.ready_when.get(node, lambda: True))
+        return post
+
+    def kernels(self, delays: dict[Node, float]):
+        kernels = reference_kernels(self.graph)
+        for node in self.graph.nodes:
+            if node.op == "allreduce":
+                kernels[node] = self.collective(node)
+            else:
+                kernels[node] = self.timed(node, kernels[node], delays.get(node, 0.0))
+        return kernels
+
+    def timed(self, node: Node, fn, delay: float):
+        def kernel(*arrays):
+            self.log("start", node)
+            time.sleep(delay)
+            fn(*arrays)
+        return kernel
+
+
+def comm_graph(n: int = 4, comm_devices: int = 1):
+    """n chains on their own devices, each feeding an allreduce on the comm queue of
+    one of ``comm_devices`` other devices, each read by a relu on that device."""
+    graph = Graph("comm")
+    x = graph.add_input("x", TensorType((2, 3), F32))
+    chains, reduces, readers = [], [], []
+    for k in range(n):
+        chains.append(graph.add_node("tanh", [x], device=Device("cpu", k + 1)))
+        device = Device("cpu", n + 1 + k % comm_devices)
+        reduces.append(graph.add_node("allreduce", chains[-1].outputs,
+                                      attrs={"group": str(device)}, device=device))
+    for node in reduces:
+        readers.append(graph.add_node("relu", node.outputs, device=node.device))
+    graph.set_outputs([(f"y{k}", r.outputs[0]) for k, r in enumerate(readers)])
+    return graph, chains, reduces, readers
+
+
+@pytest.mark.parametrize("comm_devices", [1, 2])
+def test_comm_tasks_are_posted_in_plan_order_and_release_on_completion(comm_devices):
+    graph, chains, reduces, readers = comm_graph(4, comm_devices)
+    comm = FakeComm(graph)
+    # Later chains finish first, so later collectives are ready first; and each pending
+    # operation completes only after the next one was posted, so a worker that waited
+    # for one before posting the next would never finish.
+    for a, b in zip(reduces, reduces[1:]):
+        comm.ready_when[a] = lambda b=b: comm.happened("post", b)
+    delays = {chain: 0.02 * (len(chains) - k) for k, chain in enumerate(chains)}
+    exe = Executable(graph, comm.kernels(delays), trace=Trace())
+    env = random_env(graph)
+    for call in range(2):
+        comm.events.clear()
+        result = call_with_timeout(exe, copied(env))
+        assert "error" not in result, result.get("error")
+        assert_same(execute(graph, copied(env)), result["value"])
+        posts = [node for what, node in comm.events if what == "post"]
+        assert posts == reduces
+        for node, reader in zip(reduces, readers):
+            assert comm.events.index(("done", node)) < comm.events.index(("start", reader))
+    comm_lanes = [lane for _, lane, *_ in exe.trace.records if lane.queue.kind == "comm"]
+    assert sorted(comm_lanes) == sorted(2 * [Lane(task.queue) for task in exe.plan.tasks
+                                             if task.node in reduces])
+
+
+@pytest.mark.parametrize("where", ["post", "test"])
+def test_a_failing_collective_stops_the_run_and_leaves_no_thread(where):
+    graph, chains, reduces, readers = comm_graph(3)
+    comm = FakeComm(graph)
+    kernels = comm.kernels({})
+    bad = reduces[1]
+    if where == "post":
+        kernels[bad] = failing_once(kernels[bad])
+    else:
+        comm.broken = bad
+        comm.ready_when[reduces[0]] = lambda: False  # still pending when the run stops
+    before = set(threading.enumerate())
+    exe = Executable(graph, kernels)
+    env = random_env(graph)
+    result = call_with_timeout(exe, copied(env))
+    err = result.get("error")
+    assert isinstance(err, ExecutionError) and isinstance(err.__cause__, Boom), result
+    assert repr(bad) in str(err)
+    assert set(threading.enumerate()) <= before | {threading.current_thread()}
+    comm.broken = None
+    comm.ready_when.clear()
+    result = call_with_timeout(exe, copied(env))
+    assert "error" not in result, result.get("error")
+    assert_same(execute(graph, copied(env)), result["value"])
+
+
+def test_a_comm_only_plan_runs_inline_and_polls_its_collectives():
+    graph = Graph("g")
+    x = graph.add_input("x", TensorType((2, 3), F32))
+    node = graph.add_node("allreduce", [x], attrs={"group": "cpu:0"})
+    graph.set_outputs([("y", node.outputs[0])])
+
+    class Later:
+        """Complete at the third test."""
+
+        def __init__(self, x, y):
+            self.x, self.y, self.tests = x, y, 0
+
+        def test(self):
+            self.tests += 1
+            if self.tests == 3:
+                np.copyto(self.y, self.x)
+            return self.tests >= 3
+
+    exe = Executable(graph, {node: lambda x, y: Later(x, y)})
+    assert exe.executor.inline
+    env = random_env(graph)
+    assert_same(execute(graph, copied(env)), exe(copied(env)))
+    exe.order = random.Random(0)
+    assert_same(execute(graph, copied(env)), exe(copied(env)))
+
+
+# ---------------------------------------------------------------------------------------
+# Worker set-up and the injected failure.
+
+
+def test_worker_init_runs_once_in_each_worker_thread():
+    graph = random_graph(5, 12, 3)
+    seen = []
+    exe = Executable(graph, reference_kernels(graph), workers=2,
+                     worker_init=lambda lane: seen.append((lane, threading.current_thread())))
+    env = random_env(graph)
+    with np.errstate(all="ignore"):
+        exe(copied(env))
+        exe(copied(env))
+    assert sorted(lane for lane, _ in seen) == sorted(lane for lane, _ in exe.executor.lanes)
+    threads = {thread for _, thread in seen}
+    assert len(threads) == len(seen) and threading.current_thread() not in threads
+    exe.close()
+
+
+def test_worker_init_runs_on_the_calling_thread_when_inline():
+    graph = small_graph()
+    seen = []
+    exe = Executable(graph, reference_kernels(graph),
+                     worker_init=lambda lane: seen.append((lane, threading.current_thread())))
+    assert exe.executor.inline
+    exe(random_env(graph))
+    assert seen == [(exe.executor.lanes[0][0], threading.current_thread())]
+
+
+def test_a_failing_worker_init_is_an_error_and_leaves_no_thread():
+    graph = random_graph(5, 12, 3)
+    before = set(threading.enumerate())
+
+    def init(lane):
+        if lane.queue.device == Device("cpu", 1):
+            raise Boom("no cores")
+
+    exe = Executable(graph, reference_kernels(graph), worker_init=init)
+    with pytest.raises(ExecutionError, match=r"worker of cpu:1/compute failed: Boom: no cores"):
+        exe(random_env(graph))
+    assert set(threading.enumerate()) <= before
+
+
+def test_injected_failure_fails_the_first_run_of_each_graph(monkeypatch):
+    graph = small_graph()
+    exe = Executable(graph, reference_kernels(graph))
+    monkeypatch.setenv("PURINEC_FAIL_RANK", "0")
+    with pytest.raises(PurinecError, match="injected failure"):
+        exe(random_env(graph))
+    exe(random_env(graph))  # only the first run fails
+    monkeypatch.setenv("PURINEC_FAIL_RANK", "1")  # another rank: this one runs
+    Executable(graph, reference_kernels(graph))(random_env(graph))

@@ -481,6 +481,9 @@ def _matmul_infer(types, attrs):
 
 
 def _matmul_ref(a, b, trans_a, trans_b):
+    # Contiguous operands: NumPy's product of strided views (a split's pieces) can differ
+    # in the last bit from that of the same values in contiguous arrays.
+    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
     return ((a.T if trans_a else a) @ (b.T if trans_b else b),)
 
 

@@ -9,6 +9,15 @@ queue; Numba kernels release the GIL), started at the first call and kept for th
 ones. With only one lane in use, the calling thread runs the plan's serial order
 itself, with no hand-offs between threads.
 
+A task's callable either finishes its work and returns None, or (a collective posted to
+MPI) returns a `Pending` whose ``test()`` says, without blocking, whether it is done.
+The ``comm`` queues' worker posts its ready tasks in plan order, since every rank
+must issue collectives in the same order (one worker serves all the comm queues of a
+plan, so the order holds across devices too), and polls the pending ones between posts,
+releasing a task's successors when its operation completes; it never blocks on one
+operation while another could be posted. Elsewhere (other queues, the inline path) a
+returned Pending is polled until complete before the next task.
+
 A task that raises stops the run: the failure is recorded, no worker takes another task
 of that run, the caller wakes at once, closes the workers and joins them (so no thread
 is left behind; waits poll with timeouts), and raises an error naming the IR node. The
@@ -20,15 +29,17 @@ from __future__ import annotations
 import queue
 import random
 import threading
+import time
 import weakref
 from time import perf_counter
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from purinec.errors import ExecutionError, PurinecError
 from purinec.ir.graph import Graph, Node, Value
-from purinec.runtime.devices import COMPUTE, Lane
+from purinec.runtime import comm
+from purinec.runtime.devices import COMM, COMPUTE, Lane
 from purinec.runtime.memory import may_alias
 from purinec.runtime.plan import Plan
 from purinec.runtime.trace import Trace
@@ -37,6 +48,33 @@ from purinec.runtime.trace import Trace
 # only a safety net, since finishing or failing wakes the caller at once and closing the
 # workers wakes them.
 POLL = 0.1
+
+# How pending operations are polled. MPI progresses a collective only while a process
+# calls into it, and each takes a few rounds between the ranks, so the first polls only
+# yield the core (SPIN of them); then the pause doubles from MIN up to MAX while nothing
+# changes, so a long wait does not keep a core busy (these machines have two).
+PENDING_SPIN = 50
+PENDING_POLL_MIN = 1e-5
+PENDING_POLL_MAX = 2e-4
+
+
+def _pauses():
+    """The pauses between polls of a pending operation, in seconds."""
+    yield from [0.0] * PENDING_SPIN
+    pause = PENDING_POLL_MIN
+    while True:
+        yield pause
+        pause = min(2 * pause, PENDING_POLL_MAX)
+
+
+class Pending(Protocol):
+    """An operation a task started and that finishes later (an MPI collective)."""
+
+    def test(self) -> bool:
+        """True once the operation is complete and its outputs are written; never blocks."""
+
+    def wait(self) -> None:
+        """Block until the operation is complete and its outputs are written."""
 
 
 class Executable:
@@ -48,6 +86,8 @@ class Executable:
     ``may_alias(node, output, input)`` says whether a kernel may write an output over an
     input (default: elementwise ops, and single elementwise members of fused nodes);
     ``workers`` is the number of threads per compute queue; ``trace`` records every task.
+    ``worker_init(lane)`` runs once in each worker thread as it starts (and on the calling
+    thread at each inline run), e.g. to give each device its share of cores.
     ``order``, a random.Random, is a test hook: run every task on the calling thread,
     picking each next one at random among those ready, to check the plan is correct under
     any order its counts allow.
@@ -56,19 +96,24 @@ class Executable:
     def __init__(self, graph: Graph, kernels: Mapping[Node, Callable],
                  schedule: Sequence[Node] | None = None,
                  may_alias: Callable[[Node, Value, Value], bool] = may_alias, workers: int = 1,
-                 trace: Trace | None = None, order: random.Random | None = None):
+                 trace: Trace | None = None, order: random.Random | None = None,
+                 worker_init: Callable[[Lane], None] | None = None):
         self.graph = graph
         self.plan = Plan(graph, kernels, schedule, may_alias)
-        self.executor = CountingExecutor(self.plan, workers)
+        self.executor = CountingExecutor(self.plan, workers, worker_init)
         self.trace = trace
         self.order = order
         self._busy = threading.Lock()
+        self._ran = False
 
     def __call__(self, env: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         if not self._busy.acquire(blocking=False):
             raise ExecutionError(f"graph {self.graph.name} is already running; an executable "
                                  "runs one call at a time")
         try:
+            if not self._ran:
+                self._ran = True
+                comm.check_injected_failure()
             self.plan.bind(env)
             try:
                 self.executor.run(self.trace, self.order)
@@ -86,7 +131,8 @@ class Executable:
 class CountingExecutor:
     """Runs a plan's tasks by dependency counting; reusable across calls."""
 
-    def __init__(self, plan: Plan, workers: int = 1):
+    def __init__(self, plan: Plan, workers: int = 1,
+                 worker_init: Callable[[Lane], None] | None = None):
         if workers < 1:
             raise PurinecError(f"workers per compute queue must be at least 1, got {workers}")
         self.tasks = plan.tasks
@@ -96,18 +142,30 @@ class CountingExecutor:
         self._initial = list(plan.initial_counts)
         self._counts = list(plan.initial_counts)
         self._roots = plan.roots
-        self._queue_of = [plan.queues.index(task.queue) for task in plan.tasks]
+        # Which inbox each task goes to: its queue's, except that every comm queue shares
+        # the first one's, whose single worker posts all collectives of the plan in plan
+        # order (two workers would post collectives on one communicator in either order).
+        inbox = list(range(len(plan.queues)))
+        comm_queues = [i for i, q in enumerate(plan.queues) if q.kind == COMM]
+        for i in comm_queues:
+            inbox[i] = comm_queues[0]
+        self._queue_of = [inbox[plan.queues.index(task.queue)] for task in plan.tasks]
         self._home_lane = [Lane(task.queue) for task in plan.tasks]
         self._serial = list(zip(self._fns, self._args))
+        self._worker_init = worker_init
         # What worker threads need: plain lists, no reference back to this executor.
         self._program = (self.tasks, self._fns, self._args, self._successors,
                          self._queue_of, self._counts)
         self._pool: _Pool | None = None
         self._close_pool_on_collect: weakref.finalize | None = None
-        self.queue_workers = [workers if q.kind == COMPUTE else 1 for q in plan.queues]
+        self.queue_workers = [workers if q.kind == COMPUTE else int(inbox[i] == i)
+                              for i, q in enumerate(plan.queues)]
         self.lanes = [(Lane(q, w), i) for i, q in enumerate(plan.queues)
                       for w in range(self.queue_workers[i])]
         self.inline = len(self.lanes) <= 1
+        # Only a comm queue's tasks may return a Pending: the inline loop checks for one
+        # only then, so a plan of kernels keeps its tightest loop.
+        self._may_pend = any(q.kind == COMM for q in plan.queues)
 
     def run(self, trace: Trace | None = None, order: random.Random | None = None) -> None:
         if trace is not None:
@@ -123,9 +181,15 @@ class CountingExecutor:
         return ExecutionError(f"{self.tasks[index].describe()} failed: "
                               f"{type(err).__name__}: {err}")
 
+    def _run_task(self, index: int) -> None:
+        """Run a task on the calling thread to completion."""
+        pending = self._fns[index](*self._args[index])
+        if pending is not None:
+            _wait(pending)
+
     def _run_traced(self, index: int, lane: Lane, trace: Trace) -> None:
         start = perf_counter()
-        self._fns[index](*self._args[index])
+        self._run_task(index)
         trace.record(self.tasks[index], lane, start, perf_counter())
 
     # -- one lane: the calling thread runs the serial order ---------------------------
@@ -133,9 +197,14 @@ class CountingExecutor:
     def _run_inline(self, trace: Trace | None) -> None:
         index = 0
         try:
-            if trace is None:
+            if self._worker_init is not None and self.lanes:
+                self._worker_init(self.lanes[0][0])
+            if trace is None and not self._may_pend:
                 for index, (fn, args) in enumerate(self._serial):
                     fn(*args)
+            elif trace is None:
+                for index in range(len(self._serial)):
+                    self._run_task(index)
             else:
                 for index in range(len(self._serial)):
                     self._run_traced(index, self._home_lane[index], trace)
@@ -153,7 +222,7 @@ class CountingExecutor:
             index = ready.pop()
             try:
                 if trace is None:
-                    self._fns[index](*self._args[index])
+                    self._run_task(index)
                 else:
                     self._run_traced(index, self._home_lane[index], trace)
             except Exception as err:
@@ -169,7 +238,8 @@ class CountingExecutor:
 
     def _run_threaded(self, trace: Trace | None) -> None:
         if self._pool is None:
-            self._pool = _Pool(self.lanes, self.queue_workers, self._program)
+            self._pool = _Pool(self.lanes, self.queue_workers, self._program,
+                               self._worker_init)
             self._close_pool_on_collect = weakref.finalize(self, self._pool.close, False)
         pool = self._pool
         self._counts[:] = self._initial
@@ -222,21 +292,31 @@ class _Pool:
     """Worker threads serving a plan's queues, kept between calls. They hold no
     reference to the executor, so dropping it closes them (weakref.finalize)."""
 
-    def __init__(self, lanes: list[tuple[Lane, int]], queue_workers: list[int], program):
+    def __init__(self, lanes: list[tuple[Lane, int]], queue_workers: list[int], program,
+                 worker_init: Callable[[Lane], None] | None):
         self.inboxes = [queue.SimpleQueue() for _ in queue_workers]
         self.queue_workers = queue_workers
         self.run: _Run | None = None
         self.closed = False
-        self.threads = [threading.Thread(target=_serve, args=(self, lane, self.inboxes[q],
-                                                              program),
+        self.init_failures: list[tuple[Lane, BaseException]] = []
+        started = threading.Semaphore(0)
+        self.threads = [threading.Thread(target=_start,
+                                         args=(self, lane, q, program, worker_init, started),
                                          name=f"purinec {lane}", daemon=True)
                         for lane, q in lanes]
         try:
             for thread in self.threads:
                 thread.start()
+            for _ in self.threads:
+                started.acquire()
         except BaseException:
             self.close(join=True)
             raise
+        if self.init_failures:
+            self.close(join=True)
+            lane, err = self.init_failures[0]
+            raise ExecutionError(f"starting the worker of {lane} failed: "
+                                 f"{type(err).__name__}: {err}") from err
 
     def close(self, join: bool) -> None:
         self.closed = True
@@ -249,10 +329,47 @@ class _Pool:
                     thread.join()
 
 
+def _wait(pending: Pending) -> None:
+    """Poll until complete, pausing between tests: an MPI wait would spin a core."""
+    pauses = _pauses()
+    while not pending.test():
+        time.sleep(next(pauses))
+
+
+def _start(pool: _Pool, lane: Lane, q: int, program,
+           worker_init: Callable[[Lane], None] | None, started: threading.Semaphore) -> None:
+    """A worker thread: set itself up, say so, then serve its queue."""
+    try:
+        if worker_init is not None:
+            worker_init(lane)
+    except BaseException as err:  # the pool reports it and closes
+        pool.init_failures.append((lane, err))
+        return
+    finally:
+        started.release()
+    if lane.queue.kind == COMM:
+        _CommWorker(pool, q, program).serve()
+    else:
+        _serve(pool, lane, pool.inboxes[q], program)
+
+
+def _release(pool: _Pool, run: _Run, index: int, program) -> None:
+    """Task ``index`` is complete: queue the successors it was the last wait of."""
+    _, _, _, successors, queue_of, counts = program
+    inboxes = pool.inboxes
+    with run.lock:
+        for s in successors[index]:
+            counts[s] -= 1
+            if counts[s] == 0:
+                inboxes[queue_of[s]].put(s)
+        run.remaining -= 1
+        if run.remaining == 0:
+            run.finished.set()
+
+
 def _serve(pool: _Pool, lane: Lane, inbox: queue.SimpleQueue, program) -> None:
     """A worker: run tasks from ``inbox``, release their successors, until closed."""
-    tasks, fns, args, successors, queue_of, counts = program
-    inboxes = pool.inboxes
+    tasks, fns, args = program[:3]
     while not pool.closed:
         try:
             index = inbox.get(timeout=POLL)
@@ -264,20 +381,106 @@ def _serve(pool: _Pool, lane: Lane, inbox: queue.SimpleQueue, program) -> None:
         if run is None or run.stop:
             continue  # the run stopped: take no more of its tasks
         try:
-            if run.trace is None:
-                fns[index](*args[index])
-            else:
-                start = perf_counter()
-                fns[index](*args[index])
+            start = perf_counter()
+            pending = fns[index](*args[index])
+            if pending is not None:
+                _wait(pending)
+            if run.trace is not None:
                 run.trace.record(tasks[index], lane, start, perf_counter())
         except BaseException as err:  # any failure stops the run; the caller raises it
             run.fail(index, err)
             continue
-        with run.lock:
-            for s in successors[index]:
-                counts[s] -= 1
-                if counts[s] == 0:
-                    inboxes[queue_of[s]].put(s)
-            run.remaining -= 1
-            if run.remaining == 0:
-                run.finished.set()
+        _release(pool, run, index, program)
+
+
+class _CommWorker:
+    """The worker of every comm queue of a plan: posts ready tasks in plan order, polls
+    pending ones.
+
+    Tasks are posted strictly in plan order: a ready task waits until every earlier
+    comm task has been posted. Between posts it polls what is pending
+    (never blocking on one operation), sleeping a little longer each time nothing
+    changed, and waking at once when a task becomes ready.
+    """
+
+    def __init__(self, pool: _Pool, q: int, program):
+        self.pool, self.program = pool, program
+        self.inbox = pool.inboxes[q]
+        self.order = [i for i, home in enumerate(program[4]) if home == q]
+        self._begin(None)
+
+    def _begin(self, run: _Run | None) -> None:
+        """Start afresh for ``run``, dropping what a stopped run left."""
+        self.run = run
+        self.ready: set[int] = set()
+        self.pending: list[tuple[int, Pending, float]] = []
+        self.posted = 0  # how many tasks of self.order have been posted in this run
+
+    def serve(self) -> None:
+        pauses = _pauses()
+        while not self.pool.closed:
+            index = self._next(next(pauses) if self.pending else POLL)
+            if index is None:
+                return
+            run = self.pool.run
+            if run is not self.run:
+                self._begin(run)
+            if run is None or run.stop:
+                self._begin(None)  # the run stopped: post and poll nothing more of it
+                continue
+            if index >= 0:
+                self.ready.add(index)
+            if self._post() | self._poll():
+                pauses = _pauses()
+
+    def _next(self, pause: float) -> int | None:
+        """The next task to become ready, or -1 once ``pause`` has passed without one
+        (time to poll), or None when the pool closes."""
+        try:
+            if pause:
+                return self.inbox.get(timeout=pause)
+            time.sleep(0)  # yield the core, then look
+            return self.inbox.get_nowait()
+        except queue.Empty:
+            return -1
+
+    def _post(self) -> bool:
+        """Post ready tasks while the next one in plan order is ready; say if any was."""
+        fns, args = self.program[1:3]
+        order, first = self.order, self.posted
+        while self.posted < len(order) and order[self.posted] in self.ready:
+            index = order[self.posted]
+            self.posted += 1
+            start = perf_counter()
+            try:
+                pending = fns[index](*args[index])
+            except BaseException as err:  # stops the run; the caller raises it
+                self.run.fail(index, err)
+                break
+            if pending is None:
+                self._complete(index, start)
+            else:
+                self.pending.append((index, pending, start))
+        return self.posted > first
+
+    def _poll(self) -> bool:
+        """Test each pending operation once; complete those that are done."""
+        progressed = False
+        for entry in list(self.pending):
+            index, pending, start = entry
+            try:
+                done = pending.test()
+            except BaseException as err:  # stops the run; the caller raises it
+                self.run.fail(index, err)
+                return True
+            if done:
+                self.pending.remove(entry)
+                self._complete(index, start)
+                progressed = True
+        return progressed
+
+    def _complete(self, index: int, start: float) -> None:
+        if self.run.trace is not None:  # drawn on its own queue's lane
+            task = self.program[0][index]
+            self.run.trace.record(task, Lane(task.queue), start, perf_counter())
+        _release(self.pool, self.run, index, self.program)

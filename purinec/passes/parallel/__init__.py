@@ -11,6 +11,7 @@ from purinec.passes.parallel.distribute import (STRATEGIES, Parallel, paralleliz
                                                 parse_devices)
 from purinec.ir.graph import member_name
 from purinec.passes.parallel.partition import partition
+from purinec.passes.parallel.pipeline import assign_stages, microbatch
 
-__all__ = ["STRATEGIES", "Parallel", "conversion_cost", "convert", "explain", "member_name",
-           "parallelize", "parse_devices", "partition"]
+__all__ = ["STRATEGIES", "Parallel", "assign_stages", "conversion_cost", "convert", "explain",
+           "member_name", "microbatch", "parallelize", "parse_devices", "partition"]

@@ -33,6 +33,8 @@ STRATEGIES = {
     "model": "split every layer's output features or channels (weights, biases and their "
              "momentum) over the devices, gather the activations between layers",
     "hybrid": "data-parallel convolutions, model-parallel fully connected layers",
+    "pipeline": "consecutive layers as stages on the devices, balanced by FLOPs; the batch "
+                "cut into micro-batches that flow through the stages at once",
     "placement": "run every node on the device the model placed it on, copying tensors "
                  "between devices (used when a model places its layers itself)",
 }
@@ -57,6 +59,7 @@ class Parallel:
 
     devices: tuple[Device, ...]
     strategy: str = "data"
+    micro_batches: int | None = None  # pipeline: default twice the stages
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -65,6 +68,9 @@ class Parallel:
         if len(set(self.devices)) != len(self.devices) or not self.devices:
             raise PurinecError(f"devices must be distinct and at least one, got "
                                f"{', '.join(map(str, self.devices)) or 'none'}")
+        if self.micro_batches is not None and (self.strategy != "pipeline" or
+                                               self.micro_batches < 1):
+            raise PurinecError("micro-batches are a positive count, for --parallel pipeline")
 
     @property
     def ranks(self) -> int:

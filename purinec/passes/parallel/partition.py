@@ -53,29 +53,38 @@ class _Partitioner:
             raise PurinecError(f"%{value.name} has no piece on member {member} of "
                                f"{value.dist} on rank {self.rank}") from None
 
+    def members(self, value: Value) -> list[tuple[int, object]]:
+        """(position, device) of the members of ``value``'s group this graph holds."""
+        return _dist(value).members_on(self.rank)
+
     def run(self) -> Graph:
         for v in self.source.inputs:
-            dist = _dist(v)
-            for k, device in dist.members_on(self.rank):
-                self.pieces[id(v), k] = self.new.add_input(
-                    member_name(v.name, k, len(dist.group)), dist.local_type(v.type, k), device, v.role,
-                    None, v.init)
+            self._input(v)
         for node in self.source.nodes:
             self._partition(node)
-        outputs = []
-        for name, v in self.source.outputs:
-            for k, _ in _dist(v).members_on(self.rank):
-                outputs.append((member_name(name, k, len(v.dist.group)), self.piece(v, k)))
-        self.new.set_outputs(outputs)
+        self.new.set_outputs([out for name, v in self.source.outputs
+                              for out in self._outputs(name, v)])
         return self.new
+
+    def _outputs(self, name: str, v: Value) -> list[tuple[str, Value]]:
+        return [(member_name(name, k, len(v.dist.group)), self.piece(v, k))
+                for k, _ in self.members(v)]
+
+    def _input(self, v: Value) -> None:
+        dist = _dist(v)
+        for k, device in self.members(v):
+            self.pieces[id(v), k] = self.new.add_input(
+                member_name(v.name, k, len(dist.group)), dist.local_type(v.type, k), device,
+                v.role, None, v.init)
 
     def _partition(self, node: Node) -> None:
         if node.op in ("allreduce", "allgather"):
             self._collective(node)
-        elif node.op == "slice" and node.inputs[0].dist.kind is DistKind.replicated:
+        elif (node.op == "slice" and node.inputs[0].dist.kind is DistKind.replicated and
+              node.outputs[0].dist.kind is DistKind.split):  # boxing's, not the model's
             self._local_slices(node)
         else:
-            for k, device in _dist(node.outputs[0]).members_on(self.rank):
+            for k, device in self.members(node.outputs[0]):
                 self._compute(node, k, device)
 
     def _add(self, op: str, inputs: list[Value], attrs: dict, outputs: list[tuple],
@@ -92,7 +101,7 @@ class _Partitioner:
     def _collective(self, node: Node) -> None:
         """One node over this rank's members: for each member, its pieces of every
         tensor (a bucket holds several), in group order."""
-        members = _dist(node.inputs[0]).members_on(self.rank)
+        members = self.members(node.inputs[0])
         if members:
             self._add(node.op, [self.piece(x, k) for k, _ in members for x in node.inputs],
                       dict(node.attrs),
@@ -103,7 +112,7 @@ class _Partitioner:
         (x,), (y,) = node.inputs, node.outputs
         dist = _dist(y)
         sizes = dist.pieces(y.type.shape[dist.axis])
-        for k, device in dist.members_on(self.rank):
+        for k, device in self.members(y):
             start = sum(sizes[:k])
             self._add("slice", [self.piece(x, k)],
                       {"axis": dist.axis, "start": start, "stop": start + sizes[k]},

@@ -1,0 +1,343 @@
+"""Communication across ranks: the MPI world, collective kernels, failing as one job.
+
+A program spanning several ranks runs as one process per rank under ``mpiexec``;
+``MPI.COMM_WORLD``'s rank is `Device.rank`. A process that no launcher started is a
+world of one, and never initialises MPI (mpi4py is imported only under a launcher).
+
+`comm_kernels` gives physical ``allreduce`` and ``allgather`` nodes of one rank's
+graph their kernels. A kernel takes the executor's ``fn(*inputs, *outputs)`` arrays,
+packs what this rank's members contribute into one contiguous buffer, posts a
+non-blocking collective over the group's ranks and returns a `Pending` that unpacks the
+result into every local output once ``test()`` sees the collective complete (the
+executor's comm queue polls it; see `purinec.runtime.executor`). Results are bitwise
+identical on every rank when every rank receives the same reduced bytes: MPI advises
+but does not promise it, MPICH's algorithms do it, and tests/test_mpi.py checks it.
+A group that lives wholly on this rank needs no MPI: its kernel finishes at once and
+returns None.
+
+A group of some of the ranks gets its own communicator. Creating one is collective over
+its ranks, so `comm_kernels` creates them when kernels are built, every rank in the same
+(sorted) order, never while running.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, NoReturn
+
+import numpy as np
+
+from purinec.errors import ExecutionError, PurinecError
+from purinec.ir.graph import Node
+from purinec.ir.types import Device
+
+# What MPI launchers set in each process they start: MPICH's Hydra (PMI_RANK, PMI_SIZE,
+# MPI_LOCALRANKID) and Open MPI (OMPI_COMM_WORLD_RANK).
+LAUNCHER_VARIABLES = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_RANK")
+
+# Test hook: the rank named here fails at the start of each graph's first run.
+FAIL_RANK_VARIABLE = "PURINEC_FAIL_RANK"
+
+COLLECTIVES = ("allreduce", "allgather")
+
+
+@dataclass(eq=False)
+class World:
+    """This process's place among the ranks: ``comm`` is ``MPI.COMM_WORLD``, or None in a
+    world of one that never started MPI."""
+
+    rank: int
+    size: int
+    comm: object | None
+    _groups: dict[tuple[int, ...], object] = field(default_factory=dict, repr=False)
+
+    def group_comm(self, ranks: tuple[int, ...]):
+        """The communicator over ``ranks`` (their order is its rank order), created at the
+        first request; collective over those ranks only."""
+        comm = self._groups.get(ranks)
+        if comm is None:
+            group = self.comm.Get_group().Incl(list(ranks))
+            comm = self._groups[ranks] = self.comm.Create_group(group)
+            group.Free()
+        return comm
+
+
+_world: World | None = None
+_world_lock = threading.Lock()
+
+
+def launched_by_mpi() -> bool:
+    return any(name in os.environ for name in LAUNCHER_VARIABLES)
+
+
+def world() -> World:
+    """This process's world, made once: MPI's when a launcher started the process."""
+    global _world
+    with _world_lock:
+        if _world is None:
+            if launched_by_mpi():
+                comm = _mpi().COMM_WORLD  # the import initialises MPI, thread level MULTIPLE
+                _world = World(comm.Get_rank(), comm.Get_size(), comm)
+            else:
+                _world = World(0, 1, None)
+        return _world
+
+
+# ---------------------------------------------------------------------------------------
+# Kernels.
+
+
+def comm_kernels(nodes: Iterable[Node], world: World) -> dict[Node, Callable]:
+    """Kernels for ``allreduce`` and ``allgather`` nodes of this rank's graph (e.g. all
+    those whose group spans ranks). Their communicators are created first, in sorted
+    order, which no two ranks can disagree on; creating them node by node instead
+    (`mpi_kernel` alone) could deadlock if two ranks met shared groups in different
+    orders."""
+    nodes = list(nodes)
+    spans = sorted({_ranks(_group(node)) for node in nodes})
+    for ranks in spans:
+        if len(ranks) > 1 and world.rank in ranks:  # (mpi_kernel refuses the others)
+            _check_world(ranks, world, f"node {nodes[0]!r}")
+            world.group_comm(ranks)
+    return {node: mpi_kernel(node, world) for node in nodes}
+
+
+def mpi_kernel(node: Node, world: World) -> Callable:
+    """The kernel of one physical ``allreduce`` or ``allgather`` node on this rank.
+    Creates the group's communicator if no earlier kernel did (see `comm_kernels`)."""
+    if node.op not in COLLECTIVES:
+        raise PurinecError(f"node {node!r}: no communication kernel for op {node.op}")
+    group = _group(node)
+    ranks = _ranks(group)
+    if world.rank not in ranks:
+        raise PurinecError(f"node {node!r} is on rank {world.rank}, which has no member in "
+                           f"its group {node.attrs['group']}")
+    local = [k for k, device in enumerate(group) if device.rank == world.rank]
+    comm = None
+    if len(ranks) > 1:
+        _check_world(ranks, world, f"node {node!r}")
+        comm = world.group_comm(ranks)
+    if node.op == "allreduce":
+        return _Allreduce(node, len(local), comm)
+    return _Allgather(node, group, ranks, local, comm)
+
+
+def _group(node: Node) -> tuple[Device, ...]:
+    return tuple(Device.parse(text) for text in node.attrs["group"].split(","))
+
+
+def _ranks(group: tuple[Device, ...]) -> tuple[int, ...]:
+    return tuple(sorted({device.rank for device in group}))
+
+
+def _check_world(ranks: tuple[int, ...], world: World, where: str) -> None:
+    if ranks[-1] >= world.size:
+        raise PurinecError(f"{where} spans ranks {', '.join(map(str, ranks))} but this "
+                           f"process is rank {world.rank} of {world.size}: run it under "
+                           f"`mpiexec -n {ranks[-1] + 1}`")
+
+
+class _Pending:
+    """Posted MPI requests; ``finish`` unpacks the result once they are all complete."""
+
+    def __init__(self, requests: list, finish: Callable[[], None]):
+        self.requests = requests
+        self.finish = finish
+        self.done = False
+
+    def test(self) -> bool:
+        if not self.done and _mpi().Request.Testall(self.requests):
+            self._complete()
+        return self.done
+
+    def wait(self) -> None:
+        if not self.done:
+            _mpi().Request.Waitall(self.requests)
+            self._complete()
+
+    def _complete(self) -> None:
+        self.finish()
+        self.done = True
+
+
+class _Allreduce:
+    """Sum each of the ``tensors`` tensors over the members: locally first, then one
+    in-place ``Iallreduce`` per dtype of the bucket, all its tensors packed together.
+    One tensor of one member (a large gradient, one device a rank) needs no packing: it
+    is reduced straight into its output."""
+
+    def __init__(self, node: Node, members: int, comm):
+        per = node.attrs["tensors"]
+        if len(node.inputs) != members * per:
+            raise PurinecError(f"node {node!r}: {len(node.inputs)} inputs, but its group has "
+                               f"{members} member(s) on this rank with {per} tensor(s) each")
+        types = [value.type for value in node.inputs[:per]]
+        if any(t.dtype.numpy == np.bool_ for t in types):
+            raise PurinecError(f"node {node!r}: cannot sum bool tensors")
+        sizes: dict[np.dtype, int] = {}
+        spans = []  # for each tensor: its dtype's buffer and its place in it
+        for t in types:
+            start = sizes.get(t.dtype.numpy, 0)
+            sizes[t.dtype.numpy] = start + t.size
+            spans.append((t.dtype.numpy, start, start + t.size))
+        self.direct = comm is not None and members == per == 1
+        if not self.direct:
+            self.buffers = {dtype: np.empty(size, dtype) for dtype, size in sizes.items()}
+            self.segments = [self.buffers[dtype][start:stop] for dtype, start, stop in spans]
+        self.members, self.per, self.comm = members, per, comm
+
+    def __call__(self, *arrays: np.ndarray) -> _Pending | None:
+        if self.direct:
+            return self._reduce_into(*arrays)
+        count = self.members * self.per
+        inputs, outputs = arrays[:count], arrays[count:]
+        for t, segment in enumerate(self.segments):
+            np.copyto(segment, inputs[t].reshape(-1))
+            for m in range(1, self.members):
+                np.add(segment, inputs[m * self.per + t].reshape(-1), out=segment)
+        if self.comm is None:
+            self._unpack(outputs)
+            return None
+        MPI = _mpi()
+        requests = [self.comm.Iallreduce(MPI.IN_PLACE, buffer, MPI.SUM)
+                    for buffer in self.buffers.values()]
+        return _Pending(requests, lambda: self._unpack(outputs))
+
+    def _reduce_into(self, x: np.ndarray, y: np.ndarray) -> _Pending:
+        MPI = _mpi()
+        send = x
+        if np.may_share_memory(x, y):  # the planner never does this; a caller might
+            np.copyto(y, x)
+            send = MPI.IN_PLACE
+        return _Pending([self.comm.Iallreduce(send, y, MPI.SUM)], lambda: None)
+
+    def _unpack(self, outputs) -> None:
+        for i, out in enumerate(outputs):
+            np.copyto(out.reshape(-1), self.segments[i % self.per])
+
+
+class _Allgather:
+    """Concatenate the members' pieces along ``axis``: each rank packs its pieces (axis
+    moved first, so each is contiguous) as bytes in group order, one ``Iallgatherv``
+    gathers every rank's block, and each output is filled piece by piece."""
+
+    def __init__(self, node: Node, group, ranks, local: list[int], comm):
+        axis, sizes = node.attrs["axis"], node.attrs["sizes"]
+        if len(node.inputs) != len(local):
+            raise PurinecError(f"node {node!r}: {len(node.inputs)} inputs for the "
+                               f"{len(local)} member(s) of its group on this rank")
+        for k, value in zip(local, node.inputs):
+            if value.type.shape[axis] != sizes[k]:
+                raise PurinecError(f"node {node!r}: input %{value.name} is {value.type}, "
+                                   f"but member {group[k]}'s piece has extent {sizes[k]} "
+                                   f"on axis {axis}")
+        whole = node.outputs[0].type
+        self.dtype = whole.dtype.numpy
+        self.rest = tuple(n for i, n in enumerate(whole.shape) if i != axis)
+        self.row_items = int(np.prod(self.rest, dtype=np.int64))
+        row = self.row_items * self.dtype.itemsize
+        # The gathered bytes: each rank's block in rank order, its members in group order.
+        order = [k for r in ranks for k in range(len(group)) if group[k].rank == r]
+        self.offsets = dict(zip(order, _starts([sizes[k] * row for k in order])))
+        blocks = [sum(sizes[k] * row for k in order if group[k].rank == r) for r in ranks]
+        self.counts = (blocks, _starts(blocks))
+        self.received = np.empty(sum(blocks), np.uint8)
+        self.sent = (self.received if comm is None
+                     else np.empty(blocks[ranks.index(group[local[0]].rank)], np.uint8))
+        self.first_rows = _starts(sizes)
+        self.axis, self.sizes, self.local, self.comm = axis, sizes, local, comm
+
+    def __call__(self, *arrays: np.ndarray) -> _Pending | None:
+        inputs, outputs = arrays[:len(self.local)], arrays[len(self.local):]
+        start = 0
+        for k, piece in zip(self.local, inputs):
+            np.copyto(self._rows(self.sent, start, k), np.moveaxis(piece, self.axis, 0))
+            start += piece.nbytes
+        if self.comm is None:
+            self._unpack(outputs)
+            return None
+        MPI = _mpi()
+        request = self.comm.Iallgatherv([self.sent, MPI.BYTE],
+                                        [self.received, self.counts, MPI.BYTE])
+        return _Pending([request], lambda: self._unpack(outputs))
+
+    def _rows(self, buffer: np.ndarray, start: int, k: int) -> np.ndarray:
+        """Member ``k``'s piece in ``buffer`` from byte ``start``, axis first."""
+        stop = start + self.sizes[k] * self.row_items * self.dtype.itemsize
+        return buffer[start:stop].view(self.dtype).reshape((self.sizes[k], *self.rest))
+
+    def _unpack(self, outputs) -> None:
+        for out in outputs:
+            moved = np.moveaxis(out, self.axis, 0)
+            for k, (row, size) in enumerate(zip(self.first_rows, self.sizes)):
+                moved[row:row + size] = self._rows(self.received, self.offsets[k], k)
+
+
+def _starts(extents: list[int]) -> list[int]:
+    """Where each of consecutive extents starts."""
+    return [int(n) for n in np.cumsum([0, *extents[:-1]])]
+
+
+def _mpi():
+    from mpi4py import MPI
+
+    return MPI
+
+
+# ---------------------------------------------------------------------------------------
+# Failing as one job.
+
+
+def check_injected_failure() -> None:
+    """Test hook, called by the executor at each graph's first run: the rank named by
+    PURINEC_FAIL_RANK raises, as a real failure on one rank would."""
+    target = os.environ.get(FAIL_RANK_VARIABLE)
+    if target is None:
+        return
+    try:
+        rank = int(target)
+    except ValueError:
+        raise PurinecError(f"{FAIL_RANK_VARIABLE}={target!r} is not a rank number") from None
+    if rank == world().rank:
+        raise ExecutionError(f"injected failure ({FAIL_RANK_VARIABLE}={target})")
+
+
+def run_guarded(main: Callable[[], int]) -> int:
+    """Run the command line's ``main`` and return its exit status. Under MPI with several
+    ranks, a rank that fails (raises, or returns non-zero) says so on stderr and aborts
+    the whole job: the other ranks would otherwise wait for it in a collective forever.
+    In a world of one this is just ``main()``."""
+    here = world()
+    if here.size == 1:
+        return main()
+    try:
+        status = main()
+    except SystemExit as err:
+        if not err.code:
+            raise
+        _abort(here, f"exited with status {err.code}")
+    except PurinecError as err:
+        _abort(here, str(err))
+    except BaseException as err:  # a bug or an interrupt: still end the job, with a trace
+        traceback.print_exc()
+        _abort(here, f"{type(err).__name__}: {err}")
+    if status:
+        _abort(here, f"exited with status {status}")
+    return status
+
+
+# How long a failing rank lets the launcher forward its last words before aborting: Hydra
+# ends every process (and drops what their pipes still hold) as soon as one aborts.
+ABORT_GRACE = 0.5
+
+
+def _abort(here: World, message: str) -> NoReturn:
+    print(f"purinec: rank {here.rank}: {message}", file=sys.stderr, flush=True)
+    time.sleep(ABORT_GRACE)
+    here.comm.Abort(1)
+    os._exit(1)  # MPICH's Abort may return before the launcher ends this process

@@ -1,0 +1,80 @@
+"""Each rank runs a graph of allreduce and allgather nodes over every rank (two devices a
+rank), over this rank's two devices only, and (with 3 ranks or more) over the first and
+last rank; saves its inputs and outputs of each call to OUTDIR/rank<R>.call<C>.npz."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+from common import add_collective, executable, random_env, save
+
+from purinec.ir.graph import Graph
+from purinec.ir.types import DType, Device, TensorType
+from purinec.runtime import comm
+
+CALLS = 2
+BUCKET = [((5, 4), DType.f32), ((7,), DType.f64), ((3, 2, 2), DType.f32)]
+
+
+def build(world: comm.World) -> Graph:
+    rank, size = world.rank, world.size
+    both = [Device("cpu", i, r) for i in range(2) for r in range(size)]  # ranks interleaved
+    firsts = [Device("cpu", 0, r) for r in range(size)]
+    mine = [Device("cpu", i, rank) for i in range(2)]
+    graph = Graph(f"collectives_r{rank}")
+    outputs = []
+
+    def inputs(name, group, types):
+        return [graph.add_input(f"{name}{t if len(types) > 1 else ''}.p{k}", TensorType(*ty),
+                                device)
+                for k, device in enumerate(group) if device.rank == rank
+                for t, ty in enumerate(types)]
+
+    def reduce(name, group, types):
+        node = add_collective(graph, "allreduce", inputs(name, group, types), group,
+                              {"tensors": len(types)}, f"{name}_out")
+        outputs.extend((v.name, v) for v in node.outputs)
+
+    def gather(pieces, group, name, **attrs):
+        node = add_collective(graph, "allgather", pieces, group, attrs, name)
+        outputs.extend((v.name, v) for v in node.outputs)
+
+    reduce("bucket", both, BUCKET)
+    reduce("one", firsts, [((1000,), DType.f64)])
+    reduce("local", mine, [((6,), DType.f32)])
+    if size >= 3 and rank in (0, size - 1):
+        reduce("ends", [firsts[0], firsts[-1]], [((4, 4), DType.f32)])
+    # Pieces of unequal extents: k + 1 on axis 1 for member k; r + 2 rows for rank r.
+    sizes = [k + 1 for k in range(len(both))]
+    pieces = [graph.add_input(f"gather.p{k}", TensorType((3, sizes[k], 2), DType.f32), device)
+              for k, device in enumerate(both) if device.rank == rank]
+    gather(pieces, both, axis=1, sizes=sizes, name="gather_out")
+    rows = [r + 2 for r in range(size)]
+    piece = graph.add_input(f"rows.p{rank}", TensorType((rows[rank], 3), DType.i32),
+                            firsts[rank])
+    gather([piece], firsts, axis=0, sizes=rows, name="rows_out")
+    graph.set_outputs(outputs)
+    return graph
+
+
+def main() -> int:
+    world = comm.world()
+    graph = build(world)
+    exe = executable(graph, world)
+    for call in range(CALLS):
+        env = random_env(graph, np.random.default_rng([call, world.rank]))
+        outputs = exe({k: v.copy() for k, v in env.items()})
+        save(f"{sys.argv[1]}/rank{world.rank}.call{call}.npz", env, outputs)
+    exe.close()
+    # A kernel called with its output over its input (which the planner never does),
+    # waited for directly.
+    [one] = [node for node in graph.nodes if node.inputs[0].name.startswith("one.")]
+    x = np.full(one.inputs[0].type.shape, world.rank + 1.0)
+    comm.mpi_kernel(one, world)(x, x).wait()
+    save(f"{sys.argv[1]}/rank{world.rank}.aliased.npz", {}, {"x": x})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(comm.run_guarded(main))

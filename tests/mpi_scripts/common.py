@@ -1,0 +1,57 @@
+"""What the scripts tests/test_mpi.py runs under mpiexec share: building one rank's
+physical graph with collectives, running it, saving what each rank saw."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from purinec.ir.graph import Graph, Node, Value
+from purinec.ir.types import Device
+from purinec.runtime import comm
+from purinec.runtime.executor import Executable
+from purinec.runtime.plan import reference_kernels
+
+
+def group_text(group: list[Device]) -> str:
+    return ",".join(str(device) for device in group)
+
+
+def add_collective(graph: Graph, op: str, inputs: list[Value], group: list[Device],
+                   attrs: dict, name: str) -> Node:
+    """A physical collective whose outputs mirror its inputs' devices, named
+    ``<name>.p<k>`` after the member k each belongs to (as the partitioner names them)."""
+    local = [k for k, device in enumerate(group) if device.rank == inputs[0].device.rank]
+    per = len(inputs) // len(local)
+    names = [f"{name}{i % per if per > 1 else ''}.p{local[i // per]}"
+             for i in range(len(inputs))]
+    node = graph.add_node(op, inputs, attrs={"group": group_text(group), **attrs},
+                          names=names)
+    for out, value in zip(node.outputs, inputs):
+        out.device = value.device
+    return node
+
+
+def executable(graph: Graph, world: comm.World, kernels: dict | None = None,
+               **options) -> Executable:
+    """Reference kernels for compute (unless given), MPI kernels for the collectives."""
+    chosen = reference_kernels(graph)
+    chosen.update(comm.comm_kernels([n for n in graph.nodes if n.op in comm.COLLECTIVES],
+                                     world))
+    chosen.update(kernels or {})
+    return Executable(graph, chosen, **options)
+
+
+def random_env(graph: Graph, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    env = {}
+    for value in graph.inputs:
+        dtype = value.type.dtype.numpy
+        if np.issubdtype(dtype, np.integer):
+            env[value.name] = rng.integers(-1000, 1000, value.type.shape).astype(dtype)
+        else:
+            env[value.name] = rng.standard_normal(value.type.shape).astype(dtype)
+    return env
+
+
+def save(path: str, env: dict, outputs: dict) -> None:
+    np.savez(path, **{f"in:{k}": v for k, v in env.items()},
+             **{f"out:{k}": v for k, v in outputs.items()})

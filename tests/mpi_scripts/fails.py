@@ -1,0 +1,23 @@
+"""Rank 1 fails in the way argv[2] names (``raise``: a bug; ``return``: main returns 3)
+while rank 0 waits for it in a barrier that never completes; run_guarded must end the
+whole job."""
+
+from __future__ import annotations
+
+import sys
+
+from purinec.runtime import comm
+
+
+def main() -> int:
+    world = comm.world()
+    if world.rank == 1:
+        if sys.argv[2] == "raise":
+            raise ValueError("a bug on rank 1")
+        return 3
+    world.comm.Barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(comm.run_guarded(main))

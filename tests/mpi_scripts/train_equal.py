@@ -1,0 +1,32 @@
+"""Data-parallel training over every rank of the job against one device, in each rank:
+``train_equal.py MODEL BATCH TARGET OUT_DIR``. Each rank saves the losses and both
+programs' parameters after two iterations to OUT_DIR/rank<R>.npz."""
+
+import sys
+
+import numpy as np
+
+import purinec
+from purinec.runtime import comm
+
+model, batch, target, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+world = comm.world()
+sgd = purinec.SGD(lr=0.05, momentum=0.9, weight_decay=5e-4)
+devices = ",".join(f"r{r}/cpu:0" for r in range(world.size))
+many = purinec.compile(model, target=target, train=sgd, batch=batch, seed=7, devices=devices,
+                       parallel="data")
+one = purinec.compile(model, target="reference", train=sgd, batch=batch, seed=7)
+rng = np.random.default_rng(1)
+losses = []
+for _ in range(2):
+    feeds = {}
+    for v in one.ir.inputs_with_role("data"):
+        feeds[v.name] = (rng.standard_normal(v.type.shape).astype(np.float32)
+                         if v.type.dtype.is_float else
+                         rng.integers(0, 10, v.type.shape).astype(v.type.dtype.numpy))
+    losses.append((one.step(feeds), many.step(feeds)))
+np.savez(f"{out}/rank{world.rank}.npz", losses=np.array(losses),
+         **{f"one/{k}": v for k, v in one.params.items()},
+         **{f"many/{k}": v for k, v in many.params.items()},
+         **{f"many_state/{k}": v for k, v in many.state.items()})
+many.close()

@@ -1,0 +1,254 @@
+"""Communication across ranks (purinec.runtime.comm).
+
+The scripts in tests/mpi_scripts run under ``mpiexec -n R``, one process per rank; each
+saves its inputs and outputs, and these tests check every rank's results against NumPy
+(sums, concatenations) and against each other (bitwise). The first tests run in this
+process, in a world of one: groups on this rank's devices only, and the errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from purinec.errors import PurinecError
+from purinec.ir.graph import Graph
+from purinec.ir.types import DType, Device, TensorType
+from purinec.runtime import comm
+from purinec.runtime.executor import Executable
+
+SCRIPTS = Path(__file__).parent / "mpi_scripts"
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+TIMEOUT = 120  # seconds; a hung job fails the test instead of the suite
+
+
+# ---------------------------------------------------------------------------------------
+# In this process: a world of one.
+
+
+def local_group_graph():
+    """An allreduce (a bucket of two tensors of two dtypes) and an allgather (unequal
+    pieces) over devices of this one rank."""
+    graph = Graph("local")
+    devices = [Device("cpu", i) for i in range(3)]
+    xs = [graph.add_input(f"x{t}.p{k}", TensorType(shape, dtype), devices[k])
+          for k in range(3) for t, (shape, dtype) in enumerate([((4, 3), DType.f32),
+                                                                ((5,), DType.f64)])]
+    reduce = graph.add_node("allreduce", xs, attrs={"group": "cpu:0,cpu:1,cpu:2",
+                                                    "tensors": 2})
+    pieces = [graph.add_input(f"g.p{k}", TensorType((2, k + 1, 3), DType.i32), devices[k])
+              for k in range(3)]
+    gather = graph.add_node("allgather", pieces, attrs={"group": "cpu:0,cpu:1,cpu:2",
+                                                        "axis": 1, "sizes": [1, 2, 3]})
+    for node in (reduce, gather):
+        for out, value in zip(node.outputs, node.inputs):
+            out.device = value.device
+    graph.set_outputs([(f"y{i}", v) for i, v in enumerate(reduce.outputs + gather.outputs)])
+    return graph
+
+
+def test_collectives_within_one_rank_need_no_mpi():
+    graph = local_group_graph()
+    world = comm.world()
+    assert (world.rank, world.size, world.comm) == (0, 1, None)
+    exe = Executable(graph, comm.comm_kernels(graph.nodes, world))
+    rng = np.random.default_rng(0)
+    env = {v.name: (rng.standard_normal(v.type.shape) * 10).astype(v.type.dtype.numpy)
+           for v in graph.inputs}
+    out = exe({k: v.copy() for k, v in env.items()})
+    sums = [env["x0.p0"] + env["x0.p1"] + env["x0.p2"], env["x1.p0"] + env["x1.p1"] + env["x1.p2"]]
+    for i in range(6):
+        np.testing.assert_array_equal(out[f"y{i}"], sums[i % 2])
+    whole = np.concatenate([env[f"g.p{k}"] for k in range(3)], axis=1)
+    for i in range(6, 9):
+        np.testing.assert_array_equal(out[f"y{i}"], whole)
+
+
+def test_a_group_beyond_this_world_asks_for_mpiexec():
+    graph = Graph("g")
+    x = graph.add_input("x.p0", TensorType((3,), DType.f32))
+    node = graph.add_node("allreduce", [x], attrs={"group": "cpu:0,r2/cpu:0"})
+    with pytest.raises(PurinecError, match=r"spans ranks 0, 2 .* rank 0 of 1.*mpiexec -n 3"):
+        comm.comm_kernels(graph.nodes, comm.world())
+
+
+def test_kernels_refuse_what_they_cannot_do():
+    graph = Graph("g")
+    x = graph.add_input("x.p1", TensorType((3,), DType.f32), Device("cpu", 0, 1))
+    elsewhere = graph.add_node("allreduce", [x], attrs={"group": "r1/cpu:0"})
+    with pytest.raises(PurinecError, match="rank 0, which has no member in its group"):
+        comm.mpi_kernel(elsewhere, comm.world())
+    b = graph.add_input("b.p0", TensorType((3,), DType.bool))
+    with pytest.raises(PurinecError, match="cannot sum bool"):
+        comm.mpi_kernel(graph.add_node("allreduce", [b], attrs={"group": "cpu:0"}),
+                        comm.world())
+    with pytest.raises(PurinecError, match="no communication kernel for op copy"):
+        comm.mpi_kernel(graph.add_node("copy", [b]), comm.world())
+
+
+def test_without_a_launcher_mpi_is_never_started():
+    env = {k: v for k, v in os.environ.items() if k not in comm.LAUNCHER_VARIABLES}
+    code = ("import sys; from purinec.runtime import comm; w = comm.world(); "
+            "print(w.rank, w.size, comm.run_guarded(lambda: 7), 'mpi4py' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT)
+    assert done.stdout.split() == ["0", "1", "7", "False"], done.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# Under mpiexec.
+
+
+def mpirun(ranks: int, script: str, *args, **env: str):
+    environ = {k: v for k, v in os.environ.items() if k != comm.FAIL_RANK_VARIABLE}
+    return subprocess.run([str(MPIEXEC), "-n", str(ranks), sys.executable,
+                           str(SCRIPTS / script), *map(str, args)],
+                          env={**environ, **env}, capture_output=True, text=True,
+                          timeout=TIMEOUT)
+
+
+def ran(done: subprocess.CompletedProcess) -> None:
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+
+
+def load(path: Path) -> tuple[dict, dict]:
+    with np.load(path) as data:
+        inputs = {k[3:]: data[k] for k in data.files if k.startswith("in:")}
+        outputs = {k[4:]: data[k] for k in data.files if k.startswith("out:")}
+    return inputs, outputs
+
+
+def check_sum(inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
+    """Each member's output is the sum of the members' inputs, all the same bytes."""
+    assert len(outputs) == len(inputs)
+    expected = np.sum([x.astype(np.float64) for x in inputs], axis=0)
+    tolerance = 1e-5 if inputs[0].dtype == np.float32 else 1e-12
+    for out in outputs:
+        assert out.dtype == inputs[0].dtype and out.shape == inputs[0].shape
+        np.testing.assert_allclose(out, expected, rtol=tolerance, atol=tolerance)
+        assert out.tobytes() == outputs[0].tobytes()
+
+
+def check_gather(inputs: list[np.ndarray], outputs: list[np.ndarray], axis: int) -> None:
+    assert len(outputs) == len(inputs)
+    whole = np.concatenate(inputs, axis=axis)
+    for out in outputs:
+        assert out.dtype == whole.dtype
+        np.testing.assert_array_equal(out, whole)
+
+
+def check_collectives(outdir: Path, size: int) -> None:
+    """What tests/mpi_scripts/collectives.py computed on ``size`` ranks (its groups: two
+    devices a rank, ranks interleaved; the first device of each rank; each rank's own
+    two devices; and the first and last rank)."""
+    for call in range(2):
+        ranks = [load(outdir / f"rank{r}.call{call}.npz") for r in range(size)]
+        inputs = {k: v for r_in, _ in ranks for k, v in r_in.items()}
+        outputs = [r_out for _, r_out in ranks]
+
+        def member_outs(name):
+            return [out[k] for out in outputs for k in out if k.startswith(f"{name}.p")]
+
+        for t in range(3):
+            check_sum([inputs[f"bucket{t}.p{k}"] for k in range(2 * size)],
+                      member_outs(f"bucket_out{t}"))
+        check_sum([inputs[f"one.p{r}"] for r in range(size)], member_outs("one_out"))
+        for r_in, r_out in ranks:
+            check_sum([r_in["local.p0"], r_in["local.p1"]],
+                      [r_out["local_out.p0"], r_out["local_out.p1"]])
+        check_gather([inputs[f"gather.p{k}"] for k in range(2 * size)],
+                     member_outs("gather_out"), axis=1)
+        check_gather([inputs[f"rows.p{r}"] for r in range(size)], member_outs("rows_out"),
+                     axis=0)
+        if size >= 3:
+            ends = [ranks[0][0]["ends.p0"], ranks[-1][0]["ends.p1"]]
+            check_sum(ends, member_outs("ends_out"))
+            assert not any(k.startswith("ends") for k in outputs[1])
+    for r in range(size):
+        _, aliased = load(outdir / f"rank{r}.aliased.npz")
+        np.testing.assert_array_equal(aliased["x"], size * (size + 1) / 2)
+
+
+def test_collectives_on_two_ranks(tmp_path):
+    ran(mpirun(2, "collectives.py", tmp_path))
+    check_collectives(tmp_path, 2)
+
+
+def test_collectives_on_three_ranks_with_a_subgroup(tmp_path):
+    ran(mpirun(3, "collectives.py", tmp_path))
+    check_collectives(tmp_path, 3)
+
+
+def test_compute_overlaps_a_pending_allreduce(tmp_path):
+    ran(mpirun(2, "overlap.py", tmp_path))
+    runs = [load(tmp_path / f"rank{r}.npz") for r in range(2)]
+    total = np.tanh(runs[0][0]["a"]) + np.tanh(runs[1][0]["a"])
+    for r, (inputs, outputs) in enumerate(runs):
+        chain = inputs["a"]
+        for _ in range(6):
+            chain = np.tanh(chain)
+        np.testing.assert_allclose(outputs["y"], total + chain, rtol=1e-5, atol=1e-6)
+    assert runs[0][1]["y"].tobytes() != runs[1][1]["y"].tobytes()  # different chains
+    # Rank 1 posts its allreduce late, so rank 0's stays pending while its compute
+    # queue runs the chain: some chain kernel runs wholly inside that window.
+    intervals = json.loads((tmp_path / "rank0.json").read_text())
+    [reduce] = [i for i in intervals if i["queue"] == "comm"]
+    compute = [i for i in intervals if i["queue"] == "compute"]
+    assert any(reduce["start"] <= i["start"] and i["end"] <= reduce["end"] for i in compute)
+
+
+def test_a_failing_rank_ends_the_whole_job(tmp_path):
+    done = mpirun(2, "collectives.py", tmp_path, **{comm.FAIL_RANK_VARIABLE: "1"})
+    assert done.returncode != 0
+    assert "purinec: rank 1: injected failure" in done.stderr, done.stderr
+    assert "rank 0:" not in done.stderr
+
+
+@pytest.mark.parametrize("how, message", [("raise", "ValueError: a bug on rank 1"),
+                                          ("return", "exited with status 3")])
+def test_a_rank_failing_outside_a_run_ends_the_job(how, message):
+    done = mpirun(2, "fails.py", "-", how)
+    assert done.returncode != 0
+    assert f"purinec: rank 1: {message}" in done.stderr, done.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# Whole programs over ranks.
+
+
+@pytest.mark.parametrize("model,batch", [("lenet", 12), ("cifar_quick", 10)])
+def test_data_parallel_training_over_two_ranks_equals_one_device(tmp_path, model, batch):
+    ran(mpirun(2, "train_equal.py", model, batch, "reference", tmp_path))
+    ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
+    for rank in ranks:
+        one_loss, many_loss = rank["losses"].T
+        np.testing.assert_allclose(many_loss, one_loss, rtol=1e-5)
+        params = [k[len("one/"):] for k in rank if k.startswith("one/")]
+        for name in params:
+            one, many = rank[f"one/{name}"], rank[f"many/{name}"]
+            scale = np.max(np.abs(one)) + 1e-12
+            np.testing.assert_allclose(many / scale, one / scale, atol=2e-5, err_msg=name)
+    # The replicas on the two ranks hold bitwise the same weights and momentum.
+    for key in ranks[0]:
+        if key.startswith("many"):
+            np.testing.assert_array_equal(ranks[0][key], ranks[1][key], err_msg=key)
+
+
+def test_purinec_train_under_mpiexec(tmp_path):
+    checkpoint = tmp_path / "ck.purine"
+    done = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-m", "purinec", "train",
+                           "convnet", "--target", "cpu", "--parallel", "data", "--epochs", "2",
+                           "--quiet", "--checkpoint", str(checkpoint)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    ran(done)
+    assert "on 2 devices (cpu:0,r1/cpu:0)" in done.stdout
+    assert done.stdout.count("epoch   2") == 1  # rank 0 reports, the others are quiet
+    accuracy = float(done.stdout.split("test accuracy")[-1].splitlines()[0])
+    assert accuracy > 0.8
+    assert checkpoint.exists()
