@@ -111,7 +111,7 @@ def _assert_same_training(model: str, batch: int, devices: str, target: str,
                                    atol=2e-5, err_msg=name)
     # Every replica holds bitwise the same weights and momentum.
     replicas = many._run_main.replicas
-    assert replicas or strategy == "model"
+    assert replicas or strategy in ("model", "pipeline")  # nothing replicated
     for (name, member), array in replicas.items():
         store = many.params if name in many.params else many.state
         np.testing.assert_array_equal(array, store[name], err_msg=f"{name} on member {member}")
@@ -143,6 +143,32 @@ def test_model_and_hybrid_training_equals_one_device(model, batch, devices, stra
     else:
         assert any(name.startswith("conv") for name in split)
     many.close()
+
+
+@pytest.mark.parametrize("model,batch", [("lenet", 12), ("cifar_quick", 10)])
+@pytest.mark.parametrize("devices", ["2", "3"])
+def test_pipeline_training_equals_one_device(model, batch, devices):
+    many = _assert_same_training(model, batch, devices, "reference", strategy="pipeline")
+    physical = many.physical_ir
+    # Stages: every device runs some of the heavy work, in contiguous layers.
+    heavy = [n for n in physical.nodes if n.op in ("conv2d", "matmul")]
+    assert {n.device for n in heavy} == set(parse_devices(devices))
+    # Micro-batches: twice the stages, each its own copy of the forward pass.
+    count = 2 * int(devices)
+    assert len([n for n in physical.nodes if n.op == "softmax_xent"]) == count
+    # One update per parameter, on the device of its layer, after all micro-batches.
+    updates = [n for n in physical.nodes if n.op == "sgd"]
+    assert len(updates) == len(many.params)
+    copies = [n for n in physical.nodes if n.op == "copy"]
+    assert copies and all(n.inputs[0].device != n.outputs[0].device for n in copies)
+    many.close()
+
+
+def test_pipeline_micro_batches_are_checked():
+    with pytest.raises(PurinecError, match="cannot cut a batch of 4 into 5 micro-batches"):
+        purinec.compile("mlp", batch=4, devices=2, parallel="pipeline", micro_batches=5)
+    with pytest.raises(PurinecError, match="micro-batches are a positive count"):
+        purinec.compile("mlp", batch=4, devices=2, parallel="data", micro_batches=2)
 
 
 def test_data_parallel_on_the_cpu_target_equals_one_device():
