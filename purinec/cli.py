@@ -17,10 +17,13 @@ stages, in pipeline order (autodiff and optimizer only with --train):
   lower         the graph as the front end built it (a .pir file: as parsed)
   infer_shapes  every output type recomputed from its inputs
   verify        every IR invariant checked (the graph is unchanged)
+  stages        with --parallel pipeline: every layer put on a device, in stages of
+                about equal FLOPs
   autodiff      the backward graph appended: grad.<param> outputs
   optimizer     SGD's updates appended: new params and momentum histories
   dce           nodes that reach no output removed
   cse           identical nodes merged
+  microbatch    with --parallel pipeline: the batch's work copied per micro-batch
   parallel      with --devices: every value's distribution, and the copies and
                 collectives the boxing pass inserted (--explain says why each is there)
   partition     with --devices: the physical graph of one rank (--rank), every device's
@@ -44,18 +47,22 @@ devices of this process, each with its own worker thread and share of the cores;
 
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
-    from purinec.passes.parallel import STRATEGIES
+    from purinec.passes.parallel import STRATEGIES, USER_STRATEGIES
 
     p.add_argument("--devices", metavar="LIST|N",
                    help="devices to spread the program over: cpu:0,cpu:1 in this process, "
                         "r1/cpu:0 for a device of MPI rank 1, or a count N for cpu:0..N-1")
-    p.add_argument("--parallel", choices=sorted(STRATEGIES), metavar="STRATEGY",
-                   help="how to spread it: " + "; ".join(f"{name}: {doc}" for name, doc
-                                                        in STRATEGIES.items()))
+    p.add_argument("--parallel", choices=USER_STRATEGIES, metavar="STRATEGY",
+                   help="how to spread it (default data): " + "; ".join(
+                       f"{name}: {STRATEGIES[name]}" for name in USER_STRATEGIES))
+    p.add_argument("--micro-batches", type=_positive, metavar="N",
+                   help="with --parallel pipeline: micro-batches per batch (default: twice "
+                        "the devices)")
 
 
 def _parallel_kwargs(args) -> dict:
-    return {"devices": args.devices, "parallel": args.parallel}
+    return {"devices": args.devices, "parallel": args.parallel,
+            "micro_batches": args.micro_batches}
 
 
 def _add_solver_args(p: argparse.ArgumentParser, lr: float) -> None:
@@ -116,15 +123,15 @@ def _positive(text: str) -> int:
 
 
 def cmd_dump(args) -> int:
-    from purinec.compiler import (STAGES, build_graph, load_source, parallel_plan,
-                                  passes_for, physical_passes, placement)
+    from purinec.compiler import (build_graph, load_source, parallel_plan, passes_for,
+                                  physical_passes, placement)
     from purinec.ir.graph import Graph
     from purinec.passes.lower import lower
     from purinec.passes.pipeline import run_passes
 
     train = _sgd(args) if args.train else None
     source = load_source(args.model, args.batch)
-    spread = parallel_plan(args.devices, args.parallel) or placement(
+    spread = parallel_plan(args.devices, args.parallel, args.micro_batches) or placement(
         source if isinstance(source, Graph) else lower(source))
     if spread is None:
         runs = ["lower"] + [p.name for p in passes_for(train, args.target)]
@@ -175,7 +182,7 @@ def cmd_dump(args) -> int:
             before_fuse[:] = [graph]
         if stage not in wanted:
             return
-        base = f"{graph.name}.{STAGES.index(stage):02d}-{stage}"
+        base = f"{graph.name}.{runs.index(stage):02d}-{stage}"
         if args.format == "text":
             emit(f"{base}.pir", str(graph))
         else:
@@ -290,7 +297,7 @@ def cmd_run(args) -> int:
 
         trace = Trace()
     if _is_artifact(args.model):
-        _refuse_options(args, ("batch", "devices", "parallel"),
+        _refuse_options(args, ("batch", "devices", "parallel", "micro_batches"),
                         f"{args.model} was compiled with a fixed batch and devices")
         program = load(args.model, args.target, trace=trace)
     else:
@@ -411,7 +418,8 @@ def cmd_train(args) -> int:
 
     artifact = args.resume or (args.model if _is_artifact(args.model) else None)
     if artifact:
-        _refuse_options(args, SOLVER_OPTIONS + ("batch", "devices", "parallel"),
+        _refuse_options(args, SOLVER_OPTIONS + ("batch", "devices", "parallel",
+                                                "micro_batches"),
                         f"{artifact} has them fixed in its IR; compile the model again to "
                         "change them")
     elif args.model is None:

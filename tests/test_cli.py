@@ -95,7 +95,7 @@ def test_dump_cpu_pipeline_fuses_and_writes_kernels(tmp_path):
     result = purinec("dump", "mlp", "--train", "--batch", "2", "--stage", "all", "-o",
                      str(tmp_path), "--explain")
     assert result.returncode == 0, result.stderr
-    fused = (tmp_path / "mlp.train.09-fuse.pir").read_text()
+    fused = (tmp_path / "mlp.train.07-fuse.pir").read_text()
     assert str(parse(fused)) + "\n" == fused
     assert "fused(" in fused and "kernel=\"fused_matmul_bias_add_relu\"" in fused
     explained = (tmp_path / "mlp.train.fuse-explain.txt").read_text()

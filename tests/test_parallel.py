@@ -283,3 +283,8 @@ def test_layers_placed_by_the_model_run_there_with_copies_between(tmp_path, targ
                                    atol=1e-7)
     one.close()
     placed.close()
+
+
+def test_strategies_other_than_data_stay_within_one_process_for_now():
+    with pytest.raises(PurinecError, match="across MPI ranks use --parallel data"):
+        Parallel(parse_devices("r0/cpu:0,r1/cpu:0"), "model")

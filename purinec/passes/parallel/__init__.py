@@ -7,11 +7,11 @@ the physical graph of one rank, which the runtime executes.
 """
 
 from purinec.passes.parallel.boxing import conversion_cost, convert, explain
-from purinec.passes.parallel.distribute import (STRATEGIES, Parallel, parallelize,
-                                                parse_devices)
+from purinec.passes.parallel.distribute import (STRATEGIES, USER_STRATEGIES, Parallel,
+                                                parallelize, parse_devices)
 from purinec.ir.graph import member_name
 from purinec.passes.parallel.partition import partition
 from purinec.passes.parallel.pipeline import assign_stages, microbatch
 
-__all__ = ["STRATEGIES", "Parallel", "assign_stages", "conversion_cost", "convert", "explain",
+__all__ = ["STRATEGIES", "USER_STRATEGIES", "Parallel", "assign_stages", "conversion_cost", "convert", "explain",
            "member_name", "microbatch", "parallelize", "parse_devices", "partition"]

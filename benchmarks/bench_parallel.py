@@ -1,0 +1,130 @@
+"""Weak scaling of data parallelism: the same per-device batch on 1 and on N devices.
+
+    python -m benchmarks.bench_parallel [--models lenet,cifar_quick] [--ranks 2]
+        [--iterations 30] [--warmup 5] [--mode mpi,threads] [--json OUT]
+
+For each model, one training iteration (forward, backward, SGD) is timed on the cpu
+target with the model's batch on one device pinned to one core, then with that batch on
+each of N devices: N MPI ranks (`--mode mpi`: mpiexec, one process and one core per
+rank) or N devices in one process (`--mode threads`: one worker thread and one core's
+share each). Weak-scaling efficiency is t(1) / t(N): 1.0 means N devices do N times the
+work in the same time. From a trace of the timed iterations on rank 0, the share of
+communication time that some compute lane was busy through ("hidden") says how well
+the allreduces overlap the backward pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+MODELS = {"lenet": 64, "cifar_quick": 100}
+SOLVER = {"lr": 0.01, "momentum": 0.9, "weight_decay": 5e-4}
+REPO = Path(__file__).resolve().parent.parent
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+
+
+def worker(args) -> None:
+    """One process of a measurement: compile, warm up, time, and (rank 0) report."""
+    import purinec
+    from purinec.runtime import comm
+    from purinec.runtime.trace import Trace
+    from purinec.viz import overlap
+
+    here = comm.world()
+    if args.devices and not here.size > 1:
+        os.sched_setaffinity(0, set(range(len(args.devices.split(",")))))
+    elif here.size == 1:
+        os.sched_setaffinity(0, {0})
+    per_device = MODELS[args.worker]
+    devices = args.devices or (",".join(f"r{r}/cpu:0" for r in range(here.size))
+                               if here.size > 1 else None)
+    count = len(devices.split(",")) if devices else 1
+    trace = Trace()
+    program = purinec.compile(args.worker, target="cpu", train=purinec.SGD(**SOLVER),
+                              batch=per_device * count, devices=devices,
+                              parallel="data" if devices else None, trace=trace)
+    rng = np.random.default_rng(0)
+    feeds = {v.name: (rng.standard_normal(v.type.shape).astype(np.float32)
+                      if v.type.dtype.is_float else
+                      rng.integers(0, 10, v.type.shape).astype(v.type.dtype.numpy))
+             for v in program.ir.inputs_with_role("data")}
+    for _ in range(args.warmup):
+        program.step(feeds)
+    trace.clear()
+    times = []
+    for _ in range(args.iterations):
+        start = time.perf_counter()
+        program.step(feeds)
+        times.append(time.perf_counter() - start)
+    program.close()
+    if here.rank == 0:
+        stats = overlap(trace.events())
+        Path(args.out).write_text(json.dumps({
+            "median_ms": float(np.median(times)) * 1e3, "times_ms": [t * 1e3 for t in times],
+            "comm_ms_per_iteration": stats["comm_ms"] / args.iterations,
+            "hidden_fraction": stats["hidden_fraction"]}))
+
+
+def measure(model: str, launcher: list[str], extra: list[str], args) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "result.json"
+        command = [*launcher, sys.executable, "-m", "benchmarks.bench_parallel",
+                   "--worker", model, "--iterations", str(args.iterations),
+                   "--warmup", str(args.warmup), "--out", str(out), *extra]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=1800)
+        if done.returncode != 0:
+            raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
+        return json.loads(out.read_text())
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--ranks", type=int, default=2, help="devices to scale to (2)")
+    parser.add_argument("--iterations", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--mode", default="mpi,threads",
+                        help="mpi: one process per device; threads: devices of one process")
+    parser.add_argument("--json", metavar="OUT")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--devices", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    results = {}
+    print(f"{'model':12} {'mode':8} {'1 device ms':>12} {f'{args.ranks} devices ms':>14} "
+          f"{'efficiency':>10} {'comm ms':>8} {'hidden':>7}")
+    for model in args.models.split(","):
+        one = measure(model, [], [], args)
+        for mode in args.mode.split(","):
+            if mode == "mpi":
+                many = measure(model, [str(MPIEXEC), "-n", str(args.ranks), "-bind-to",
+                                       "core"], [], args)
+            else:
+                many = measure(model, [], ["--devices", ",".join(
+                    f"cpu:{i}" for i in range(args.ranks))], args)
+            efficiency = one["median_ms"] / many["median_ms"]
+            results[f"{model}/{mode}"] = {"one": one, "many": many, "efficiency": efficiency}
+            print(f"{model:12} {mode:8} {one['median_ms']:12.2f} {many['median_ms']:14.2f} "
+                  f"{efficiency:10.2f} {many['comm_ms_per_iteration']:8.2f} "
+                  f"{many['hidden_fraction']:7.0%}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
