@@ -93,7 +93,32 @@ def test_every_stage_of_every_zoo_model_round_trips(name, training):
 
     sgd = purinec.SGD(lr=0.01, momentum=0.9, weight_decay=1e-4) if training else None
     build_graph(load_source(name, batch=2), sgd, check, target="cpu")  # cpu: fuse runs too
-    expected = [s for s in STAGES if training or s not in ("autodiff", "optimizer")]
+    parallel_only = ("stages", "microbatch", "parallel", "partition")
+    expected = [s for s in STAGES if (training or s not in ("autodiff", "optimizer"))
+                and s not in parallel_only]
+    assert seen == expected
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.parametrize("strategy", ["data", "pipeline"])
+def test_every_parallel_stage_of_every_zoo_model_round_trips(name, strategy):
+    from purinec.compiler import physical_passes
+    from purinec.passes.parallel import Parallel, parse_devices
+    from purinec.passes.pipeline import run_passes
+
+    seen = []
+
+    def check(stage, graph):
+        text = str(graph)
+        assert str(parse(text)) == text, f"{name} at {stage}"
+        seen.append(stage)
+
+    spread = Parallel(parse_devices("2"), strategy)
+    logical = build_graph(load_source(name, batch=4), purinec.SGD(lr=0.01), check, "cpu",
+                          spread)
+    run_passes(logical, physical_passes(0, "cpu"), check)
+    expected = [s for s in STAGES if strategy == "pipeline" or
+                s not in ("stages", "microbatch")]
     assert seen == expected
 
 
