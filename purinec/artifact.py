@@ -5,6 +5,7 @@ The file is one zip:
     manifest.json   format name and version, purinec/NumPy/Numba versions, target, graph
                     names, devices, creation time, the sha256 of every other member, and
                     free metadata (a checkpoint's epoch and data seed)
+    manifest.sha256 the sha256 of manifest.json (hex), so an edit to it is noticed too
     program.pir     the final IR of the main graph (the training iteration, if trained)
     eval.pir        the inference graph, when the program has a separate one
     weights.npz     params as ``param/<name>``, state as ``state/<name>``; no pickle
@@ -12,8 +13,10 @@ The file is one zip:
 
 Loading trusts nothing in the file. It never unpickles (``allow_pickle=False``) and never
 imports or executes a member: the IR is parsed and verified, every member is checked
-against its hash, the weights against the IR's declared types, and the target then builds
-the program from the IR, regenerating its kernels (the kernel files are not read back).
+against its hash (the manifest against manifest.sha256, written since format version 2;
+version 1 files, which have none, still load), the weights against the IR's declared
+types, and the target then builds the program from the IR, regenerating its kernels (the
+kernel files are not read back).
 Saving is all or nothing: a temporary file beside the target, fsync, rename.
 """
 
@@ -42,9 +45,12 @@ from purinec.ir.parser import parse
 from purinec.ir.verify import verify
 
 FORMAT = "purinec-artifact"
-FORMAT_VERSION = 1  # bump when a reader of the old version could misread the new layout
+# Bump when a reader of the old version could misread the new layout. 2: manifest.sha256.
+FORMAT_VERSION = 2
+HASHED_MANIFEST_SINCE = 2
 
 MANIFEST = "manifest.json"
+MANIFEST_HASH = "manifest.sha256"
 PROGRAM = "program.pir"
 EVAL = "eval.pir"
 WEIGHTS = "weights.npz"
@@ -132,11 +138,14 @@ def _kernel_sources(program: Program) -> dict[str, bytes]:
 
 def _generate_kernel_sources(program: Program) -> dict[str, bytes]:
     from purinec.codegen.cpu import compile_kernels
+    from purinec.runtime.collectives import HOST_OPS
 
     sources: dict[str, bytes] = {}
-    graphs = {program.ir.name: program.ir, program.eval_ir.name: program.eval_ir}
-    for graph_name, graph in graphs.items():
-        for kernel in compile_kernels(graph).values():
+    for graph in program.executed_graphs():
+        generated = Graph(graph.name)  # communication runs in the runtime, not a kernel
+        generated.nodes = [node for node in graph.nodes if node.op not in HOST_OPS]
+        graph_name = graph.name
+        for kernel in compile_kernels(generated).values():
             stem = f"{KERNELS}{_file_name(graph_name)}/{_file_name(kernel.name)}"
             source = kernel.source.encode()
             name, n = f"{stem}.py", 1
@@ -156,7 +165,7 @@ def _manifest(program: Program, members: dict[str, bytes], metadata: dict
     graphs = {"main": program.ir.name}
     if EVAL in members:
         graphs["eval"] = program.eval_ir.name
-    devices = {str(v.device) for g in (program.ir, program.eval_ir) for v in g.values()}
+    devices = {str(d) for d in program.devices}
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -167,9 +176,13 @@ def _manifest(program: Program, members: dict[str, bytes], metadata: dict
         "graphs": graphs,
         "devices": sorted(devices),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "members": {name: hashlib.sha256(data).hexdigest() for name, data in members.items()},
+        "members": {name: _sha256(data) for name, data in members.items()},
         "metadata": metadata,
     }
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def _this_version() -> str:
@@ -188,6 +201,7 @@ def _installed_version(package: str) -> str | None:
 def _write_zip(f: BinaryIO, manifest: str, members: dict[str, bytes]) -> None:
     with zipfile.ZipFile(f, "w") as zf:
         zf.writestr(MANIFEST, manifest, zipfile.ZIP_DEFLATED)
+        zf.writestr(MANIFEST_HASH, _sha256(manifest.encode()) + "\n")
         for name, data in members.items():
             # The weights are an npz (a zip) of mostly incompressible floats: stored as is.
             method = zipfile.ZIP_STORED if name == WEIGHTS else zipfile.ZIP_DEFLATED
@@ -302,8 +316,9 @@ def _read_manifest(path: str, zf: zipfile.ZipFile) -> dict[str, Any]:
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ArtifactError(f"{path}: member {duplicates[0]} appears more than once")
+    raw = _read_member(path, zf, MANIFEST)
     try:
-        manifest = json.loads(_read_member(path, zf, MANIFEST).decode("utf-8"))
+        manifest = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ArtifactError(f"{path}: {MANIFEST} is not valid JSON: {err}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -318,6 +333,11 @@ def _read_manifest(path: str, zf: zipfile.ZipFile) -> dict[str, Any]:
             f"{path} has artifact format version {version}, newer than the version "
             f"{FORMAT_VERSION} this purinec ({_this_version()}) reads; it was "
             f"written by purinec {manifest.get('purinec_version', '?')}: upgrade purinec")
+    if version >= HASHED_MANIFEST_SINCE:
+        digest = _read_member(path, zf, MANIFEST_HASH).decode("ascii", "replace").strip()
+        if digest != _sha256(raw):
+            raise ArtifactError(f"{path}: {MANIFEST} does not match its sha256 in "
+                                f"{MANIFEST_HASH}: the file was changed after it was written")
     _check_manifest_fields(path, manifest)
     return manifest
 
@@ -344,7 +364,9 @@ def _check_manifest_fields(path: str, manifest: dict[str, Any]) -> None:
 def _read_members(path: str, zf: zipfile.ZipFile, manifest: dict) -> dict[str, bytes]:
     """Every member but the manifest, each checked against the manifest's sha256."""
     listed: dict[str, str] = manifest["members"]
-    present = [n for n in zf.namelist() if n != MANIFEST]
+    own = ({MANIFEST, MANIFEST_HASH} if manifest["format_version"] >= HASHED_MANIFEST_SINCE
+           else {MANIFEST})
+    present = [n for n in zf.namelist() if n not in own]
     unlisted = sorted(set(present) - set(listed))
     if unlisted:
         raise ArtifactError(f"{path}: member {unlisted[0]} is not listed in {MANIFEST} "
@@ -355,7 +377,7 @@ def _read_members(path: str, zf: zipfile.ZipFile, manifest: dict) -> dict[str, b
     members = {}
     for name, digest in listed.items():
         data = _read_member(path, zf, name)
-        if hashlib.sha256(data).hexdigest() != digest:
+        if _sha256(data) != digest:
             raise ArtifactError(f"{path}: member {name} does not match its sha256 in "
                                 f"{MANIFEST}: the file was changed after it was written")
         members[name] = data

@@ -334,7 +334,9 @@ class Program:
         rng = np.random.default_rng(seed)
         self.params = TensorStore("parameter", _initial_arrays(graphs, "param", params, rng))
         self.state = TensorStore("state", _initial_arrays(graphs, "state", state, rng))
-        self.physical_ir: Graph | None = None  # the graph this rank runs, if distributed
+        # What this rank runs, when the program is distributed.
+        self.physical_ir: Graph | None = None
+        self.physical_eval_ir: Graph | None = None
         self._run_main = self._executable(graph, trace, after)
         self._run_eval = (self._run_main if self.eval_ir is graph
                           else self._executable(self.eval_ir, trace))
@@ -356,7 +358,14 @@ class Program:
         physical = run_passes(graph, physical_passes(rank, self.target), after).graph
         if graph is self.ir:
             self.physical_ir = physical
+        if graph is self.eval_ir:
+            self.physical_eval_ir = physical
         return DistributedExecutable(graph, build(physical, trace), rank)
+
+    def executed_graphs(self) -> list[Graph]:
+        """The graphs this process runs: the final IR, or this rank's physical graphs."""
+        graphs = [self.physical_ir or self.ir, self.physical_eval_ir or self.eval_ir]
+        return graphs[:1] if self.eval_ir is self.ir else graphs
 
     @property
     def devices(self) -> list[Device]:

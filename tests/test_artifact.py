@@ -77,26 +77,32 @@ def read_zip(path):
         return {name: zf.read(name) for name in zf.namelist()}
 
 
+OWN = ("manifest.json", "manifest.sha256")  # the manifest and its hash
+
+
 def write_zip(path, members, fix_hashes=True):
-    """Rewrite an artifact from ``members``; with ``fix_hashes`` the manifest is made to
-    agree, as a forger who knows the format would."""
+    """Rewrite an artifact from ``members``; with ``fix_hashes`` the manifest and its
+    hash are made to agree, as a forger who knows the format would."""
     members = dict(members)
     if fix_hashes:
         manifest = json.loads(members["manifest.json"])
         manifest["members"] = {n: hashlib.sha256(d).hexdigest()
-                               for n, d in members.items() if n != "manifest.json"}
+                               for n, d in members.items() if n not in OWN}
         members["manifest.json"] = json.dumps(manifest).encode()
+        if "manifest.sha256" in members:
+            members["manifest.sha256"] = hashlib.sha256(
+                members["manifest.json"]).hexdigest().encode()
     with zipfile.ZipFile(path, "w") as zf:
         for name, data in members.items():
             zf.writestr(name, data)
 
 
-def edit_manifest(path, **changes):
+def edit_manifest(path, fix_hashes=True, **changes):
     members = read_zip(path)
     manifest = json.loads(members["manifest.json"])
     manifest.update(changes)
     members["manifest.json"] = json.dumps(manifest).encode()
-    write_zip(path, members, fix_hashes=False)
+    write_zip(path, members, fix_hashes)
 
 
 def npz_bytes(**arrays):
@@ -120,7 +126,9 @@ def test_artifact_layout_and_manifest(trained, tmp_path):
     assert result.kernels == 0 and result.target == "reference"
     assert result.parameters == sum(a.size for a in trained.params.values())
     members = read_zip(path)
-    assert set(members) == {"manifest.json", "program.pir", "eval.pir", "weights.npz"}
+    assert set(members) == {*OWN, "program.pir", "eval.pir", "weights.npz"}
+    assert members["manifest.sha256"].decode() == (
+        hashlib.sha256(members["manifest.json"]).hexdigest() + "\n")
     manifest = json.loads(members["manifest.json"])
     assert manifest["format"] == "purinec-artifact"
     assert manifest["format_version"] == artifact.FORMAT_VERSION
@@ -131,7 +139,7 @@ def test_artifact_layout_and_manifest(trained, tmp_path):
     assert manifest["graphs"] == {"main": "tiny.train", "eval": "tiny"}
     assert manifest["devices"] == ["cpu:0"]
     for name, data in members.items():
-        if name != "manifest.json":
+        if name not in OWN:
             assert manifest["members"][name] == hashlib.sha256(data).hexdigest()
     assert members["program.pir"].decode() == str(trained.ir)
     assert members["eval.pir"].decode() == str(trained.eval_ir)
@@ -292,8 +300,43 @@ def test_every_truncation_and_many_changed_bytes_give_an_artifact_error(model_fi
             pass  # refused; or, for a byte the zip ignores (a timestamp), loaded fine
 
 
+@pytest.mark.parametrize("change", [
+    {"metadata": {"note": "edited"}},
+    {"target": "reference", "created": "2000-01-01T00:00:00+00:00"},
+])
+def test_an_edited_manifest_is_refused(saved, change):
+    edit_manifest(saved, fix_hashes=False, **change)
+    with pytest.raises(ArtifactError, match="manifest.json does not match its sha256 in "
+                                            "manifest.sha256: the file was changed"):
+        purinec.load(saved)
+
+
+def test_a_manifest_hash_that_is_not_one_is_refused(saved):
+    members = read_zip(saved)
+    members["manifest.sha256"] = b"\xff" * 64
+    write_zip(saved, members, fix_hashes=False)
+    with pytest.raises(ArtifactError, match="manifest.json does not match its sha256"):
+        purinec.load(saved)
+
+
+def test_a_format_1_artifact_without_a_manifest_hash_still_loads(trained, saved):
+    members = read_zip(saved)
+    del members["manifest.sha256"]
+    manifest = json.loads(members["manifest.json"])
+    manifest["format_version"] = 1
+    members["manifest.json"] = json.dumps(manifest).encode()
+    write_zip(saved, members, fix_hashes=False)
+    loaded = purinec.load(saved)
+    assert loaded.step(feeds(5)) == trained.step(feeds(5))
+    members["kernels/extra.py"] = b"print('hello')\n"  # its members are still checked
+    write_zip(saved, members, fix_hashes=False)
+    with pytest.raises(ArtifactError, match="member kernels/extra.py is not listed"):
+        purinec.load(saved)
+
+
 def test_a_newer_format_is_refused_naming_both_versions(saved):
-    edit_manifest(saved, format_version=artifact.FORMAT_VERSION + 1, purinec_version="9.0")
+    edit_manifest(saved, fix_hashes=False, format_version=artifact.FORMAT_VERSION + 1,
+                  purinec_version="9.0")
     with pytest.raises(ArtifactError, match=rf"format version {artifact.FORMAT_VERSION + 1}, "
                                             rf"newer than the version "
                                             rf"{artifact.FORMAT_VERSION} .*purinec 9.0"):
@@ -317,11 +360,11 @@ def test_a_missing_file_is_refused(tmp_path):
         purinec.load(tmp_path / "nothing.purine")
 
 
-@pytest.mark.parametrize("member", ["manifest.json", "program.pir", "weights.npz"])
+@pytest.mark.parametrize("member", [*OWN, "program.pir", "weights.npz"])
 def test_a_missing_member_is_refused(saved, member):
     members = read_zip(saved)
     del members[member]
-    write_zip(saved, members, fix_hashes=member != "manifest.json")
+    write_zip(saved, members, fix_hashes=member not in OWN)
     with pytest.raises(ArtifactError, match=f"member {member} is missing"):
         purinec.load(saved)
 

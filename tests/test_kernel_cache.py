@@ -13,8 +13,9 @@ import pytest
 
 from purinec.codegen import cache, cpu
 from purinec.codegen.source import node_comment
+from purinec.codegen.cpu_module import HEADER
 from purinec.ir.graph import Graph
-from purinec.ir.types import DType, TensorType
+from purinec.ir.types import Device, DType, TensorType
 
 
 def small_graph(batch: int = 3) -> Graph:
@@ -27,9 +28,33 @@ def small_graph(batch: int = 3) -> Graph:
     return g
 
 
+def twin_graph(batch: int = 3) -> Graph:
+    """The same layers twice under other names: a matmul on two devices, as the
+    data-parallel partitioner names them (``y.p0``, ``y.p1``), two relu layers, and two
+    fused bias_add + tanh nodes (kernel names made unique by a suffix)."""
+    g = Graph("twins")
+    w = g.add_input("w", TensorType((5, 4), DType.f32), role="param")
+    b = g.add_input("b", TensorType((5,), DType.f32), role="param")
+    outputs = []
+    for k in range(2):
+        device = Device("cpu", k)
+        x = g.add_input(f"x.p{k}", TensorType((batch, 4), DType.f32), device)
+        y = g.add_node("matmul", [x, w], {"trans_b": True}, names=[f"y.p{k}"],
+                       device=device, loc=f"net.py:{10 + k}").outputs[0]
+        z = g.add_node("relu", [y], names=[f"relu{k + 1}"], loc=f"net.py:{20 + k}")
+        added = g.make_node("bias_add", [z.outputs[0], b], names=[f"biased{k}"])
+        t = g.make_node("tanh", added.outputs, names=[f"t{k}"])
+        kernel = "fused_bias_add_tanh" + ("_1" if k else "")
+        g.add_fused([added, t], [z.outputs[0], b], t.outputs, kernel, loc=f"net.py:{30 + k}")
+        outputs.append((f"t{k}", t.outputs[0]))
+    g.set_outputs(outputs)
+    return g
+
+
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv(cache.ENV_VAR, str(tmp_path))
+    cache.STATS.reset()
     return tmp_path
 
 
@@ -60,14 +85,17 @@ def test_the_cache_lives_where_the_environment_says(monkeypatch, tmp_path):
     assert cache.cache_dir() == tmp_path / "elsewhere"
 
 
-def test_one_file_per_source_named_by_its_hash(cache_dir):
+def test_one_file_per_source_named_by_the_hash_of_its_code(cache_dir):
     node = small_graph().nodes[1]
     source = cpu.render(node)
     assert cpu.render(node) == source  # deterministic: the same node, the same text
     kernel = cpu.compile_node(node)
-    path = cache_dir / "cpu" / f"k_{cache.source_hash(source)}.py"
+    code = cache.code_of(source)  # the text without its comment lines
+    assert code.splitlines() == [line for line in source.splitlines()
+                                 if not line.lstrip().startswith("#")]
+    path = cache_dir / "cpu" / f"k_{cache.source_hash(code)}.py"
     assert kernel.path == path and path.read_text() == source == kernel.source
-    assert len(cache.source_hash(source)) == 20
+    assert len(cache.source_hash(code)) == 20
     again = cpu.compile_node(node)
     assert again.path == path and sorted(p.name for p in path.parent.glob("k_*.py")) == [path.name]
 
@@ -151,3 +179,124 @@ def test_an_unwritable_cache_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv(cache.ENV_VAR, str(blocker))
     with pytest.raises(cache.CacheError, match="PURINEC_CACHE_DIR"):
         cpu.compile_node(small_graph(batch=7).nodes[1])
+
+
+# -- kernels shared by nodes that render to the same code --------------------------------
+
+def by_op(graph: Graph) -> dict[str, list]:
+    groups: dict[str, list] = {}
+    for node in graph.nodes:
+        groups.setdefault(node.op, []).append(node)
+    return groups
+
+
+def test_nodes_with_the_same_code_share_one_file_and_one_compile(cache_dir):
+    graph = twin_graph()
+    kernels = cpu.compile_kernels(graph)
+    assert cache.STATS.compiles == 3 and cache.STATS.misses == 3
+    assert len(list((cache_dir / "cpu").glob("k_*.py"))) == 3
+    for first, second in by_op(graph).values():
+        a, b = kernels[first], kernels[second]
+        assert a is not b and a.fn is b.fn and a.dispatcher is b.dispatcher
+        assert a.path == b.path and cache.code_of(a.source) == cache.code_of(b.source)
+        # each kernel's source quotes its own node; the file, the node it was made for
+        assert node_comment(first) in a.source and node_comment(second) in b.source
+        assert node_comment(second) not in a.source
+        assert a.path.read_text() == a.source
+        assert b.nodes == ((second,) if second.body is None else tuple(second.body))
+    assert [kernels[n].name for n in by_op(graph)["fused"]] == [
+        "fused_bias_add_tanh", "fused_bias_add_tanh_1"]
+
+
+def test_shared_kernels_compute_each_node(cache_dir):
+    graph = twin_graph(batch=4)
+    kernels = cpu.compile_kernels(graph)
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(5, 4)).astype(np.float32)
+    b = rng.normal(size=5).astype(np.float32)
+    for k, (matmul, relu, fused) in enumerate(zip(*by_op(graph).values())):
+        x = rng.normal(size=(4, 4)).astype(np.float32)
+        y, z, t = (np.empty((4, 5), np.float32) for _ in range(3))
+        kernels[matmul].fn(x, w, y)
+        kernels[relu].fn(y, z)
+        kernels[fused].fn(z, b, t)
+        want = np.tanh(np.maximum(x.astype(np.float64) @ w.T, 0) + b)
+        np.testing.assert_allclose(t, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_file_another_node_wrote_is_shared_and_kept(cache_dir):
+    first, second = by_op(twin_graph(batch=5))["relu"]
+    kernel = cpu.compile_node(first)
+    written = kernel.path.stat().st_mtime_ns, kernel.path.read_text()
+    other = cpu.compile_node(second)
+    assert other.path == kernel.path and other.source != kernel.source
+    assert (kernel.path.stat().st_mtime_ns, kernel.path.read_text()) == written
+    assert cache.STATS.hits == 1 and cache.STATS.rewrites == 0
+
+
+def test_comments_that_change_the_code_are_not_trusted(cache_dir):
+    """Same code, but a comment declaring the encoding: Python would read the file
+    differently, so it is rewritten."""
+    node = small_graph(batch=8).nodes[1]
+    source = cpu.render(node)
+    path = cache.kernel_path(source)
+    path.parent.mkdir(parents=True)
+    path.write_text("# -*- coding: latin-1 -*-\n" + source)
+    kernel = cpu.compile_node(node)
+    assert cache.STATS.rewrites == 1 and path.read_text() == source == kernel.source
+    assert source.splitlines()[:2] == list(HEADER)
+
+
+# A child process compiling `twin_graph`, with every value renamed, and reporting the
+# cache's counters and where its kernels live.
+TWIN_CHILD = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    from test_kernel_cache import twin_graph
+    from purinec.codegen import cache, cpu
+    graph = twin_graph()
+    for value in graph.values():
+        value.name = "renamed_" + value.name
+    kernels = cpu.compile_kernels(graph)
+    print(json.dumps({{"stats": cache.STATS.as_dict(),
+                      "paths": sorted({{str(k.path) for k in kernels.values()}})}}))
+""")
+
+
+def test_a_later_process_shares_kernels_made_for_other_nodes(cache_dir):
+    kernels = cpu.compile_kernels(twin_graph())
+    texts = {k.path: k.path.read_text() for k in kernels.values()}
+    env = dict(os.environ, PURINEC_CACHE_DIR=str(cache_dir))
+    code = TWIN_CHILD.format(tests=os.path.dirname(__file__))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    child = json.loads(done.stdout.strip().splitlines()[-1])
+    assert child["paths"] == sorted(str(p) for p in texts)
+    assert child["stats"]["compiles"] == 0 and child["stats"]["loads"] == 3
+    assert child["stats"]["misses"] == 0
+    assert {p: p.read_text() for p in texts} == texts  # still the first nodes' comments
+
+
+STARTUP_CHILD = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from numba import njit
+    import purinec.codegen.cpu
+    hidden = "scipy.linalg" not in sys.modules
+
+    @njit
+    def product(a, b):
+        return np.dot(a, b)
+
+    a = np.arange(6.0).reshape(2, 3)
+    print(hidden, np.array_equal(product(a, a.T), a @ a.T))
+""")
+
+
+def test_numba_starts_without_scipy_linalg_which_still_works_after(cache_dir):
+    env = {k: v for k, v in os.environ.items() if k != "PURINEC_CPU_BLAS"}
+    done = subprocess.run([sys.executable, "-c", STARTUP_CHILD], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True"]

@@ -288,3 +288,17 @@ def test_layers_placed_by_the_model_run_there_with_copies_between(tmp_path, targ
 def test_strategies_other_than_data_stay_within_one_process_for_now():
     with pytest.raises(PurinecError, match="across MPI ranks use --parallel data"):
         Parallel(parse_devices("r0/cpu:0,r1/cpu:0"), "model")
+
+
+def test_a_distributed_program_saves_and_loads_bitwise(tmp_path):
+    program = purinec.compile("mlp", target="cpu", train=SGD, batch=8, devices=2, seed=3)
+    feeds = _feeds(program.ir, np.random.default_rng(2))
+    program.step(feeds)
+    program.save(tmp_path / "dp.purine")
+    loaded = purinec.load(tmp_path / "dp.purine")
+    assert loaded.devices == program.devices and loaded.physical_ir is not None
+    assert program.step(feeds) == loaded.step(feeds)
+    for name in program.params:
+        np.testing.assert_array_equal(loaded.params[name], program.params[name])
+    program.close()
+    loaded.close()

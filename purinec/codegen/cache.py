@@ -2,17 +2,24 @@
 
 Numba can cache compiled code only for functions defined in a real file (not for
 source that was ``exec``'d), and it keys its cache on that file. So every generated
-kernel module is written to ``<cache dir>/<target>/k_<sha256 of its text, 20 hex
+kernel module is written to ``<cache dir>/<target>/k_<sha256 of its code, 20 hex
 digits>.py`` and imported from there as a module registered in ``sys.modules``; its
 functions use ``cache=True``, and Numba keeps their machine code in ``__pycache__``
 beside it, where a later process finds it.
 
+A module's *code* is its text without comment lines (`code_of`). Generated modules
+quote the IR they were made for in comments, so two nodes that render to the same code
+(the same layer twice, one layer on several devices) differ only there: they share one
+file, one import and one Numba compile, in a process and across processes. The file
+keeps the comments of the text that first wrote it.
+
 The cache directory is ``$PURINEC_CACHE_DIR``, else ``~/.cache/purinec``, read at every
-use. A file is trusted only if its text equals the source we would write: anything else
-(truncated, edited, unreadable) is rewritten before it is imported. Files are written to
-a temporary name and then linked or renamed into place, so concurrent writers of the
-same kernel never expose a partial file. Hits and misses are logged at DEBUG on
-``purinec.codegen.cache`` and counted in `STATS`.
+use. A file is trusted only if its code equals the code we would write (and it declares
+no source encoding of its own): anything else (truncated, edited, unreadable) is
+rewritten before it is imported. Files are written to a temporary name and then linked
+or renamed into place, so concurrent writers of the same kernel never expose a partial
+file. Hits and misses are logged at DEBUG on ``purinec.codegen.cache`` and counted in
+`STATS`.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -34,6 +42,8 @@ log = logging.getLogger(__name__)
 
 ENV_VAR = "PURINEC_CACHE_DIR"
 _HASH_CHARS = 20
+# PEP 263: a comment in the first two lines that declares how Python decodes the file.
+_ENCODING_DECLARATION = re.compile(r"^[ \t\f]*#.*?coding[:=]")
 
 
 class CacheError(PurinecError):
@@ -79,16 +89,23 @@ def source_hash(source: str) -> str:
     return hashlib.sha256(source.encode("utf-8")).hexdigest()[:_HASH_CHARS]
 
 
+def code_of(source: str) -> str:
+    """``source`` without its comment lines: what the cache keys and compares."""
+    return "".join(line for line in source.splitlines(keepends=True)
+                   if not line.lstrip().startswith("#"))
+
+
 def kernel_path(source: str, target: str = "cpu") -> Path:
-    """Where the module with this text lives in the cache."""
-    return cache_dir() / target / f"k_{source_hash(source)}.py"
+    """Where the module with this code lives in the cache."""
+    return cache_dir() / target / f"k_{source_hash(code_of(source))}.py"
 
 
 def load_module(source: str, target: str = "cpu") -> types.ModuleType:
-    """The module with text ``source``, written to the cache if needed and imported.
+    """The module with the code of ``source``, written to the cache (as ``source``) if
+    needed and imported.
 
     Importing runs the generated module, so it happens only after its file was checked
-    to hold exactly ``source``. Within a process each file is imported once.
+    to hold the code of ``source``. Within a process each file is imported once.
     """
     path = kernel_path(source, target)
     with _lock:
@@ -108,7 +125,7 @@ def _ensure_file(path: Path, source: str) -> None:
     except (OSError, UnicodeDecodeError) as err:
         log.debug("kernel cache: cannot read %s (%s); rewriting it", path, err)
         found = ""
-    if found == source:
+    if found == source or (found and _same_code(found, source)):
         STATS.hits += 1
         log.debug("kernel cache hit: %s", path)
         return
@@ -121,11 +138,21 @@ def _ensure_file(path: Path, source: str) -> None:
     _write_atomically(path, source, replace=found is not None)
 
 
+def _same_code(found: str, source: str) -> bool:
+    """Whether ``found`` is ``source`` with other comments. A comment declaring the
+    file's encoding is not just a comment (it changes how Python reads the rest), so
+    the first two lines must declare none unless ``source`` does too."""
+    head = found.splitlines()[:2]
+    return (code_of(found) == code_of(source)
+            and (head == source.splitlines()[:2]
+                 or not any(_ENCODING_DECLARATION.match(line) for line in head)))
+
+
 def _write_atomically(path: Path, source: str, replace: bool) -> None:
     """Write ``source`` to a temporary file beside ``path``, then move it into place.
 
     A new file is *linked* into place, which fails instead of overwriting when another
-    process got there first (its file then holds the same text: the name is its hash),
+    process got there first (its file then holds the same code: the name is its hash),
     so a kernel's file keeps its first timestamp and Numba's cache index stays valid. A
     wrong file is replaced by rename, which is atomic too."""
     try:

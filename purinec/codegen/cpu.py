@@ -6,8 +6,11 @@
 
 Each node becomes one module of Python source for Numba (`render`), specialised to its
 shapes and attributes, which the kernel cache (`purinec.codegen.cache`) stores by the
-hash of its text and imports; the kernel is compiled for its exact argument types right
-away, or loaded from Numba's disk cache when a previous process compiled it.
+hash of its code (its text without the comments that quote the IR) and imports; the
+kernel is compiled for its exact argument types right away, or loaded from Numba's disk
+cache when a previous process compiled it. Nodes rendering to the same code share the
+compiled function: in one `compile_kernels` call each gets its own `Kernel` (its own
+source, comments included) around the same ``fn``.
 
 Renderers live in `purinec.codegen.cpu_ops`, `cpu_conv`, `cpu_pool` and `cpu_fused`, and
 are found through `RENDERERS` (op name -> function, ``fused`` included). Elementwise ops
@@ -20,14 +23,19 @@ them for the calling thread.
 
 from __future__ import annotations
 
+import importlib.abc
 import logging
+import re
+import sys
+import threading
+from dataclasses import replace
 
 from numba import types
 from numba.np.numpy_support import from_dtype
 
 from purinec.codegen import cache
 from purinec.codegen import cpu_conv, cpu_fused, cpu_ops, cpu_pool  # noqa: F401  (renderers)
-from purinec.codegen.cpu_runtime import Blocked, limit_blas_threads, set_threads
+from purinec.codegen.cpu_runtime import NUMPY_BLAS, Blocked, limit_blas_threads, set_threads
 from purinec.codegen.cpu_module import DEFAULT_OPTIONS, RENDERERS, CpuOptions, KernelModule
 from purinec.codegen.elementwise import SCALAR_RULES
 from purinec.codegen.kernel import CodegenError, Kernel
@@ -39,6 +47,40 @@ __all__ = ["compile_kernels", "compile_node", "render", "RENDERERS", "SCALAR_RUL
 log = logging.getLogger(__name__)
 
 
+class _HideSciPyLinalg(importlib.abc.MetaPathFinder):
+    """Makes ``scipy.linalg`` unimportable for one thread, while it is on sys.meta_path."""
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+
+    def find_spec(self, name, path, target=None):
+        if name.startswith("scipy.linalg") and threading.get_ident() == self.thread:
+            raise ModuleNotFoundError(f"{name} is hidden while Numba starts", name=name)
+        return None
+
+
+def _start_numba_without_scipy() -> None:
+    """Import Numba's array-math implementations now, with SciPy's linear algebra hidden.
+
+    Numba imports them before it compiles or loads its first function, and with them
+    SciPy's BLAS, only to tell whether ``np.correlate`` may use it: a third of a second,
+    a third of a warm start. Kernels call BLAS through `cpu_runtime` instead, and
+    ``np.dot`` and ``np.linalg`` keep working (Numba imports SciPy when it compiles
+    them). Nothing is hidden when SciPy's BLAS is needed anyway (``NUMPY_BLAS`` is None)
+    or was imported already."""
+    if NUMPY_BLAS is None or "scipy.linalg" in sys.modules:
+        return
+    finder = _HideSciPyLinalg()
+    sys.meta_path.insert(0, finder)
+    try:
+        import numba.np.arraymath  # noqa: F401
+    finally:
+        sys.meta_path.remove(finder)
+
+
+_start_numba_without_scipy()
+
+
 def render_module(node: Node, options: CpuOptions = DEFAULT_OPTIONS) -> KernelModule:
     """The generated module for ``node``, before it is turned into text."""
     renderer = RENDERERS.get(node.op)
@@ -48,7 +90,10 @@ def render_module(node: Node, options: CpuOptions = DEFAULT_OPTIONS) -> KernelMo
                            f"{node!r}{where}); add a renderer for it to "
                            f"purinec.codegen.cpu_ops")
     name = node.attrs["kernel"] if node.body is not None else node.op
-    module = KernelModule(name, [node], node.inputs, node.outputs, options)
+    # Fused nodes are named uniquely in a graph by a suffix (_1, _2...), which the code
+    # leaves out: it would keep identical fused nodes from sharing their kernel.
+    function = re.sub(r"_\d+$", "", name)
+    module = KernelModule(name, [node], node.inputs, node.outputs, options, function)
     with module.body.origin(node):
         renderer(node, module)
     return module
@@ -61,26 +106,36 @@ def render(node: Node, options: CpuOptions = DEFAULT_OPTIONS) -> str:
 
 def compile_kernels(graph: Graph, options: CpuOptions = DEFAULT_OPTIONS
                     ) -> dict[Node, Kernel]:
-    """A compiled kernel for every node of ``graph``."""
-    return {node: compile_node(node, options) for node in graph.nodes}
+    """A compiled kernel for every node of ``graph``; nodes whose code is the same
+    share its ``fn``."""
+    compiled: dict[tuple, Kernel] = {}
+    return {node: compile_node(node, options, compiled) for node in graph.nodes}
 
 
-def compile_node(node: Node, options: CpuOptions = DEFAULT_OPTIONS) -> Kernel:
-    """The compiled kernel of one node (a fused node included)."""
-    return compile_module(render_module(node, options))
+def compile_node(node: Node, options: CpuOptions = DEFAULT_OPTIONS,
+                 compiled: dict[tuple, Kernel] | None = None) -> Kernel:
+    """The compiled kernel of one node (a fused node included). ``compiled`` (code and
+    signature -> kernel) collects the kernels made so far, whose ``fn`` it reuses."""
+    return compile_module(render_module(node, options), compiled)
 
 
-def compile_module(module: KernelModule) -> Kernel:
+def compile_module(module: KernelModule, compiled: dict[tuple, Kernel] | None = None
+                   ) -> Kernel:
     """Store ``module`` in the kernel cache, import it and compile its entry function
-    for the exact types of its arguments (or load it from Numba's disk cache)."""
-    limit_blas_threads()
+    for the exact types of its arguments (or load it from Numba's disk cache); or, if
+    ``compiled`` holds a kernel with its code, share that kernel's function."""
     source = module.text()
+    signature = tuple(_numba_type(value) for _, value in module.params)
+    if module.blocks is not None:
+        signature = (types.intp, types.intp) + signature
+    nodes = tuple(member for node in module.nodes for member in (node.body or [node]))
+    key = (cache.code_of(source), signature)
+    if compiled is not None and key in compiled:
+        return replace(compiled[key], name=module.name, source=source, nodes=nodes)
+    limit_blas_threads()
     where = ", ".join(repr(n) for n in module.nodes)
     try:
-        dispatcher = getattr(cache.load_module(source), module.name)
-        signature = tuple(_numba_type(value) for _, value in module.params)
-        if module.blocks is not None:
-            signature = (types.intp, types.intp) + signature
+        dispatcher = getattr(cache.load_module(source), module.function)
         if signature not in dispatcher.overloads:
             dispatcher.compile(signature)
             if dispatcher.stats.cache_hits.get(signature):
@@ -96,9 +151,11 @@ def compile_module(module: KernelModule) -> Kernel:
         raise CodegenError(f"compiling the cpu kernel for {where} failed ({path}): "
                            f"{type(err).__name__}: {err}") from err
     fn = dispatcher if module.blocks is None else Blocked(dispatcher, module.blocks)
-    nodes = tuple(member for node in module.nodes for member in (node.body or [node]))
-    return Kernel(module.name, source, cache.kernel_path(source), nodes, fn, dispatcher,
-                  signature)
+    kernel = Kernel(module.name, source, cache.kernel_path(source), nodes, fn, dispatcher,
+                    signature)
+    if compiled is not None:
+        compiled[key] = kernel
+    return kernel
 
 
 def _numba_type(value: Value):

@@ -5,12 +5,15 @@
 * ``conv2d``: per image, im2col into a scratch matrix (from a zero-bordered copy of the
   image when there is padding, so the copy loops have constant trip counts and no
   bounds tests) and one GEMM per group. 1x1 convolutions with stride 1 and no padding
-  skip im2col: the image is the matrix;
-* ``conv2d_grad_input``: col2im of ``w^T @ gy`` per image, or, for stride 1 "same"
-  convolutions, a forward convolution of ``gy`` with flipped weights;
-* ``conv2d_grad_weight``: a GEMM per image accumulating in place (BLAS ``beta = 1``);
-  rows of the im2col matrix (columns of the gradient) are independent, so they are
-  what blocks split.
+  skip im2col: the image is the matrix. With stride 1 along rows and enough input
+  channels, one GEMM per kernel row over a matrix ``kh`` times smaller than im2col's
+  (see `_by_kernel_rows`);
+* ``conv2d_grad_input``: col2im of ``w^T @ gy`` per image (by kernel rows, likewise),
+  or, for stride 1 "same" convolutions, a forward convolution of ``gy`` with flipped
+  weights;
+* ``conv2d_grad_weight``: ``gw^T`` by a GEMM per image accumulating in place (BLAS
+  ``beta = 1``), then transposed; rows of the im2col matrix (columns of the gradient)
+  are independent, so they are what blocks split.
 
 Both anchors take an *epilogue* (`purinec.codegen.cpu_fused`): elementwise consumers
 run on each image (or row) right after it is computed, while it is in cache.
@@ -212,23 +215,89 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
         b.line(f"y_img = np.empty(({g.cout}, {g.P}), {dtype_name(node)})")
     else:
         b.line(f"y_mat = {y}.reshape(({g.n}, {g.cout}, {g.P}))")
+    by_rows = _by_kernel_rows(g)
     if g.pointwise:
         b.line(f"x_mat = {x}.reshape(({g.n}, {g.c}, {g.P}))")
+    elif by_rows:
+        _kernel_row_weights(m, node, g, w_mat)
+        b.line(f"col = np.empty(({g.cg * g.kw}, {(g.oh + g.kh - 1) * g.ow}), "
+               f"{dtype_name(node)})")
+        _padded_scratch(m, node, g)
     else:
         b.line(f"col = np.empty(({g.K}, {g.P}), {dtype_name(node)})")
         _padded_scratch(m, node, g)
     with split_loop(m, "n", g.n, g.macs) as n:
         image = "y_img" if y is None else f"y_mat[{n}]"
         with _groups(m, g) as (c0, o0):
-            if g.pointwise:
-                col = row_slice(f"x_mat[{n}]", c0, g.cg, g.c)
+            out = row_slice(image, o0, g.og, g.cout)
+            if by_rows:
+                _row_im2col(m, g, _pad_image(m, g, x, n, c0), "col")
+                _kernel_row_gemms(m, node, g, o0, out)
             else:
-                col = "col"
-                _im2col(m, g, _pad_image(m, g, x, n, c0), col, ("0", str(g.K)), back=False)
-            _gemm(m, node, row_slice(w_mat, o0, g.og, g.cout), col,
-                  row_slice(image, o0, g.og, g.cout), g.og, g.P, g.K, g.K, g.P, g.P)
+                col = row_slice(f"x_mat[{n}]", c0, g.cg, g.c) if g.pointwise else "col"
+                if not g.pointwise:
+                    _im2col(m, g, _pad_image(m, g, x, n, c0), col, ("0", str(g.K)), back=False)
+                _gemm(m, node, row_slice(w_mat, o0, g.og, g.cout), col, out, g.og, g.P, g.K,
+                      g.K, g.P, g.P)
         if epilogue is not None:
             epilogue(n, "y_img" if y is None else None)
+
+
+# Kernel rows: for stride-1 rows, one GEMM per kernel row ``i`` over a matrix holding
+# only the column shifts ``j`` of every padded image row, ``col[(c, j), (row, q)] =
+# image[c, row, q*sw + j]``: the rows ``p + i`` that row ``i`` of the kernel needs are
+# the columns from ``i*ow`` on, a plain matrix with a longer leading dimension. That
+# matrix is about ``kh`` times smaller than im2col's, and the copy is what im2col costs
+# beside the GEMM (a quarter of a 5x5 convolution's time). Short GEMMs (few channels
+# times ``kw``) run slower than one long one, hence `KERNEL_ROWS_MIN_DEPTH`.
+KERNEL_ROWS_MIN_DEPTH = 64
+
+
+def _by_kernel_rows(g: _Conv) -> bool:
+    return g.sh == 1 and g.kh > 1 and g.cg * g.kw >= KERNEL_ROWS_MIN_DEPTH
+
+
+def _kernel_row_weights(m: KernelModule, node: Node, g: _Conv, w_mat: str) -> None:
+    """``w_rows[i, o, c*kw + j] = w[o, c, i, j]``: kernel row ``i``'s weights, a matrix
+    per row."""
+    b, o, c, i, j = m.body, m.fresh("o"), m.fresh("c"), m.fresh("i"), m.fresh("j")
+    b.line(f"w_rows = np.empty(({g.kh}, {g.cout}, {g.cg * g.kw}), {dtype_name(node)})")
+    with b.block(f"for {i} in range({g.kh}):"), b.block(f"for {o} in range({g.cout}):"), \
+            b.block(f"for {c} in range({g.cg}):"), b.block(f"for {j} in range({g.kw}):"):
+        b.line(f"w_rows[{i}, {o}, {affine(c, g.kw, j)}] = "
+               f"{w_mat}[{o}, ({c} * {g.kh} + {i}) * {g.kw} + {j}]")
+
+
+def _row_im2col(m: KernelModule, g: _Conv, image: str, col: str, back: bool = False,
+                rows: tuple[str, str] | None = None) -> None:
+    """``col[c*kw + j, row*ow + q] = image[c, row, q*sw + j]`` for every padded row,
+    for the matrix rows ``r = c*kw + j`` in ``rows`` (all by default), stored at row
+    ``r - rows[0]``; with ``back``, the adjoint: ``image[...] += col[...]``."""
+    b = m.body
+    rows = rows or ("0", str(g.cg * g.kw))
+    r, c, j, row, q = (m.fresh(s) for s in ("r", "c", "j", "row", "q"))
+    with b.block(f"for {r} in range({span_of(*rows)}):"):
+        b.line(f"{c} = {r} // {g.kw}")
+        b.line(f"{j} = {r} % {g.kw}")
+        if rows[0] != "0":
+            r = f"{r} - {rows[0]}"
+        with b.block(f"for {row} in range({g.oh + g.kh - 1}):"), \
+                b.block(f"for {q} in range({g.ow}):"):
+            pixel = f"{image}{c}, {row}, {affine(q, g.sw, j)}]"
+            entry = f"{col}[{r}, {affine(row, g.ow, q)}]"
+            b.line(f"{pixel} += {entry}" if back else f"{entry} = {pixel}")
+
+
+def _kernel_row_gemms(m: KernelModule, node: Node, g: _Conv, o0: str, out: str) -> None:
+    """``out = sum over i of w_rows[i, group] @ col[:, i*ow:]``, the first GEMM
+    writing, the others adding (BLAS beta = 1)."""
+    depth, ld, i = g.cg * g.kw, (g.oh + g.kh - 1) * g.ow, m.fresh("i")
+    weights = f"w_rows[0, {o0}:]" if o0 != "0" else "w_rows[0]"
+    _gemm(m, node, weights, "col", out, g.og, g.P, depth, depth, ld, g.P)
+    with m.body.block(f"for {i} in range(1, {g.kh}):"):
+        weights = f"w_rows[{i}, {o0}:]" if o0 != "0" else f"w_rows[{i}]"
+        _gemm(m, node, weights, f"col[:, {i} * {g.ow}:]", out, g.og, g.P, depth, depth, ld,
+              g.P, beta=1)
 
 
 @renders("conv2d_grad_input")
@@ -264,24 +333,34 @@ def _conv2d_grad_input_as_conv(node: Node, m: KernelModule, g: _Conv) -> None:
 
 
 def _conv2d_grad_input_col2im(node: Node, m: KernelModule, g: _Conv) -> None:
-    """col2im adds into a zeroed padded scratch whose inside is then copied out."""
+    """col2im adds into a zeroed padded scratch whose inside is then copied out. With
+    stride-1 rows, by kernel rows (the adjoint of `_row_im2col`): each row's GEMM
+    adds ``w_rows[i]^T @ gy`` into the columns from ``i*ow`` on of a smaller matrix."""
     (gy, w), (gx,), b = m.inputs, m.outputs, m.body
-    padded = bool(g.ph or g.pw)
+    padded, by_rows = bool(g.ph or g.pw), _by_kernel_rows(g)
     b.line(f"w_mat = {w}.reshape(({g.cout}, {g.K}))")
     b.line(f"gy_mat = {gy}.reshape(({g.n}, {g.cout}, {g.P}))")
     b.line(f"gx_mat = {gx}.reshape(({g.n}, {g.c}, {g.h * g.w}))")
-    b.line(f"col = np.empty(({g.K}, {g.P}), {dtype_name(node)})")
+    if by_rows:
+        _kernel_row_weights(m, node, g, "w_mat")
+        b.line(f"col = np.empty(({g.cg * g.kw}, {(g.oh + g.kh - 1) * g.ow}), "
+               f"{dtype_name(node)})")
+    else:
+        b.line(f"col = np.empty(({g.K}, {g.P}), {dtype_name(node)})")
     _padded_scratch(m, node, g)
     with split_loop(m, "n", g.n, g.macs) as n:
         if not padded:  # col2im adds into gx: start from zero
             b.line(f"gx_mat[{n}] = 0")
         with _groups(m, g) as (c0, o0):
-            _gemm(m, node, row_slice("w_mat", o0, g.og, g.cout),
-                  row_slice(f"gy_mat[{n}]", o0, g.og, g.cout), "col", g.K, g.P, g.og, g.K,
-                  g.P, g.P, trans_a=True)
+            gy_rows = row_slice(f"gy_mat[{n}]", o0, g.og, g.cout)
+            if by_rows:
+                _kernel_row_gemms_back(m, node, g, o0, gy_rows)
+            else:
+                _gemm(m, node, row_slice("w_mat", o0, g.og, g.cout), gy_rows, "col", g.K, g.P,
+                      g.og, g.K, g.P, g.P, trans_a=True)
             if padded:
                 b.line("xpad[:] = 0")
-                _im2col(m, g, "xpad[", "col", ("0", str(g.K)), back=True)
+                _col2im(m, g, "xpad[", by_rows)
                 c, h, wi = m.fresh("c"), m.fresh("h"), m.fresh("w")
                 channel = c if c0 == "0" else f"{c0} + {c}"
                 with b.block(f"for {c} in range({g.cg}):"), \
@@ -290,37 +369,86 @@ def _conv2d_grad_input_col2im(node: Node, m: KernelModule, g: _Conv) -> None:
                            f"xpad[{c}, {affine(h, 1, g.ph)}, {affine(wi, 1, g.pw)}]")
             else:
                 prefix = f"{gx}[{n}, {c0} + " if c0 != "0" else f"{gx}[{n}, "
-                _im2col(m, g, prefix, "col", ("0", str(g.K)), back=True)
+                _col2im(m, g, prefix, by_rows)
+
+
+def _col2im(m: KernelModule, g: _Conv, image: str, by_rows: bool) -> None:
+    """Add ``col`` into ``image``, as `_row_im2col` or `_im2col` laid it out."""
+    if by_rows:
+        _row_im2col(m, g, image, "col", back=True)
+    else:
+        _im2col(m, g, image, "col", ("0", str(g.K)), back=True)
+
+
+def _kernel_row_gemms_back(m: KernelModule, node: Node, g: _Conv, o0: str, gy: str) -> None:
+    """``col[:, i*ow:][:, :P] += w_rows[i, group]^T @ gy`` for every kernel row ``i``,
+    into a zeroed ``col`` (the rows' column ranges overlap)."""
+    depth, ld, i = g.cg * g.kw, (g.oh + g.kh - 1) * g.ow, m.fresh("i")
+    m.body.line("col[:] = 0")
+    with m.body.block(f"for {i} in range({g.kh}):"):
+        weights = f"w_rows[{i}, {o0}:]" if o0 != "0" else f"w_rows[{i}]"
+        _gemm(m, node, weights, gy, f"col[:, {i} * {g.ow}:]", depth, g.P, g.og, depth, g.P,
+              ld, beta=1, trans_a=True)
 
 
 @renders("conv2d_grad_weight")
 def render_conv2d_grad_weight(node: Node, m: KernelModule) -> None:
-    """``gw[group] = sum over images of gy[n, group] @ im2col(x[n, group])^T``, one GEMM
-    per image adding into gw (BLAS beta = 1). Columns of gw, i.e. rows of the im2col
-    matrix, are independent: a block computes columns ``lo:hi`` of every group."""
+    """``gw[group] = sum over images of gy[n, group] @ im2col(x[n, group])^T``, computed
+    transposed: ``gw^T += im2col(x[n]) @ gy[n]^T``, one GEMM per image (and kernel
+    row, see `_by_kernel_rows`) adding into a scratch (BLAS beta = 1), then copied
+    into gw. That way round OpenBLAS multiplies nearly twice as fast (the im2col matrix
+    is the left operand, as stored) than ``gy @ col^T``. Rows of the im2col matrix
+    (columns of gw) are independent: a block computes rows ``lo:hi`` of every group."""
     (x, gy), (gw,), b = m.inputs, m.outputs, m.body
     g = _conv(node.inputs[0].type.shape, node.outputs[0].type.shape,
               node.inputs[1].type.shape, node.attrs)
+    by_rows = _by_kernel_rows(g)
     b.line(f"gy_mat = {gy}.reshape(({g.n}, {g.cout}, {g.P}))")
     b.line(f"gw_mat = {gw}.reshape(({g.cout}, {g.K}))")
     if g.pointwise:
         b.line(f"x_mat = {x}.reshape(({g.n}, {g.c}, {g.P}))")
-    lo, hi = m.split(g.K, g.macs)
-    width = g.K if lo == "0" else f"{hi} - {lo}"
-    b.line(f"gw_mat[:{'' if lo == '0' else f', {lo}:{hi}'}] = 0")
+    count = g.cg * g.kw if by_rows else g.K
+    lo, hi = m.split(count, g.macs)
+    width = count if lo == "0" else f"{hi} - {lo}"
+    shifts = g.kh if by_rows else 1  # kernel rows done by separate GEMMs
+    b.line(f"gw_t = np.zeros(({shifts}, {width}, {g.cout}), {dtype_name(node)})")
     if not g.pointwise:
-        b.line(f"col = np.empty(({width}, {g.P}), {dtype_name(node)})")
+        columns = (g.oh + g.kh - 1) * g.ow if by_rows else g.P
+        b.line(f"col = np.empty(({width}, {columns}), {dtype_name(node)})")
         _padded_scratch(m, node, g)
     n = m.fresh("n")
     with b.block(f"for {n} in range({g.n}):"), _groups(m, g) as (c0, o0):
+        gy_rows = row_slice(f"gy_mat[{n}]", o0, g.og, g.cout)
         if g.pointwise:
             col = f"x_mat[{n}, {c0} + {lo}:{c0} + {hi}]" if lo != "0" else \
                 row_slice(f"x_mat[{n}]", c0, g.cg, g.c)
+            _gemm(m, node, col, gy_rows, f"gw_t[0, :, {o0}:]", width, g.og, g.P, g.P, g.P,
+                  g.cout, beta=1, trans_b=True)
+        elif by_rows:
+            _row_im2col(m, g, _pad_image(m, g, x, n, c0), "col", rows=(lo, hi))
+            i = m.fresh("i")
+            with b.block(f"for {i} in range({g.kh}):"):
+                _gemm(m, node, f"col[:, {i} * {g.ow}:]", gy_rows, f"gw_t[{i}, :, {o0}:]",
+                      width, g.og, g.P, columns, g.P, g.cout, beta=1, trans_b=True)
         else:
-            col = "col"
-            _im2col(m, g, _pad_image(m, g, x, n, c0), col, (lo, hi), back=False)
-        target = row_slice("gw_mat", o0, g.og, g.cout)
-        if lo != "0":
-            target = f"{target}[:, {lo}:{hi}]"
-        _gemm(m, node, row_slice(f"gy_mat[{n}]", o0, g.og, g.cout), col, target, g.og, width,
-              g.P, g.P, g.P, g.K, beta=1, trans_b=True)
+            _im2col(m, g, _pad_image(m, g, x, n, c0), "col", (lo, hi), back=False)
+            _gemm(m, node, "col", gy_rows, f"gw_t[0, :, {o0}:]", width, g.og, g.P, g.P,
+                  g.P, g.cout, beta=1, trans_b=True)
+    _store_weight_gradient(m, g, by_rows, lo, width)
+
+
+def _store_weight_gradient(m: KernelModule, g: _Conv, by_rows: bool, lo: str,
+                           width) -> None:
+    """``gw`` from the scratch ``gw_t[shift, r, o]``: rows ``r`` of im2col's matrix
+    (from ``lo`` on), or of the kernel rows' one (then ``shift`` is the kernel row)."""
+    b = m.body
+    s, r, o, k = m.fresh("s"), m.fresh("r"), m.fresh("o"), m.fresh("k")
+    with b.block(f"for {s} in range({g.kh if by_rows else 1}):"), \
+            b.block(f"for {r} in range({width}):"):
+        row = r if lo == "0" else f"({r} + {lo})"
+        if by_rows:  # row = c*kw + j  ->  column (c*kh + s)*kw + j of gw
+            b.line(f"{k} = ({row} // {g.kw} * {g.kh} + {s}) * {g.kw} + {row} % {g.kw}")
+        else:
+            b.line(f"{k} = {row}")
+        with b.block(f"for {o} in range({g.cout}):"):
+            b.line(f"gw_mat[{o}, {k}] = gw_t[{s}, {r}, {o}]")

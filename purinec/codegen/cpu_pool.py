@@ -3,8 +3,10 @@
 Pooling runs over (batch x channel) planes. Where windows reach outside the input
 (padding, or Caffe's ceil mode letting the last window hang out) the plane is first
 copied into a scratch with a border that never wins a max (-inf) or adds nothing to a
-sum (0), so every window has the same constant size and needs no clipping. The
-gradient of max pooling recomputes each window's first maximum with selects, not
+sum (0), so every window has the same constant size and needs no clipping. Max
+pooling always copies, into one scratch per column phase (column modulo the stride), so
+that neighbouring windows read neighbouring entries and a row of windows vectorises.
+The gradient of max pooling recomputes each window's first maximum with selects, not
 branches. LRN works one image at a time with its window sums in channel order, as the
 reference adds them.
 """
@@ -12,6 +14,7 @@ reference adds them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 
@@ -105,20 +108,66 @@ def _divisor(g: _Pool, p: str, q: str) -> str:
             f"(min({ws} + {g.kw}, {g.w + g.pw}) - ({ws}))")
 
 
+def _phase_scratch(m: KernelModule, node: Node, g: _Pool) -> None:
+    """``plane[phase, row, column]``: the padded plane (`_Pool.span`, border -inf)
+    split by column modulo the column stride (``column = phase + sw * c``), so that
+    neighbouring windows read neighbouring entries and the loop over them
+    vectorises. The border is filled once here and never written again."""
+    rows, cols = g.span
+    m.body.line(f"plane = np.full(({g.sw}, {rows}, {-(-cols // g.sw)}), "
+                f"{literal(-np.inf, node.outputs[0].type.dtype)})")
+
+
+def _fill_phases(m: KernelModule, g: _Pool, x: str, nc: str) -> None:
+    """Copy plane ``nc`` of ``x`` inside the border of the phase planes."""
+    b, h, c = m.body, m.fresh("h"), m.fresh("c")
+    with b.block(f"for {h} in range({g.h}):"):
+        for phase in range(g.sw):
+            first = max(0, -(-(g.pw - phase) // g.sw))  # columns of x: c*sw + phase - pw
+            last = (g.w - 1 + g.pw - phase) // g.sw
+            if last < first:
+                continue
+            with b.block(f"for {c} in range({span_of(str(first), str(last + 1))}):"):
+                b.line(f"plane[{phase}, {affine(h, 1, g.ph)}, {c}] = "
+                       f"{x}[{nc}, {h}, {affine(c, g.sw, phase - g.pw)}]")
+
+
+def _window(g: _Pool, p: str, q: str, i: int | str, j: int | str) -> str:
+    """Element ``(i, j)`` of window ``(p, q)`` in the phase planes."""
+    if isinstance(j, str):
+        return f"plane[{j} % {g.sw}, {affine(p, g.sh, i)}, {q} + {j} // {g.sw}]"
+    return f"plane[{j % g.sw}, {affine(p, g.sh, i)}, {affine(q, 1, j // g.sw)}]"
+
+
+UNROLL_MAX = 25  # windows up to this size are unrolled (constant phases and offsets)
+
+
+def _window_elements(m: KernelModule, g: _Pool) -> Iterator[tuple[int | str, int | str]]:
+    """For each element of a window in row-major order, ``(i, j)``: constants for
+    small windows (the caller writes its body once per element), loop variables for
+    big ones (the body is written once, inside the two loops opened here)."""
+    if g.kh * g.kw <= UNROLL_MAX:
+        yield from ((i, j) for i in range(g.kh) for j in range(g.kw))
+        return
+    i, j = m.fresh("i"), m.fresh("j")
+    with m.body.block(f"for {i} in range({g.kh}):"), m.body.block(f"for {j} in range({g.kw}):"):
+        yield i, j
+
+
 @renders("max_pool2d")
 def render_max_pool2d(node: Node, m: KernelModule) -> None:
     g = _pool(node.inputs[0].type.shape, node.attrs)
     x, y = _plane_views(m, g, [(m.inputs[0], False), (m.outputs[0], True)])
     b = m.body
-    p, q, i, j, best, v = (m.fresh(s) for s in ("p", "q", "i", "j", "best", "v"))
-    _plane_scratch(m, node, g, "plane", -np.inf)
+    p, q, best, v = (m.fresh(s) for s in ("p", "q", "best", "v"))
+    _phase_scratch(m, node, g)
     nc = _planes(m, g)
     with b.indent():
-        src = _padded_plane(m, g, x, nc)
+        _fill_phases(m, g, x, nc)
         with b.block(f"for {p} in range({g.oh}):"), b.block(f"for {q} in range({g.ow}):"):
-            b.line(f"{best} = {src}{affine(p, g.sh, 0)}, {affine(q, g.sw, 0)}]")
-            with b.block(f"for {i} in range({g.kh}):"), b.block(f"for {j} in range({g.kw}):"):
-                b.line(f"{v} = {src}{affine(p, g.sh, i)}, {affine(q, g.sw, j)}]")
+            b.line(f"{best} = {_window(g, p, q, 0, 0)}")
+            for i, j in _window_elements(m, g):
+                b.line(f"{v} = {_window(g, p, q, i, j)}")
                 with b.block(f"if {v} > {best}:"):
                     b.line(f"{best} = {v}")
             b.line(f"{y}[{nc}, {p}, {q}] = {best}")
@@ -127,30 +176,37 @@ def render_max_pool2d(node: Node, m: KernelModule) -> None:
 @renders("max_pool2d_grad")
 def render_max_pool2d_grad(node: Node, m: KernelModule) -> None:
     """Each gradient goes to the first maximum (row-major) of its window, recomputed
-    from x; overlapping windows add up."""
+    from x; overlapping windows add up. Per row of windows, first where each maximum
+    is (a loop that vectorises: windows are independent), then the sums (which are
+    not: overlapping windows add to the same entries)."""
     g = _pool(node.inputs[0].type.shape, node.attrs)
     x, gy, gx = _plane_views(m, g, [(m.inputs[0], False), (m.inputs[2], True),
                                     (m.outputs[0], False)])
     b = m.body
-    p, q, i, j, v, best, at, better = (m.fresh(s) for s in (
-        "p", "q", "i", "j", "v", "best", "at", "better"))
-    _plane_scratch(m, node, g, "plane", -np.inf)
+    p, q, v, best, at, better = (m.fresh(s) for s in ("p", "q", "v", "best", "at", "better"))
+    _phase_scratch(m, node, g)
+    b.line(f"where = np.empty({g.ow}, np.int32)")
     nc = _planes(m, g)
     with b.indent():
         b.line(f"{gx}[{nc}] = 0")
-        src = _padded_plane(m, g, x, nc)
-        with b.block(f"for {p} in range({g.oh}):"), b.block(f"for {q} in range({g.ow}):"):
-            b.line(f"{best} = {src}{affine(p, g.sh, 0)}, {affine(q, g.sw, 0)}]")
-            b.line(f"{at} = 0")
-            # selects, not branches: which element wins is data, and unpredictable
-            with b.block(f"for {i} in range({g.kh}):"), b.block(f"for {j} in range({g.kw}):"):
-                b.line(f"{v} = {src}{affine(p, g.sh, i)}, {affine(q, g.sw, j)}]")
-                b.line(f"{better} = {v} > {best}")
-                b.line(f"{best} = {v} if {better} else {best}")
-                b.line(f"{at} = {affine(i, g.kw, j)} if {better} else {at}")
-            row = affine(p, g.sh, f"{at} // {g.kw}" + (f" - {g.ph}" if g.ph else ""))
-            col = affine(q, g.sw, f"{at} % {g.kw}" + (f" - {g.pw}" if g.pw else ""))
-            b.line(f"{gx}[{nc}, {row}, {col}] += {gy}[{nc}, {p}, {q}]")
+        _fill_phases(m, g, x, nc)
+        with b.block(f"for {p} in range({g.oh}):"):
+            with b.block(f"for {q} in range({g.ow}):"):
+                b.line(f"{best} = {_window(g, p, q, 0, 0)}")
+                b.line(f"{at} = np.int32(0)")
+                # selects, not branches: which element wins is data, and unpredictable
+                for i, j in _window_elements(m, g):
+                    b.line(f"{v} = {_window(g, p, q, i, j)}")
+                    b.line(f"{better} = {v} > {best}")
+                    b.line(f"{best} = {v} if {better} else {best}")
+                    index = affine(i, g.kw, j) if isinstance(i, str) else i * g.kw + j
+                    b.line(f"{at} = np.int32({index}) if {better} else {at}")
+                b.line(f"where[{q}] = {at}")
+            with b.block(f"for {q} in range({g.ow}):"):
+                b.line(f"{at} = where[{q}]")
+                row = affine(p, g.sh, f"{at} // {g.kw}" + (f" - {g.ph}" if g.ph else ""))
+                col = affine(q, g.sw, f"{at} % {g.kw}" + (f" - {g.pw}" if g.pw else ""))
+                b.line(f"{gx}[{nc}, {row}, {col}] += {gy}[{nc}, {p}, {q}]")
 
 
 @renders("avg_pool2d")

@@ -21,8 +21,11 @@ class Kernel:
 
     ``fn(*inputs, *outputs)`` runs it: inputs are read, outputs (preallocated,
     C-contiguous, of the declared types) are filled completely. ``source`` is the
-    module text stored at ``path`` in the kernel cache; ``nodes`` are the IR nodes it
-    computes (one, or a fused node). ``dispatcher`` is the Numba function ``fn`` calls
+    module text generated for ``nodes``, the IR nodes it computes (one, or a fused
+    node's members); the file at ``path`` in the kernel cache holds the same code, with
+    the comments of whichever node wrote it first (nodes with the same code share the
+    file, and in one `compile_kernels` call, ``fn``). ``dispatcher`` is the Numba
+    function ``fn`` calls
     (directly, or once per block of a blocked kernel), compiled for ``signature``, the
     code `llvm` and `asm` show.
     """
