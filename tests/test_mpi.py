@@ -222,9 +222,11 @@ def test_a_rank_failing_outside_a_run_ends_the_job(how, message):
 # Whole programs over ranks.
 
 
-@pytest.mark.parametrize("model,batch", [("lenet", 12), ("cifar_quick", 10)])
-def test_data_parallel_training_over_two_ranks_equals_one_device(tmp_path, model, batch):
-    ran(mpirun(2, "train_equal.py", model, batch, "reference", tmp_path))
+@pytest.mark.parametrize("model,batch,per_rank", [("lenet", 12, 1), ("cifar_quick", 10, 1),
+                                                  ("lenet", 12, 2)])
+def test_data_parallel_training_over_two_ranks_equals_one_device(tmp_path, model, batch,
+                                                                 per_rank):
+    ran(mpirun(2, "train_equal.py", model, batch, "reference", tmp_path, per_rank))
     ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
     for rank in ranks:
         one_loss, many_loss = rank["losses"].T

@@ -1,6 +1,6 @@
 """Data-parallel training over every rank of the job against one device, in each rank:
-``train_equal.py MODEL BATCH TARGET OUT_DIR``. Each rank saves the losses and both
-programs' parameters after two iterations to OUT_DIR/rank<R>.npz."""
+``train_equal.py MODEL BATCH TARGET OUT_DIR [DEVICES_PER_RANK]``. Each rank saves the
+losses and both programs' parameters after two iterations to OUT_DIR/rank<R>.npz."""
 
 import sys
 
@@ -10,9 +10,10 @@ import purinec
 from purinec.runtime import comm
 
 model, batch, target, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+per_rank = int(sys.argv[5]) if len(sys.argv) > 5 else 1
 world = comm.world()
 sgd = purinec.SGD(lr=0.05, momentum=0.9, weight_decay=5e-4)
-devices = ",".join(f"r{r}/cpu:0" for r in range(world.size))
+devices = ",".join(f"r{r}/cpu:{i}" for r in range(world.size) for i in range(per_rank))
 many = purinec.compile(model, target=target, train=sgd, batch=batch, seed=7, devices=devices,
                        parallel="data")
 one = purinec.compile(model, target="reference", train=sgd, batch=batch, seed=7)
