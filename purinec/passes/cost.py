@@ -161,6 +161,11 @@ RULES.update({
     "cast": lambda node: 0,
     "fill": lambda node: 0,
     "dropout_mask": lambda node: 0,
+    # Communication: moving data; an allreduce adds each member's tensors into the sum.
+    "copy": lambda node: 0,
+    "slice": lambda node: 0,
+    "allgather": lambda node: 0,
+    "allreduce": lambda node: sum(v.type.size for v in node.inputs),
     # A fused group (purinec.passes.fuse): its members, one by one.
     "fused": lambda node: sum(node_flops(member) for member in node.body),
 })
