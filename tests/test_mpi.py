@@ -218,6 +218,12 @@ def test_a_rank_failing_outside_a_run_ends_the_job(how, message):
     assert f"purinec: rank 1: {message}" in done.stderr, done.stderr
 
 
+def test_a_killed_rank_ends_the_job_instead_of_hanging():
+    done = mpirun(2, "fails.py", "-", "die")
+    assert done.returncode != 0
+    assert "signal 9" in done.stdout + done.stderr
+
+
 # ---------------------------------------------------------------------------------------
 # Whole programs over ranks.
 

@@ -302,3 +302,40 @@ def test_a_distributed_program_saves_and_loads_bitwise(tmp_path):
         np.testing.assert_array_equal(loaded.params[name], program.params[name])
     program.close()
     loaded.close()
+
+
+def _partial_graph(sizes: list[int]) -> tuple[Graph, list]:
+    """Partial sums of the given sizes, each allreduced by the boxing pass."""
+    group = (Device("cpu", 0), Device("cpu", 1))
+    g = Graph("buckets")
+    partial = Distribution(DistKind.partial, group)
+    whole = Distribution(DistKind.replicated, group)
+    reduced = []
+    for i, n in enumerate(sizes):
+        x = g.add_input(f"g{i}", TensorType((n,), DType.f32), group[0], dist=partial)
+        reduced.append(convert(g, x, whole, f"use {i}")[0])
+    return g, reduced
+
+
+def test_buckets_fill_up_to_their_size_in_order():
+    from purinec.passes.parallel.bucket import bucket
+
+    g, reduced = _partial_graph([100, 100, 200_000, 100])  # f32: 400 B, 400 B, 800 kB
+    g.nodes = reduced
+    g.set_outputs([(f"y{i}", n.outputs[0]) for i, n in enumerate(reduced)])
+    merged = bucket(g, limit=1000)
+    assert [len(n.inputs) for n in merged.nodes] == [2, 1, 1]
+    assert merged.nodes[0].attrs["tensors"] == 2
+    verify(merged)
+
+
+def test_a_bucket_never_grows_past_a_read_of_its_results():
+    from purinec.passes.parallel.bucket import bucket
+
+    g, reduced = _partial_graph([10, 10])
+    read = g.make_node("relu", [reduced[0].outputs[0]], names=["r"])
+    read.outputs[0].dist = reduced[0].outputs[0].dist
+    g.nodes = [reduced[0], read, reduced[1]]  # the first sum is needed before the second
+    g.set_outputs([("r", read.outputs[0]), ("y1", reduced[1].outputs[0])])
+    merged = bucket(g, limit=1 << 20)
+    assert [n.op for n in merged.nodes] == ["allreduce", "relu", "allreduce"]
