@@ -165,12 +165,16 @@ def is_distributed(graph: Graph) -> bool:
 def rank_of(graph: Graph) -> int:
     """This process's rank in the job ``graph`` is laid out for: 0 unless its devices
     span ranks, which needs a job started with mpiexec of the right size."""
-    ranks = {d.rank for v in graph.inputs if v.dist is not None for d in v.dist.group}
-    if ranks <= {0}:
-        return 0
     from purinec.runtime import comm
 
+    ranks = {d.rank for v in graph.inputs if v.dist is not None for d in v.dist.group}
     world = comm.world()
+    if ranks <= {0} and world.size > 1:
+        raise PurinecError(f"graph {graph.name} is laid out over devices of rank 0 only, but "
+                           f"this job has {world.size} ranks: name devices of every rank "
+                           f"(r1/cpu:0, ...) or leave --devices out for one device per rank")
+    if ranks <= {0}:
+        return 0
     if world.size != max(ranks) + 1:
         raise PurinecError(f"graph {graph.name} is laid out over {max(ranks) + 1} ranks but "
                            f"this job has {world.size}; start it with "

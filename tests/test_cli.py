@@ -372,3 +372,14 @@ def test_train_on_two_devices_draws_its_timeline(tmp_path):
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     accuracy = float(result.stdout.split("test accuracy")[-1].splitlines()[0])
     assert accuracy > 0.8
+
+
+def test_run_on_two_devices_gives_the_one_device_outputs(tmp_path):
+    args = ["run", "lenet", "--batch", "6", "--target", "cpu", "--seed", "3"]
+    one = purinec(*args, "--output", tmp_path / "one.npz")
+    two = purinec(*args, "--devices", "cpu:0,cpu:1", "--output", tmp_path / "two.npz",
+                  "--timeline", tmp_path / "t.svg")
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    with np.load(tmp_path / "one.npz") as a, np.load(tmp_path / "two.npz") as b:
+        np.testing.assert_allclose(b["logits"], a["logits"], rtol=1e-5, atol=1e-6)
+    assert (tmp_path / "t.svg").read_text().lstrip().startswith("<?xml")

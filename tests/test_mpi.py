@@ -260,3 +260,11 @@ def test_purinec_train_under_mpiexec(tmp_path):
     accuracy = float(done.stdout.split("test accuracy")[-1].splitlines()[0])
     assert accuracy > 0.8
     assert checkpoint.exists()
+
+
+def test_devices_of_one_rank_in_a_job_of_two_is_an_error(tmp_path):
+    done = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-m", "purinec", "train",
+                           "mlp", "--devices", "2", "--epochs", "1", "--quiet"],
+                          capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
+    assert done.returncode != 0
+    assert "laid out over devices of rank 0 only, but this job has 2 ranks" in done.stderr
