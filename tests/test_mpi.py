@@ -73,7 +73,7 @@ def test_collectives_within_one_rank_need_no_mpi():
 def test_a_group_beyond_this_world_asks_for_mpiexec():
     graph = Graph("g")
     x = graph.add_input("x.p0", TensorType((3,), DType.f32))
-    node = graph.add_node("allreduce", [x], attrs={"group": "cpu:0,r2/cpu:0"})
+    graph.add_node("allreduce", [x], attrs={"group": "cpu:0,r2/cpu:0"})
     with pytest.raises(PurinecError, match=r"spans ranks 0, 2 .* rank 0 of 1.*mpiexec -n 3"):
         comm.comm_kernels(graph.nodes, comm.world())
 

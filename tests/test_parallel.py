@@ -14,7 +14,7 @@ from purinec.ir.graph import Graph, member_name
 from purinec.ir.parser import parse
 from purinec.ir.types import Device, DistKind, Distribution, DType, TensorType
 from purinec.ir.verify import verify
-from purinec.passes.parallel import (Parallel, conversion_cost, convert, explain, parallelize,
+from purinec.passes.parallel import (Parallel, conversion_cost, convert, explain,
                                      parse_devices, partition)
 from purinec.runtime.reference import execute
 

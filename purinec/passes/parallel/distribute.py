@@ -4,10 +4,15 @@ inserting the boxing conversions wherever a consumer needs another one.
 A strategy sets the distributions of the graph's inputs; each node then takes the split
 signature of its op (from the registry) that is cheapest given its inputs' current
 distributions: bytes its inputs' conversions move, plus what its outputs will cost to
-convert where the graph returns them, plus a small charge for computing a value whole on
-every device where it could be split. An op with no signature that fits runs replicated.
-Conversions are placed right after their producer, so a gradient's allreduce comes as
-early in the schedule as the gradient does.
+convert where the graph returns them (half an allreduce for a partial sum), plus the
+work repeated when a value is computed whole on every device (FLOPs, at FLOPS_PER_BYTE).
+An op with no signature that fits runs replicated. The choice is greedy, node by node in
+order. Conversions are placed right after their producer, so a gradient's allreduce
+comes as early in the schedule as the gradient does.
+
+Strategies that do not spread nodes over the group ("pipeline" after its stages and
+micro-batches, "placement" for models that place layers themselves) run each node on
+its own device, whole, and only get copies where a consumer sits elsewhere.
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ from purinec.errors import PurinecError
 from purinec.ir.graph import Graph, Node, Value
 from purinec.ir.ops import SplitSignature, get_op
 from purinec.ir.types import Device, DistKind, Distribution, TensorType
-from purinec.passes.parallel.boxing import conversion_cost, convert
 from purinec.passes.cost import node_flops
+from purinec.passes.parallel.boxing import conversion_cost, convert
 from purinec.passes.parallel.bucket import bucket
 
 # Strategies that spread every node over all the devices; the others run each node on
