@@ -26,6 +26,7 @@ from purinec.runtime.collectives import HOST_OPS, host_kernel, spans_ranks
 from purinec.runtime.distributed import DistributedExecutable
 from purinec.runtime.reference import execute
 
+
 @dataclass(frozen=True)
 class Target:
     """Where a program runs: how to build an executable from final IR (the contract in
