@@ -456,6 +456,8 @@ def cmd_train(args) -> int:
             trace.clear()  # the timeline shows the last epoch: memory stays bounded
         print(f"epoch {e.epoch:3d}  loss {e.loss:.4f}  train accuracy {e.train_accuracy:.4f}"
               f"  test accuracy {e.test_accuracy:.4f}", flush=True)
+        if checkpoint_path:
+            program.gather_weights()  # every rank: weights may be split over ranks
         if checkpoint_path and _reporting_rank():
             Checkpoint(e.epoch, seed, data_spec).save(program, checkpoint_path)
             print(f"             checkpoint {checkpoint_path} (epoch {e.epoch})", flush=True)

@@ -346,6 +346,7 @@ class Program:
         self._run_eval = (self._run_main if self.eval_ir is graph
                           else self._executable(self.eval_ir, trace))
         self.last_outputs: dict[str, np.ndarray] = {}  # of the latest step
+        self._partial_weights = False  # weights split over ranks, not gathered since
 
     @classmethod
     def from_ir(cls, graph: Graph, eval_graph: Graph | None = None, target: str = "reference",
@@ -419,6 +420,7 @@ class Program:
             raise PurinecError("this program was compiled for inference; compile with "
                                "train=purinec.SGD(...) to train it")
         outputs = self._run_main(self._env(self.ir, feeds))
+        self._partial_weights = getattr(self._run_main, "spans_ranks", False)
         for name, value in outputs.items():
             for store in (self.params, self.state):
                 if name in store:
@@ -426,12 +428,24 @@ class Program:
         self.last_outputs = outputs
         return float(outputs["loss"])
 
+    def gather_weights(self) -> None:
+        """Make every parameter and state array whole on this rank. Needed only when a
+        strategy splits weights over MPI ranks (model, hybrid): after a step each rank
+        holds its own pieces. Collective: every rank of the job must call it."""
+        gather = getattr(self._run_main, "gather_variables", None)
+        if gather is not None:
+            gather({**self.params._arrays, **self.state._arrays})
+        self._partial_weights = False
+
     def save(self, path: str | os.PathLike, metadata: dict | None = None):
         """Write this program (IR, weights, kernel sources) to a ``.purine`` artifact,
         atomically. ``metadata`` is merged into `self.metadata` and stored with it.
         Returns a `purinec.artifact.Saved` describing what was written."""
         from purinec.artifact import save
 
+        if self._partial_weights:
+            raise PurinecError("this rank holds only its pieces of weights split over MPI "
+                               "ranks: call gather_weights() on every rank before saving")
         merged = {**self.metadata, **(metadata or {})}
         saved = save(self, path, merged)
         self.metadata = merged

@@ -228,11 +228,12 @@ def test_a_killed_rank_ends_the_job_instead_of_hanging():
 # Whole programs over ranks.
 
 
-@pytest.mark.parametrize("model,batch,per_rank", [("lenet", 12, 1), ("cifar_quick", 10, 1),
-                                                  ("lenet", 12, 2)])
-def test_data_parallel_training_over_two_ranks_equals_one_device(tmp_path, model, batch,
-                                                                 per_rank):
-    ran(mpirun(2, "train_equal.py", model, batch, "reference", tmp_path, per_rank))
+@pytest.mark.parametrize("model,batch,per_rank,strategy", [
+    ("lenet", 12, 1, "data"), ("cifar_quick", 10, 1, "data"), ("lenet", 12, 2, "data"),
+    ("lenet", 12, 1, "model"), ("cifar_quick", 10, 1, "hybrid")])
+def test_training_over_two_ranks_equals_one_device(tmp_path, model, batch, per_rank,
+                                                   strategy):
+    ran(mpirun(2, "train_equal.py", model, batch, "reference", tmp_path, per_rank, strategy))
     ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
     for rank in ranks:
         one_loss, many_loss = rank["losses"].T

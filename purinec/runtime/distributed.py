@@ -90,6 +90,32 @@ class DistributedExecutable:
                 array[index] = result
         return array
 
+    @property
+    def spans_ranks(self) -> bool:
+        """Whether some split variable has pieces on other ranks (then no rank holds it
+        whole after a step until `gather_variables`)."""
+        return any(v.name in self.variables and v.dist.kind is DistKind.split and
+                   len(members) < len(v.dist.group) for v, members in self.inputs)
+
+    def gather_variables(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Make every split variable whole in ``arrays`` (the program's own, by name) on
+        every rank, each rank sending the pieces its members hold. Collective: every rank
+        of the job must call it."""
+        if not self.spans_ranks:
+            return
+        from purinec.runtime import comm
+
+        split = [v for v, _ in self.inputs
+                 if v.name in self.variables and v.dist.kind is DistKind.split]
+        mine = {v.name: {k: piece for k, (_, piece) in
+                         self._pieces(v, arrays[v.name], members).items()}
+                for v, members in self.inputs if v in split}
+        for theirs in comm.world().comm.allgather(mine):
+            for v in split:
+                indexes = self._pieces(v, arrays[v.name], list(enumerate(v.dist.group)))
+                for k, piece in theirs.get(v.name, {}).items():
+                    arrays[v.name][indexes[k][0]] = piece
+
     def _replicas(self, v, array: np.ndarray, members) -> dict[str, np.ndarray]:
         name, n = v.name, len(v.dist.group)
         first, *others = [k for k, _ in members]
