@@ -366,7 +366,8 @@ class Program:
             self.physical_ir = physical
         if graph is self.eval_ir:
             self.physical_eval_ir = physical
-        return DistributedExecutable(graph, build(physical, trace), rank)
+        ranks = len({d.rank for v in graph.inputs for d in v.dist.group})
+        return DistributedExecutable(graph, build(physical, trace), rank, ranks)
 
     def executed_graphs(self) -> list[Graph]:
         """The graphs this process runs: the final IR, or this rank's physical graphs."""

@@ -285,9 +285,6 @@ def test_layers_placed_by_the_model_run_there_with_copies_between(tmp_path, targ
     placed.close()
 
 
-def test_pipelines_stay_within_one_process_for_now():
-    with pytest.raises(PurinecError, match="across MPI ranks use data, model or hybrid"):
-        Parallel(parse_devices("r0/cpu:0,r1/cpu:0"), "pipeline")
 
 
 def test_a_distributed_program_saves_and_loads_bitwise(tmp_path):

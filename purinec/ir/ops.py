@@ -939,7 +939,32 @@ def _slice_ref(x, axis, start, stop):
     return (np.ascontiguousarray(x[tuple(index)]),)
 
 
-COMM_OPS = ("copy", "allreduce", "allgather")
+def _send_infer(types, attrs):
+    _peer_attr("send", attrs)
+    return [TensorType((), DType.bool)]
+
+
+def _recv_infer(types, attrs):
+    _peer_attr("recv", attrs)
+    return [TensorType(_shape_attr("recv", attrs), _dtype_attr("recv", attrs))]
+
+
+def _peer_attr(op: str, attrs: dict):
+    from purinec.ir.types import Device
+
+    try:
+        return Device.parse(attrs["peer"])
+    except ValueError as err:
+        raise VerifyError(f"op {op}: attribute peer: {err}") from None
+
+
+def _across_ranks(op: str):
+    def refuse(*args, **kwargs):
+        raise ValueError(f"{op} moves data between MPI ranks; it has no in-process reference")
+    return refuse
+
+
+COMM_OPS = ("copy", "allreduce", "allgather", "send", "recv")
 
 register(OpDef("copy", ("x",), _copy_infer, lambda x: (x.copy(),), X, differentiable=False,
                doc="the same tensor on another device"))
@@ -953,6 +978,15 @@ register(OpDef("allgather", ("xs",), _allgather_infer, _allgather_ref, X,
                variadic=True, differentiable=False,
                doc="every member gets the concatenation of the members' pieces along axis; "
                    "one input and one output for each member on this rank"))
+# A copy between ranks: the sending rank's half (its output is a token that the send
+# completed, read by nobody) and the receiving rank's, matched by tag.
+register(OpDef("send", ("x",), _send_infer, _across_ranks("send"), X,
+               attrs={"peer": Attr("str"), "tag": Attr("int")}, differentiable=False,
+               doc="x to device `peer` on another rank; the output says it was sent"))
+register(OpDef("recv", (), _recv_infer, _across_ranks("recv"), X,
+               attrs={"peer": Attr("str"), "tag": Attr("int"), "shape": Attr("ints"),
+                      "dtype": Attr("str", "f32")}, differentiable=False,
+               doc="the tensor that `peer` on another rank sends with the same tag"))
 register(OpDef("slice", ("x",), _slice_infer, _slice_ref, I,
                attrs={"axis": Attr("int"), "start": Attr("int"), "stop": Attr("int")},
                differentiable=False, doc="x[start:stop] along axis"))

@@ -165,6 +165,8 @@ RULES.update({
     "copy": lambda node: 0,
     "slice": lambda node: 0,
     "allgather": lambda node: 0,
+    "send": lambda node: 0,
+    "recv": lambda node: 0,
     "allreduce": lambda node: sum(v.type.size for v in node.inputs),
     # A fused group (purinec.passes.fuse): its members, one by one.
     "fused": lambda node: sum(node_flops(member) for member in node.body),

@@ -108,12 +108,40 @@ def comm_kernels(nodes: Iterable[Node], world: World) -> dict[Node, Callable]:
     (`mpi_kernel` alone) could deadlock if two ranks met shared groups in different
     orders."""
     nodes = list(nodes)
+    kernels = {node: _point_to_point(node, world) for node in nodes
+               if node.op in POINT_TO_POINT}
+    nodes = [node for node in nodes if node.op not in POINT_TO_POINT]
     spans = sorted({_ranks(_group(node)) for node in nodes})
     for ranks in spans:
         if len(ranks) > 1 and world.rank in ranks:  # (mpi_kernel refuses the others)
             _check_world(ranks, world, f"node {nodes[0]!r}")
             world.group_comm(ranks)
-    return {node: mpi_kernel(node, world) for node in nodes}
+    return {**kernels, **{node: mpi_kernel(node, world) for node in nodes}}
+
+
+POINT_TO_POINT = ("send", "recv")
+
+
+def _point_to_point(node: Node, world: World) -> Callable:
+    """A ``send`` (Isend of its input; its token output set once sent) or a ``recv``
+    (Irecv into its output) to or from the peer's rank, matched by the node's tag."""
+    peer = Device.parse(node.attrs["peer"])
+    _check_world(tuple(sorted((world.rank, peer.rank))), world, f"node {node!r}")
+    if peer.rank == world.rank:
+        raise PurinecError(f"node {node!r}: {node.op} to its own rank; a copy within a rank "
+                           f"is a copy node")
+    tag = node.attrs["tag"]
+
+    if node.op == "send":
+        def send(x: np.ndarray, sent: np.ndarray) -> _Pending:
+            sent[()] = False
+            request = world.comm.Isend(x, dest=peer.rank, tag=tag)
+            return _Pending([request], lambda: sent.fill(True))
+        return send
+
+    def receive(y: np.ndarray) -> _Pending:
+        return _Pending([world.comm.Irecv(y, source=peer.rank, tag=tag)], lambda: None)
+    return receive
 
 
 def mpi_kernel(node: Node, world: World) -> Callable:

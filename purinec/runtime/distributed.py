@@ -26,11 +26,15 @@ class DistributedExecutable:
     """``exe(env) -> outputs`` over logical names, running ``physical`` (an executable
     of the physical graph of ``rank``)."""
 
-    def __init__(self, logical: Graph, physical: Callable, rank: int):
+    def __init__(self, logical: Graph, physical: Callable, rank: int, ranks: int = 1):
         self.physical = physical
         self.inputs = [(v, v.dist.members_on(rank)) for v in logical.inputs]
         self.outputs = [(name, [k for k, _ in v.dist.members_on(rank)], len(v.dist.group))
                         for name, v in logical.outputs]
+        # Outputs that live on some ranks only (a pipeline's loss on its last stage):
+        # after each call their owner broadcasts them, so every rank returns them.
+        self.owners = {name: min(d.rank for d in v.dist.group) for name, v in logical.outputs
+                       if len({d.rank for d in v.dist.group}) < ranks}
         self.variables = {v.name for v in logical.inputs_with_role(*VARIABLE_ROLES)}
         self.replicas: dict[tuple[str, int], np.ndarray] = {}
         self.synced: dict[str, np.ndarray] = {}  # the array the replicas were made from
@@ -39,6 +43,8 @@ class DistributedExecutable:
         physical_env = {}
         split_variables = {}
         for v, members in self.inputs:
+            if not members:
+                continue  # it lives on other ranks
             array = env[v.name]
             if v.dist.kind is DistKind.split:
                 pieces = self._pieces(v, array, members)
@@ -55,6 +61,8 @@ class DistributedExecutable:
         results = self.physical(physical_env)
         outputs = {}
         for name, members, n in self.outputs:
+            if not members:
+                continue
             if name in split_variables:
                 outputs[name] = self._assembled(name, n, results, *split_variables[name])
                 continue
@@ -63,7 +71,21 @@ class DistributedExecutable:
                 for k in members[1:]:
                     self.replicas[name, k] = results[member_name(name, k, n)]
                 self.synced[name] = outputs[name]
+        self._share_outputs(outputs)
         return outputs
+
+    def _share_outputs(self, outputs: dict[str, np.ndarray]) -> None:
+        """Every rank gets the outputs that live elsewhere (variables excepted: see
+        `gather_variables`); every rank takes part, in the same order."""
+        if not self.owners:
+            return
+        from purinec.runtime import comm
+
+        world = comm.world()
+        for name, owner in self.owners.items():
+            if name in self.variables:
+                continue
+            outputs[name] = world.comm.bcast(outputs.get(name), root=owner)
 
     @staticmethod
     def _pieces(v, array: np.ndarray, members) -> dict[int, tuple[tuple, np.ndarray]]:
@@ -90,31 +112,47 @@ class DistributedExecutable:
                 array[index] = result
         return array
 
+    def _elsewhere(self, v, members) -> bool:
+        """Whether this rank lacks some of variable ``v`` after a step: pieces of a split
+        one, or all of one that lives on other ranks only."""
+        return v.name in self.variables and (
+            not members or v.dist.kind is DistKind.split and len(members) < len(v.dist.group))
+
     @property
     def spans_ranks(self) -> bool:
-        """Whether some split variable has pieces on other ranks (then no rank holds it
-        whole after a step until `gather_variables`)."""
-        return any(v.name in self.variables and v.dist.kind is DistKind.split and
-                   len(members) < len(v.dist.group) for v, members in self.inputs)
+        """Whether some variable is not whole on this rank after a step (until
+        `gather_variables`)."""
+        return any(self._elsewhere(v, members) for v, members in self.inputs)
 
     def gather_variables(self, arrays: Mapping[str, np.ndarray]) -> None:
-        """Make every split variable whole in ``arrays`` (the program's own, by name) on
-        every rank, each rank sending the pieces its members hold. Collective: every rank
-        of the job must call it."""
-        if not self.spans_ranks:
-            return
+        """Make every variable whole in ``arrays`` (the program's own, by name) on every
+        rank: each rank sends the pieces its members hold of split variables, and the
+        variables that some rank lacks whole. Collective: every rank must call it."""
         from purinec.runtime import comm
 
-        split = [v for v, _ in self.inputs
-                 if v.name in self.variables and v.dist.kind is DistKind.split]
-        mine = {v.name: {k: piece for k, (_, piece) in
-                         self._pieces(v, arrays[v.name], members).items()}
-                for v, members in self.inputs if v in split}
-        for theirs in comm.world().comm.allgather(mine):
-            for v in split:
-                indexes = self._pieces(v, arrays[v.name], list(enumerate(v.dist.group)))
+        world = comm.world()
+        if world.size == 1:
+            return
+        needed = [v for v, members in self.inputs if v.name in self.variables and
+                  (v.dist.kind is DistKind.split or
+                   len({d.rank for d in v.dist.group}) < world.size)]
+        mine = {}
+        for v, members in self.inputs:
+            if v not in needed or not members:
+                continue
+            if v.dist.kind is DistKind.split:
+                mine[v.name] = {k: piece for k, (_, piece) in
+                                self._pieces(v, arrays[v.name], members).items()}
+            else:
+                mine[v.name] = {None: arrays[v.name]}
+        for theirs in world.comm.allgather(mine):
+            for v in needed:
                 for k, piece in theirs.get(v.name, {}).items():
-                    arrays[v.name][indexes[k][0]] = piece
+                    if k is None:
+                        arrays[v.name][...] = piece
+                    else:
+                        everyone = list(enumerate(v.dist.group))
+                        arrays[v.name][self._pieces(v, arrays[v.name], everyone)[k][0]] = piece
 
     def _replicas(self, v, array: np.ndarray, members) -> dict[str, np.ndarray]:
         name, n = v.name, len(v.dist.group)

@@ -58,10 +58,8 @@ OUTPUT_AXIS = {
 FLOPS_PER_BYTE = 8
 
 
-# The strategies a user picks ("placement" follows a model's own placement), and those
-# that may span MPI ranks (the others need copies or split weights across ranks).
+# The strategies a user picks ("placement" follows a model's own placement).
 USER_STRATEGIES = ("data", "model", "hybrid", "pipeline")
-ACROSS_RANKS = ("data", "model", "hybrid")
 
 
 @dataclass(frozen=True)
@@ -79,10 +77,6 @@ class Parallel:
         if len(set(self.devices)) != len(self.devices) or not self.devices:
             raise PurinecError(f"devices must be distinct and at least one, got "
                                f"{', '.join(map(str, self.devices)) or 'none'}")
-        if self.ranks > 1 and self.strategy not in ACROSS_RANKS:
-            raise PurinecError(f"--parallel {self.strategy} runs on the devices of one process "
-                               f"for now; across MPI ranks use data, model or hybrid (devices "
-                               f"{','.join(map(str, self.devices))} span {self.ranks} ranks)")
         if self.micro_batches is not None and (self.strategy != "pipeline" or
                                                self.micro_batches < 1):
             raise PurinecError("micro-batches are a positive count, for --parallel pipeline")

@@ -80,6 +80,8 @@ class _Partitioner:
     def _partition(self, node: Node) -> None:
         if node.op in ("allreduce", "allgather"):
             self._collective(node)
+        elif node.op == "copy" and node.inputs[0].device.rank != node.outputs[0].device.rank:
+            self._across_ranks(node)
         elif (node.op == "slice" and node.inputs[0].dist.kind is DistKind.replicated and
               node.outputs[0].dist.kind is DistKind.split):  # boxing's, not the model's
             self._local_slices(node)
@@ -107,6 +109,20 @@ class _Partitioner:
                       dict(node.attrs),
                       [(y, k, device) for k, device in members for y in node.outputs],
                       node.loc)
+
+    def _across_ranks(self, node: Node) -> None:
+        """A copy between ranks: a send on the source's rank, a receive on the
+        destination's, matched by the copy's position in the logical graph."""
+        (x,), (y,) = node.inputs, node.outputs
+        tag = self.source.nodes.index(node)
+        if x.device.rank == self.rank:
+            self.new.add_node("send", [self.piece(x, 0)],
+                              {"peer": str(y.device), "tag": tag},
+                              names=[self.new.fresh_name(f"{y.name}.sent")], loc=node.loc)
+        if y.device.rank == self.rank:
+            self._add("recv", [], {"peer": str(x.device), "tag": tag,
+                                   "shape": list(y.type.shape), "dtype": str(y.type.dtype)},
+                      [(y, 0, y.device)], node.loc)
 
     def _local_slices(self, node: Node) -> None:
         (x,), (y,) = node.inputs, node.outputs
