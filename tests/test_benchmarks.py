@@ -128,7 +128,10 @@ def test_quick_mode_runs_end_to_end_on_the_reference_target(tmp_path, monkeypatc
     assert row["n"] == 2 and row["median_ms"] > 0
     assert row["flops"] == flops(build_graph(load_source("mlp", 64), purinec.SGD(**SOLVER)))
     assert row["gflops_per_s"] == pytest.approx(row["flops"] / row["median_ms"] / 1e6)
-    assert row["check"] == {"loss_rel_err": 0.0, "param_rel_err": 0.0}
+    # The reference target against itself, in another process: equal up to the order of
+    # BLAS's sums, which depends on its thread count (compiling a cpu kernel earlier in
+    # this process makes it single-threaded here).
+    assert row["check"]["loss_rel_err"] <= 1e-6 and row["check"]["param_rel_err"] <= 1e-6
     (startup,) = report["startup"]
     assert startup["status"] == "ok" and startup["cold_s"] > 0
     if hasattr(purinec, "load"):
