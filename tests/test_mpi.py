@@ -250,6 +250,23 @@ def test_training_over_two_ranks_equals_one_device(tmp_path, model, batch, per_r
             np.testing.assert_array_equal(ranks[0][key], ranks[1][key], err_msg=key)
 
 
+def test_a_model_placing_a_layer_on_another_rank_trains_as_on_one_device(tmp_path):
+    from test_parallel import PLACED_MODEL
+
+    model = tmp_path / "placed.py"
+    model.write_text(PLACED_MODEL)
+    ran(mpirun(2, "placed_equal.py", model, tmp_path))
+    ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
+    for rank in ranks:
+        one_loss, many_loss = rank["losses"].T
+        np.testing.assert_allclose(many_loss, one_loss, rtol=1e-6)
+        for key in (k for k in rank if k.startswith("one/")):
+            np.testing.assert_allclose(rank["many/" + key[4:]], rank[key], rtol=1e-6,
+                                       atol=1e-7, err_msg=key)
+    for key in ranks[0]:
+        np.testing.assert_array_equal(ranks[0][key], ranks[1][key], err_msg=key)
+
+
 def test_purinec_train_under_mpiexec(tmp_path):
     checkpoint = tmp_path / "ck.purine"
     done = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-m", "purinec", "train",
