@@ -103,10 +103,13 @@ def parse_devices(text: str) -> tuple[Device, ...]:
 def parallelize(graph: Graph, parallel: Parallel) -> Graph:
     """The logical graph with a distribution on every value, boxing nodes added and
     small allreduces bucketed."""
-    return bucket(_Distributor(graph, parallel).run())
+    return bucket(Distributor(graph, parallel).run())
 
 
-class _Distributor:
+class Distributor:
+    """One walk over a graph's nodes in order, laying out each and boxing its inputs
+    (see the module doc); `pipeline.microbatch` runs it over micro-batches."""
+
     def __init__(self, graph: Graph, parallel: Parallel):
         self.source = graph
         self.parallel = parallel

@@ -29,7 +29,7 @@ SHAPE_ATTRS = ("shape", "input_shape")
 
 def partition(graph: Graph, rank: int = 0) -> Graph:
     """The physical graph of ``rank`` (see the module doc)."""
-    return _Partitioner(graph, rank).run()
+    return Partitioner(graph, rank).run()
 
 
 def _dist(value: Value) -> Distribution:
@@ -39,7 +39,10 @@ def _dist(value: Value) -> Distribution:
     return value.dist
 
 
-class _Partitioner:
+class Partitioner:
+    """Cuts a distributed logical graph into the physical graph of one rank (see the
+    module doc); `pipeline` subclasses it to unroll micro-batches."""
+
     def __init__(self, graph: Graph, rank: int):
         self.source = graph
         self.rank = rank

@@ -24,7 +24,7 @@ from purinec.ir.graph import Graph, Node, Value, member_name
 from purinec.ir.ops import FusionKind, get_op
 from purinec.ir.types import Device, DistKind
 from purinec.passes.cost import node_flops
-from purinec.passes.parallel.partition import _Partitioner
+from purinec.passes.parallel.partition import Partitioner
 
 
 def assign_stages(graph: Graph, devices: tuple[Device, ...]) -> Graph:
@@ -57,7 +57,7 @@ def default_micro_batches(stages: int, batch: int) -> int:
 
 def microbatch(graph: Graph, count: int) -> Graph:
     """``graph`` with its batch-dependent part unrolled over ``count`` micro-batches."""
-    from purinec.passes.parallel.distribute import Parallel, _Distributor
+    from purinec.passes.parallel.distribute import Parallel, Distributor
 
     batch = {v.type.shape[0] for v in graph.inputs_with_role("data") if v.type.rank}
     if len(batch) != 1 or count > min(batch):
@@ -67,11 +67,11 @@ def microbatch(graph: Graph, count: int) -> Graph:
     if count == 1:
         return graph
     slots = tuple(Device("cpu", m) for m in range(count))  # micro-batches, not devices
-    laid_out = _Distributor(graph, Parallel(slots, "data")).run()
+    laid_out = Distributor(graph, Parallel(slots, "data")).run()
     return _Unroller(laid_out, {v.name: v.device for v in graph.values()}).run()
 
 
-class _Unroller(_Partitioner):
+class _Unroller(Partitioner):
     """The partitioner over micro-batches: every member lives on the stage device of
     its node, and a replicated value is one value that all micro-batches share."""
 
