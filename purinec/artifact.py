@@ -137,16 +137,12 @@ def _kernel_sources(program: Program) -> dict[str, bytes]:
 
 
 def _generate_kernel_sources(program: Program) -> dict[str, bytes]:
-    from purinec.codegen.cpu import compile_kernels
-    from purinec.runtime.collectives import HOST_OPS
+    from purinec.compiler import generated_kernels
 
     sources: dict[str, bytes] = {}
     for graph in program.executed_graphs():
-        generated = Graph(graph.name)  # communication runs in the runtime, not a kernel
-        generated.nodes = [node for node in graph.nodes if node.op not in HOST_OPS]
-        graph_name = graph.name
-        for kernel in compile_kernels(generated).values():
-            stem = f"{KERNELS}{_file_name(graph_name)}/{_file_name(kernel.name)}"
+        for kernel in generated_kernels(graph).values():
+            stem = f"{KERNELS}{_file_name(graph.name)}/{_file_name(kernel.name)}"
             source = kernel.source.encode()
             name, n = f"{stem}.py", 1
             while name in sources and sources[name] != source:

@@ -246,10 +246,10 @@ def _wanted_stages(args, runs: list[str]) -> list[str]:
 
 def _dump_kernels(graph, args, emit) -> None:
     """The generated source of every kernel (or what Numba made of it: --llvm, --asm)."""
-    from purinec.codegen.cpu import compile_kernels
+    from purinec.compiler import generated_kernels
 
     folder = f"{graph.name}.kernels"
-    for node, kernel in compile_kernels(graph).items():
+    for node, kernel in generated_kernels(graph).items():
         stem = os.path.join(folder, f"{kernel.name}.{node.name}")  # node names are unique
         if args.llvm:
             emit(f"{stem}.ll", kernel.llvm())

@@ -50,13 +50,20 @@ def _reference_executable(graph: Graph, trace: Any = None):
     return Executable(graph, {**reference_kernels(graph), **host_kernels(graph)})
 
 
-def _cpu_executable(graph: Graph, trace: Any = None):
+def generated_kernels(graph: Graph) -> dict:
+    """The cpu target's compiled kernel of every node but the communication nodes,
+    which the runtime runs itself (`host_kernels`)."""
     from purinec.codegen.cpu import compile_kernels
-    from purinec.runtime.executor import Executable
 
     generated = Graph(graph.name)
     generated.nodes = [node for node in graph.nodes if node.op not in HOST_OPS]
-    kernels = {node: kernel.fn for node, kernel in compile_kernels(generated).items()}
+    return compile_kernels(generated)
+
+
+def _cpu_executable(graph: Graph, trace: Any = None):
+    from purinec.runtime.executor import Executable
+
+    kernels = {node: kernel.fn for node, kernel in generated_kernels(graph).items()}
     kernels.update(host_kernels(graph))
     return Executable(graph, kernels, trace=trace, worker_init=_core_share(graph))
 

@@ -383,3 +383,10 @@ def test_run_on_two_devices_gives_the_one_device_outputs(tmp_path):
     with np.load(tmp_path / "one.npz") as a, np.load(tmp_path / "two.npz") as b:
         np.testing.assert_allclose(b["logits"], a["logits"], rtol=1e-5, atol=1e-6)
     assert (tmp_path / "t.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_dump_kernels_of_a_distributed_graph_leaves_communication_to_the_runtime(capsys):
+    result = purinec_here(capsys, "dump", "mlp", "--batch", "4", "--devices", "2",
+                          "--stage", "kernels")
+    assert result.returncode == 0, result.stderr
+    assert "def fused_" in result.stdout and "allgather" not in result.stdout
