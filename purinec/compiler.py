@@ -373,8 +373,7 @@ class Program:
             self.physical_ir = physical
         if graph is self.eval_ir:
             self.physical_eval_ir = physical
-        ranks = len({d.rank for v in graph.inputs for d in v.dist.group})
-        return DistributedExecutable(graph, build(physical, trace), rank, ranks)
+        return DistributedExecutable(graph, build(physical, trace), rank)
 
     def executed_graphs(self) -> list[Graph]:
         """The graphs this process runs: the final IR, or this rank's physical graphs."""

@@ -26,16 +26,18 @@ class DistributedExecutable:
     """``exe(env) -> outputs`` over logical names, running ``physical`` (an executable
     of the physical graph of ``rank``)."""
 
-    def __init__(self, logical: Graph, physical: Callable, rank: int, ranks: int = 1):
+    def __init__(self, logical: Graph, physical: Callable, rank: int):
         self.physical = physical
         self.inputs = [(v, v.dist.members_on(rank)) for v in logical.inputs]
         self.outputs = [(name, [k for k, _ in v.dist.members_on(rank)], len(v.dist.group))
                         for name, v in logical.outputs]
-        # Outputs that live on some ranks only (a pipeline's loss on its last stage):
-        # after each call their owner broadcasts them, so every rank returns them.
-        self.owners = {name: min(d.rank for d in v.dist.group) for name, v in logical.outputs
-                       if len({d.rank for d in v.dist.group}) < ranks}
         self.variables = {v.name for v in logical.inputs_with_role(*VARIABLE_ROLES)}
+        self.ranks = len({d.rank for v in logical.inputs for d in v.dist.group})
+        # Outputs other than variables that live on some ranks only (a pipeline's loss on
+        # its last stage): their owner broadcasts them after each call, so every rank
+        # returns them.
+        self.owners = {name: min(d.rank for d in v.dist.group) for name, v in logical.outputs
+                       if name not in self.variables and self._on_some_ranks(v)}
         self.replicas: dict[tuple[str, int], np.ndarray] = {}
         self.synced: dict[str, np.ndarray] = {}  # the array the replicas were made from
 
@@ -83,21 +85,18 @@ class DistributedExecutable:
 
         world = comm.world()
         for name, owner in self.owners.items():
-            if name in self.variables:
-                continue
             outputs[name] = world.comm.bcast(outputs.get(name), root=owner)
+
+    def _on_some_ranks(self, v) -> bool:
+        return len({d.rank for d in v.dist.group}) < self.ranks
 
     @staticmethod
     def _pieces(v, array: np.ndarray, members) -> dict[int, tuple[tuple, np.ndarray]]:
         """Member -> (index into ``array``, its piece): a view where the piece is
         contiguous (always along axis 0), so in-place updates land in ``array``."""
-        sizes = v.dist.pieces(array.shape[v.dist.axis])
         pieces = {}
         for k, _ in members:
-            start = sum(sizes[:k])
-            index = [slice(None)] * array.ndim
-            index[v.dist.axis] = slice(start, start + sizes[k])
-            index = tuple(index)
+            index = _piece_index(v, array.shape, k)
             pieces[k] = (index, np.ascontiguousarray(array[index]))
         return pieces
 
@@ -134,8 +133,7 @@ class DistributedExecutable:
         if world.size == 1:
             return
         needed = [v for v, members in self.inputs if v.name in self.variables and
-                  (v.dist.kind is DistKind.split or
-                   len({d.rank for d in v.dist.group}) < world.size)]
+                  (v.dist.kind is DistKind.split or self._on_some_ranks(v))]
         mine = {}
         for v, members in self.inputs:
             if v not in needed or not members:
@@ -147,12 +145,9 @@ class DistributedExecutable:
                 mine[v.name] = {None: arrays[v.name]}
         for theirs in world.comm.allgather(mine):
             for v in needed:
+                array = arrays[v.name]
                 for k, piece in theirs.get(v.name, {}).items():
-                    if k is None:
-                        arrays[v.name][...] = piece
-                    else:
-                        everyone = list(enumerate(v.dist.group))
-                        arrays[v.name][self._pieces(v, arrays[v.name], everyone)[k][0]] = piece
+                    array[... if k is None else _piece_index(v, array.shape, k)] = piece
 
     def _replicas(self, v, array: np.ndarray, members) -> dict[str, np.ndarray]:
         name, n = v.name, len(v.dist.group)
@@ -168,3 +163,12 @@ class DistributedExecutable:
         close = getattr(self.physical, "close", None)
         if close is not None:
             close()
+
+
+def _piece_index(v, shape: tuple[int, ...], member: int) -> tuple:
+    """Where group member ``member``'s piece of split value ``v`` sits in the whole."""
+    sizes = v.dist.pieces(shape[v.dist.axis])
+    start = sum(sizes[:member])
+    index = [slice(None)] * len(shape)
+    index[v.dist.axis] = slice(start, start + sizes[member])
+    return tuple(index)

@@ -48,6 +48,8 @@ class Partitioner:
         self.rank = rank
         self.new = Graph(graph.name)
         self.pieces: dict[tuple[int, int], Value] = {}  # (id(logical), member) -> piece
+        # A copy between ranks is tagged with its position: the same on every rank.
+        self.tags = {id(node): i for i, node in enumerate(graph.nodes)}
 
     def piece(self, value: Value, member: int) -> Value:
         try:
@@ -117,7 +119,7 @@ class Partitioner:
         """A copy between ranks: a send on the source's rank, a receive on the
         destination's, matched by the copy's position in the logical graph."""
         (x,), (y,) = node.inputs, node.outputs
-        tag = self.source.nodes.index(node)
+        tag = self.tags[id(node)]
         if x.device.rank == self.rank:
             self.new.add_node("send", [self.piece(x, 0)],
                               {"peer": str(y.device), "tag": tag},
