@@ -234,8 +234,7 @@ def build_graph(source: Any, train: SGD | None, after: StageHook | None = None,
 def placement(graph: Graph) -> Parallel | None:
     """For a graph whose model put its layers on several devices itself: run each node
     where it was put, with copies between devices."""
-    devices = sorted({v.device for v in graph.inputs} |
-                     {v.device for node in graph.nodes for v in node.outputs})
+    devices = graph.devices()
     return Parallel(tuple(devices), "placement") if len(devices) > 1 else None
 
 

@@ -72,17 +72,11 @@ def node_id(index: int) -> str:
     return quote(f"op{index}")
 
 
-def devices_of(graph: Graph) -> list[Device]:
-    """Every device a value of ``graph`` lives on, sorted."""
-    values = list(graph.inputs) + [v for n in graph.flat_nodes() for v in n.outputs]
-    return sorted({v.device for v in values})
-
-
 def device_colours(graph: Graph) -> dict[Device, tuple[str, str]]:
     """(border, fill) for each device; beyond eight devices the colours repeat (the
     labels still say ``@device``)."""
     return {d: DEVICE_COLOURS[i % len(DEVICE_COLOURS)]
-            for i, d in enumerate(devices_of(graph))}
+            for i, d in enumerate(graph.devices())}
 
 
 def to_dot(graph: Graph) -> str:

@@ -176,6 +176,11 @@ class Graph:
         for node in self.nodes:
             yield from node.outputs
 
+    def devices(self) -> list[Device]:
+        """Every device a value of this graph lives on (inside fused nodes too), sorted."""
+        return sorted({v.device for v in self.inputs} |
+                      {v.device for node in self.flat_nodes() for v in node.outputs})
+
     def flat_nodes(self) -> Iterable[Node]:
         """The nodes in execution order, each fused node replaced by its members."""
         for node in self.nodes:
