@@ -554,13 +554,15 @@ def test_fused_loop_and_horizontal_groups(options):
         check_fused(graph, node, _inputs(graph, 2), options)
 
 
+def _relu_then_tanh(g, make):
+    x = g.add_input("x", TensorType((2, 3), DType.f32))
+    a = make("relu", [x], {}, ["a"])
+    b = make("tanh", a.outputs, {}, ["b"])
+    return [a, b], b.outputs
+
+
 def test_fused_kernel_source_names_every_member():
-    def build(g, make):
-        x = g.add_input("x", TensorType((2, 3), DType.f32))
-        a = make("relu", [x], {}, ["a"])
-        b = make("tanh", a.outputs, {}, ["b"])
-        return [a, b], b.outputs
-    _, node = fused_graph(build)
+    _, node = fused_graph(_relu_then_tanh)
     source = cpu.render(node)
     assert "def fused_test(" in source
     for member in node.body:
@@ -568,12 +570,7 @@ def test_fused_kernel_source_names_every_member():
 
 
 def test_every_generated_line_maps_back_to_its_ir_node():
-    def build(g, make):
-        x = g.add_input("x", TensorType((2, 3), DType.f32))
-        a = make("relu", [x], {}, ["a"])
-        b = make("tanh", a.outputs, {}, ["b"])
-        return [a, b], b.outputs
-    _, node = fused_graph(build)
+    _, node = fused_graph(_relu_then_tanh)
     builder = cpu.render_module(node).builder()
     lines = builder.text().splitlines()
     origins = builder.origins()
