@@ -16,7 +16,7 @@ from purinec.ir import Graph, TensorType
 from purinec.ir.graph import Node
 from purinec.ir.ops import REGISTRY
 from purinec.ir.types import DType
-from purinec.passes.cost import RULES, flops, flops_by_node, node_flops
+from purinec.passes.cost import FLOPS_PER_BYTE, RULES, flops, flops_by_node, node_flops, node_work
 
 F32 = DType.f32
 
@@ -63,6 +63,19 @@ def test_elementwise_flops_count_elements():
     _, reduce = _graph_with("reduce_sum", [(4, 5)], {"axes": [0]})
     _, reshape = _graph_with("reshape", [(4, 5)], {"shape": [20]})
     assert (node_flops(relu), node_flops(reduce), node_flops(reshape)) == (20, 15, 0)
+
+
+def test_work_is_flops_or_memory_traffic_whichever_is_larger():
+    # A 2x2 pooling does 4 comparisons per output, far less than its bytes are worth.
+    _, pool = _graph_with("max_pool2d", [(2, 3, 8, 8)], {"kernel": [2, 2], "stride": [2, 2]})
+    traffic = 4 * (2 * 3 * 8 * 8 + 2 * 3 * 4 * 4)
+    assert node_flops(pool) == 2 * 3 * 4 * 4 * 4
+    assert node_work(pool) == FLOPS_PER_BYTE * traffic
+    # A 64x64 @ 64x64 product does 2*64 FLOPs per element it reads or writes.
+    _, matmul = _graph_with("matmul", [(64, 64), (64, 64)], {})
+    assert node_work(matmul) == node_flops(matmul) == 2 * 64 ** 3
+    _, reshape = _graph_with("reshape", [(4, 5)], {"shape": [20]})
+    assert node_work(reshape) == 0  # a view
 
 
 def _lenet_forward_by_hand(n):

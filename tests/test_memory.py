@@ -263,3 +263,22 @@ def test_fused_nodes_alias_only_through_their_one_elementwise_reader():
     relu_ = np.maximum(a_, 0)
     expected = {"y0": relu_, "y1": np.tanh(b_), "y2": relu_ + b_}
     assert_same(expected, Executable(graph, reference_kernels(graph))(env))
+
+
+def test_a_transfer_in_flight_keeps_its_input_memory():
+    """A copy reads its input until its result is needed; a node scheduled in between
+    must not take that memory, or it would have to wait for the transfer."""
+    graph = Graph("in flight")
+    cpu0, cpu1 = Device("cpu", 0), Device("cpu", 1)
+    x = graph.add_input("x", T44, cpu0)
+    sent = graph.add_node("matmul", [x, x], device=cpu0).outputs[0]
+    copy = graph.add_node("copy", [sent], device=cpu1)
+    later = graph.add_node("matmul", [x, x], device=cpu0)  # while the copy is in flight
+    received = graph.add_node("matmul", [copy.outputs[0], copy.outputs[0]], device=cpu1)
+    graph.set_outputs([("a", later.outputs[0]), ("b", received.outputs[0])])
+    memory = plan_memory(graph)
+    assert memory.class_of[later.outputs[0]].offset != memory.class_of[sent].offset
+    assert (copy, later) not in memory.hazards
+    exe = Executable(graph, reference_kernels(graph))
+    env = random_env(graph)
+    assert_same(execute(graph, copied(env)), exe(env))

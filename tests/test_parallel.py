@@ -198,8 +198,6 @@ def test_inference_outputs_are_gathered_whole():
 def test_distributed_graph_prints_and_parses_back_and_explains_itself():
     from purinec.compiler import build_graph, load_source
 
-    # At batch 64 reducing each gradient beats gathering the activations to compute it
-    # whole on every device (at batch 8 the cost model rightly picks the latter for ip1).
     logical = build_graph(load_source("lenet", 64), SGD,
                           parallel=Parallel(parse_devices("cpu:0,cpu:1")))
     text = str(logical)
@@ -208,12 +206,12 @@ def test_distributed_graph_prints_and_parses_back_and_explains_itself():
     reasons = explain(logical)
     comm = [n for n in logical.nodes if n.op in ("allreduce", "allgather", "slice", "copy")]
     assert len(reasons) == sum(len(n.inputs) for n in comm) > 0
-    # Every gradient is made whole for its sgd update by a collective (an allreduce of
-    # partial sums, or, where the cost model found it cheaper, an allgather of pieces);
+    # Every gradient is made whole for its sgd update by an allreduce of partial sums;
     # small ones share a bucket.
     params = [v.name for v in logical.inputs if v.role == "param"]
     for param in params:
-        assert any(f"sgd %{param}.next needs replicated" in why for why in reasons), param
+        assert any(f"%grad.{param} is partial[cpu:0,cpu:1], sgd %{param}.next needs "
+                   f"replicated" in why for why in reasons), param
     buckets = [n for n in comm if n.op == "allreduce" and n.attrs["tensors"] > 1]
     assert buckets and all(n.attrs["tensors"] == len(n.inputs) for n in buckets)
     assert any("(bucket of" in why for why in reasons)
@@ -223,6 +221,26 @@ def test_distributed_graph_prints_and_parses_back_and_explains_itself():
     for node in (n for n in comm if n.op == "allreduce"):
         last = max(position[id(v.producer)] for v in node.inputs)
         assert position[id(node)] == last + 1
+
+
+@pytest.mark.parametrize("batch", [8, 64])
+def test_data_parallelism_communicates_only_gradients_and_outputs(batch):
+    """The batch stays split through the forward and backward passes: no activation is
+    gathered for a consumer, even where that would move fewer bytes than reducing a
+    weight gradient (lenet's ip1 at batch 8), since the gather would stall the pass."""
+    from purinec.compiler import build_graph, load_source
+
+    logical = build_graph(load_source("lenet", batch), SGD,
+                          parallel=Parallel(parse_devices("cpu:0,cpu:1")))
+    readers = logical.users()
+    returned = {id(v) for _, v in logical.outputs}
+    for node in logical.nodes:
+        if node.op in ("allgather", "slice", "copy"):
+            assert all(id(v) in returned and not readers.get(v) for v in node.outputs), node
+        if node.op == "allreduce":
+            assert all(r.op == "sgd" for v in node.outputs for r in readers.get(v, [])), node
+    reduced = {v.name for n in logical.nodes if n.op == "allreduce" for v in n.inputs}
+    assert {f"grad.{v.name}" for v in logical.inputs if v.role == "param"} <= reduced
 
 
 def test_parallel_options_are_checked():
@@ -336,3 +354,28 @@ def test_a_bucket_never_grows_past_a_read_of_its_results():
     g.set_outputs([("r", read.outputs[0]), ("y1", reduced[1].outputs[0])])
     merged = bucket(g, limit=1 << 20)
     assert [n.op for n in merged.nodes] == ["allreduce", "relu", "allreduce"]
+
+
+def test_a_bucket_spans_little_work_counting_memory_traffic():
+    """Two gradients made on either side of a node that does no arithmetic but moves a
+    lot of memory (a pooling gradient, a concat) are not held back for each other."""
+    from purinec.passes.parallel.bucket import bucket
+
+    g, reduced = _partial_graph([10, 10])
+    group = reduced[0].outputs[0].dist.group
+    whole = Distribution(DistKind.replicated, group)
+    a = g.add_input("a", TensorType((64, 64), DType.f32), group[0], dist=whole)
+    product = g.make_node("matmul", [a, a], names=["p"])  # most of the graph's FLOPs
+    parts = [g.add_input(f"c{i}", TensorType((10_000,), DType.f32), group[0], dist=whole)
+             for i in range(2)]
+    joined = g.make_node("concat", parts, {"axis": 0}, names=["joined"])  # no FLOPs
+    for node in (product, joined):
+        node.outputs[0].dist = whole
+    g.nodes = [product, reduced[0], joined, reduced[1]]
+    g.set_outputs([("p", product.outputs[0]), ("joined", joined.outputs[0]),
+                   ("y0", reduced[0].outputs[0]), ("y1", reduced[1].outputs[0])])
+    merged = bucket(g, limit=1 << 20)
+    assert [n.op for n in merged.nodes] == ["matmul", "allreduce", "concat", "allreduce"]
+    g.nodes = [product, reduced[0], reduced[1], joined]  # nothing between them: one bucket
+    assert [n.op for n in bucket(g, limit=1 << 20).nodes] == ["matmul", "allreduce",
+                                                             "concat"]

@@ -14,8 +14,9 @@ of a straightforward implementation, the usual convention for reporting GFLOP/s:
 * a fused node costs what its members do: fusing saves memory traffic, not arithmetic.
 
 The numbers are exact for the dominant ops (convolutions, matrix products) and close
-estimates for the rest; they serve GFLOP/s in the benchmarks and balancing the stages of
-a pipeline. A new op needs a rule here (`RULES`); counting a graph with an op that has
+estimates for the rest; they serve GFLOP/s in the benchmarks. `node_work` adds memory
+traffic to estimate time, for balancing a pipeline's stages and bounding gradient
+buckets. A new op needs a rule here (`RULES`); counting a graph with an op that has
 none raises a `PurinecError` naming it.
 """
 
@@ -38,6 +39,23 @@ def node_flops(node: Node) -> int:
         raise PurinecError(f"no FLOP rule for op {node.op!r} (node %{node.name}); add one to "
                            f"purinec.passes.cost.RULES")
     return int(rule(node))
+
+
+# The exchange rate between arithmetic and memory traffic: moving one byte (to or from
+# memory, or between devices) takes about as long as this many floating-point operations
+# (~10 GB/s against ~80 GFLOP/s of GEMM on these machines' cores).
+FLOPS_PER_BYTE = 8
+
+
+def node_work(node: Node) -> int:
+    """An estimate of ``node``'s run time in FLOP-equivalents: its FLOPs or the bytes it
+    reads and writes (at FLOPS_PER_BYTE), whichever is larger. Pooling's gradients and
+    reductions do little arithmetic on a lot of memory: counted by FLOPs alone they look
+    free, yet they take a sizeable share of a backward pass. A reshape is a view: free."""
+    if node.op == "reshape":
+        return 0
+    traffic = sum(v.type.nbytes for v in (*node.inputs, *node.outputs))
+    return max(node_flops(node), FLOPS_PER_BYTE * traffic)
 
 
 def flops_by_node(graph: Graph) -> dict[Node, int]:

@@ -15,7 +15,9 @@ of three places:
   an input of the same type that dies at that node (in place).
 
 Reusing memory creates write-after-read hazards: the node that writes a class into
-memory that held another must wait for everything that touched the earlier one. The
+memory that held another must wait for everything that touched the earlier one. So the
+inputs of a communication node stay live until its result is first read: a transfer in
+flight is not waited for by whatever would reuse its memory. The
 planner lists those pairs (`MemoryPlan.hazards`) so the runtime plan is correct under any
 execution order its dependency counts allow, not only the schedule's order.
 """
@@ -28,7 +30,7 @@ from typing import Callable, Sequence
 
 from purinec.errors import VerifyError
 from purinec.ir.graph import Graph, Node, Value
-from purinec.ir.ops import REGISTRY, FusionKind
+from purinec.ir.ops import COMM_OPS, REGISTRY, FusionKind
 from purinec.ir.types import Device
 
 ALIGNMENT = 64
@@ -216,7 +218,27 @@ def _alias_classes(graph: Graph, schedule: list[Node]):
             new_class(value, node, position, ARENA)
     for _, value in graph.outputs:
         class_of[value].end = len(schedule)  # copied out (or returned) after the run
+    _keep_in_flight_inputs(schedule, class_of)
     return classes, class_of
+
+
+def _keep_in_flight_inputs(schedule: list[Node], class_of) -> None:
+    """A communication node (a copy, a collective) reads its inputs for as long as it is
+    in flight, which may be until its result is first needed: nothing scheduled before
+    that reuses their memory. Reusing it sooner would make the reusing node wait for the
+    transfer (a write-after-read hazard), putting the transfer on the critical path."""
+    position = {node: i for i, node in enumerate(schedule)}
+    first_read: dict[Value, int] = {}
+    for node in reversed(schedule):
+        for v in node.inputs:
+            first_read[v] = position[node]
+    for node in schedule:
+        if node.op not in COMM_OPS:
+            continue
+        needed = min((first_read.get(v, len(schedule)) for v in node.outputs),
+                     default=len(schedule))
+        for v in node.inputs:
+            class_of[v].end = max(class_of[v].end, needed - 1)
 
 
 def _place_variable_updates(graph, schedule, class_of, may_alias, hazards) -> None:

@@ -6,8 +6,9 @@ over the same group are merged, in schedule order, into one multi-tensor allredu
 up to BUCKET_BYTES, placed where its last member was: it starts as soon as its last
 gradient exists, while the rest of the backward pass goes on. A bucket never grows past
 a point where one of its results is already needed, nor across more than BUCKET_SPAN of
-the graph's work: a gradient made early is not held back for one made much later (the
-last bucket of an iteration, which nothing can hide, stays small).
+the graph's work (`cost.node_work`: FLOPs, or memory traffic where that dominates): a
+gradient made early is not held back for one made much later (the last bucket of an
+iteration, which nothing can hide, stays small).
 """
 
 from __future__ import annotations
@@ -15,17 +16,17 @@ from __future__ import annotations
 import itertools
 
 from purinec.ir.graph import Graph, Node
-from purinec.passes.cost import node_flops
+from purinec.passes.cost import node_work
 
 BUCKET_BYTES = 1 << 19
-BUCKET_SPAN = 0.05  # of the graph's FLOPs, from a bucket's first member to its last
+BUCKET_SPAN = 0.05  # of the graph's work, from a bucket's first member to its last
 
 
 def bucket(graph: Graph, limit: int = BUCKET_BYTES) -> Graph:
     new = graph.clone()
     position = {id(node): i for i, node in enumerate(new.nodes)}
     first_use = _first_uses(new, position)
-    done = list(itertools.accumulate(node_flops(node) for node in new.nodes))
+    done = list(itertools.accumulate(node_work(node) for node in new.nodes))
     span = BUCKET_SPAN * (done[-1] if done else 0)
     groups: list[list[Node]] = []
     for node in new.nodes:

@@ -5,7 +5,10 @@ A strategy sets the distributions of the graph's inputs; each node then takes th
 signature of its op (from the registry) that is cheapest given its inputs' current
 distributions: bytes its inputs' conversions move, plus what its outputs will cost to
 convert where the graph returns them (half an allreduce for a partial sum), plus the
-work repeated when a value is computed whole on every device (FLOPs, at FLOPS_PER_BYTE).
+work repeated when a value is computed whole on every device (FLOPs, at
+cost.FLOPS_PER_BYTE: work done whole on every device wastes (n-1)/n of it). Repeated
+memory traffic is not counted: priced like communication it would shard every SGD update
+and gather the weights and momenta back, moving twice the bytes of an allreduce.
 An op with no signature that fits runs replicated. The choice is greedy, node by node in
 order. Conversions are placed right after their producer, so a gradient's allreduce
 comes as early in the schedule as the gradient does.
@@ -24,7 +27,7 @@ from purinec.errors import PurinecError
 from purinec.ir.graph import Graph, Node, Value
 from purinec.ir.ops import SplitSignature, get_op
 from purinec.ir.types import Device, DistKind, Distribution, TensorType
-from purinec.passes.cost import node_flops
+from purinec.passes.cost import FLOPS_PER_BYTE, node_flops
 from purinec.passes.parallel.boxing import conversion_cost, convert
 from purinec.passes.parallel.bucket import bucket
 
@@ -38,7 +41,7 @@ STRATEGIES = {
     "model": "split every layer's output features or channels (weights, biases and their "
              "momentum) over the devices, gather the activations between layers",
     "hybrid": "data-parallel convolutions, model-parallel fully connected layers",
-    "pipeline": "consecutive layers as stages on the devices, balanced by FLOPs; the batch "
+    "pipeline": "consecutive layers as stages on the devices, balanced by work; the batch "
                 "cut into micro-batches that flow through the stages at once",
     "placement": "run every node on the device the model placed it on, copying tensors "
                  "between devices (used when a model places its layers itself)",
@@ -51,12 +54,6 @@ OUTPUT_AXIS = {
     ("conv2d", 1): lambda attrs: 0,
     ("bias_add", 1): lambda attrs: 0,
 }
-
-# The cost model's exchange rate: moving one byte between devices costs about as long as
-# this many floating-point operations (memory copies of ~10 GB/s against ~80 GFLOP/s of
-# GEMM on these machines' cores). Work done whole on every device wastes (n-1)/n of it.
-FLOPS_PER_BYTE = 8
-
 
 # The strategies a user picks ("placement" follows a model's own placement).
 USER_STRATEGIES = ("data", "model", "hybrid", "pipeline")
@@ -249,6 +246,16 @@ class Distributor:
         fallback = SplitSignature(("B",) * len(inputs), ("B",) * len(node.outputs))
         if not self.spread:
             return fallback  # one device: the whole tensors
+        if self.parallel.strategy == "data":
+            # Data parallelism as users know it: a node keeps its inputs' layouts where its
+            # op can (the batch stays split, a weight gradient stays a partial sum for the
+            # allreduce), so no conversion lands on the forward or backward critical path.
+            # A gather that moves fewer bytes would still wait there (lenet's ip1).
+            keeping = [s for s in candidates
+                       if all(self._entry_dist(e) == v.dist for v, e in zip(inputs, s.inputs))]
+            candidates = keeping or candidates
+            if keeping:
+                fallback = min(keeping, key=lambda s: self._cost(node, inputs, s))
         best, best_cost = fallback, self._cost(node, inputs, fallback)
         for signature in candidates:
             cost = self._cost(node, inputs, signature)

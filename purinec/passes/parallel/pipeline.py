@@ -2,7 +2,7 @@
 them.
 
 `assign_stages` runs on the forward graph, before autodiff: it cuts the nodes, in
-order, into one contiguous stage per device with about equal forward FLOPs (the
+order, into one contiguous stage per device with about equal forward work (the
 backward pass of a layer costs about twice its forward, so this balances both) and puts
 every parameter where its first reader runs. Autodiff and the optimizer then place each
 backward node and update with its forward node, as for any placed model.
@@ -23,16 +23,17 @@ from purinec.errors import PurinecError
 from purinec.ir.graph import Graph, Node, Value, member_name
 from purinec.ir.ops import FusionKind, get_op
 from purinec.ir.types import Device, DistKind
-from purinec.passes.cost import node_flops
+from purinec.passes.cost import node_work
 from purinec.passes.parallel.partition import Partitioner
 
 
 def assign_stages(graph: Graph, devices: tuple[Device, ...]) -> Graph:
-    """Every node on one of ``devices``, in contiguous stages of about equal FLOPs. A
+    """Every node on one of ``devices``, in contiguous stages of about equal work
+    (`cost.node_work`: FLOPs, or memory traffic where that dominates). A
     cheap elementwise, broadcast or injective node (a bias, a relu, a reshape) stays
     with its input's producer, so stages are cut between layers, not inside one."""
     new = graph.clone()
-    costs = [max(node_flops(node), 1) for node in new.nodes]
+    costs = [max(node_work(node), 1) for node in new.nodes]
     total = sum(costs)
     done = 0
     for node, cost in zip(new.nodes, costs):
