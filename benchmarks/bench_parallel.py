@@ -1,7 +1,7 @@
 """Weak scaling of data parallelism: the same per-device batch on 1 and on N devices.
 
     python -m benchmarks.bench_parallel [--models lenet,cifar_quick] [--ranks 2]
-        [--iterations 30] [--warmup 5] [--mode mpi,threads] [--json OUT]
+        [--iterations 30] [--warmup 5] [--repeats 3] [--mode mpi,threads] [--json OUT]
 
 For each model, one training iteration (forward, backward, SGD) is timed on the cpu
 target with the model's batch on one device pinned to one core, then with that batch on
@@ -11,6 +11,10 @@ share each). Weak-scaling efficiency is t(1) / t(N): 1.0 means N devices do N ti
 work in the same time. From a trace of the timed iterations on rank 0, the share of
 communication time that some compute lane was busy through ("hidden") says how well
 the allreduces overlap the backward pass.
+
+Timings on a shared machine drift by 15-20% over minutes, so the one-device and the
+N-device runs alternate (`--repeats` rounds of one, then each mode) and each round gives
+its own efficiency: the table shows their median and range.
 """
 
 from __future__ import annotations
@@ -88,12 +92,37 @@ def measure(model: str, launcher: list[str], extra: list[str], args) -> dict:
         return json.loads(out.read_text())
 
 
+def measure_many(model: str, mode: str, args) -> dict:
+    if mode == "mpi":
+        return measure(model, [str(MPIEXEC), "-n", str(args.ranks), "-bind-to", "core"], [],
+                       args)
+    return measure(model, [], ["--devices", ",".join(f"cpu:{i}" for i in range(args.ranks))],
+                   args)
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Medians over the rounds; each round's efficiency from its own pair of runs."""
+    efficiencies = [run["one"]["median_ms"] / run["many"]["median_ms"] for run in runs]
+    return {
+        "one_ms": float(np.median([run["one"]["median_ms"] for run in runs])),
+        "many_ms": float(np.median([run["many"]["median_ms"] for run in runs])),
+        "efficiency": float(np.median(efficiencies)),
+        "efficiency_range": (min(efficiencies), max(efficiencies)),
+        "comm_ms_per_iteration": float(np.median(
+            [run["many"]["comm_ms_per_iteration"] for run in runs])),
+        "hidden_fraction": float(np.median([run["many"]["hidden_fraction"] for run in runs])),
+        "rounds": runs,
+    }
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--ranks", type=int, default=2, help="devices to scale to (2)")
     parser.add_argument("--iterations", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds of one-device and N-device runs, alternating (3)")
     parser.add_argument("--mode", default="mpi,threads",
                         help="mpi: one process per device; threads: devices of one process")
     parser.add_argument("--json", metavar="OUT")
@@ -104,23 +133,23 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
+    modes = args.mode.split(",")
     results = {}
     print(f"{'model':12} {'mode':8} {'1 device ms':>12} {f'{args.ranks} devices ms':>14} "
-          f"{'efficiency':>10} {'comm ms':>8} {'hidden':>7}")
+          f"{'efficiency (range)':>19} {'comm ms':>8} {'hidden':>7}")
     for model in args.models.split(","):
-        one = measure(model, [], [], args)
-        for mode in args.mode.split(","):
-            if mode == "mpi":
-                many = measure(model, [str(MPIEXEC), "-n", str(args.ranks), "-bind-to",
-                                       "core"], [], args)
-            else:
-                many = measure(model, [], ["--devices", ",".join(
-                    f"cpu:{i}" for i in range(args.ranks))], args)
-            efficiency = one["median_ms"] / many["median_ms"]
-            results[f"{model}/{mode}"] = {"one": one, "many": many, "efficiency": efficiency}
-            print(f"{model:12} {mode:8} {one['median_ms']:12.2f} {many['median_ms']:14.2f} "
-                  f"{efficiency:10.2f} {many['comm_ms_per_iteration']:8.2f} "
-                  f"{many['hidden_fraction']:7.0%}", flush=True)
+        rounds = {mode: [] for mode in modes}
+        for _ in range(args.repeats):
+            one = measure(model, [], [], args)
+            for mode in modes:
+                rounds[mode].append({"one": one, "many": measure_many(model, mode, args)})
+        for mode, runs in rounds.items():
+            results[f"{model}/{mode}"] = summary = summarize(runs)
+            low, high = summary["efficiency_range"]
+            print(f"{model:12} {mode:8} {summary['one_ms']:12.2f} {summary['many_ms']:14.2f} "
+                  f"{summary['efficiency']:6.2f} ({low:.2f}-{high:.2f}) "
+                  f"{summary['comm_ms_per_iteration']:8.2f} {summary['hidden_fraction']:7.0%}",
+                  flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

@@ -151,6 +151,23 @@ def test_quick_mode_runs_end_to_end_on_the_reference_target(tmp_path, monkeypatc
         assert startup["warm_s"] > 0
 
 
+def test_weak_scaling_benchmark_alternates_rounds_and_reports_each(tmp_path, capsys):
+    from benchmarks import bench_parallel
+
+    out = tmp_path / "scaling.json"
+    status = bench_parallel.main(["--models", "lenet", "--mode", "threads", "--iterations",
+                                  "2", "--warmup", "1", "--repeats", "2", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert status == 0 and "lenet        threads" in printed, printed
+    summary = json.loads(out.read_text())["lenet/threads"]
+    efficiencies = [run["one"]["median_ms"] / run["many"]["median_ms"]
+                    for run in summary["rounds"]]
+    assert len(efficiencies) == 2 and summary["efficiency"] == pytest.approx(
+        np.median(efficiencies))
+    assert summary["efficiency_range"] == [min(efficiencies), max(efficiencies)]
+    assert summary["comm_ms_per_iteration"] > 0 and 0 <= summary["hidden_fraction"] <= 1
+
+
 def test_the_check_flags_a_wrong_loss_or_update_but_not_float32_rounding():
     check = CheckData.compute("mlp", 4)
     final = {k: v.copy() for k, v in check.final.items()}
