@@ -732,6 +732,38 @@ def test_a_failing_collective_stops_the_run_and_leaves_no_thread(where):
     assert_same(execute(graph, copied(env)), result["value"])
 
 
+def test_compute_workers_nudge_pending_communication_between_tasks():
+    """MPI moves a collective along only while the process calls into it: between their
+    tasks the compute workers nudge what is pending (here an operation that completes
+    only once nudged twice, while another device computes a chain of three tasks)."""
+    graph = Graph("nudged")
+    x = graph.add_input("x", TensorType((2, 3), F32))
+    sent = graph.add_node("tanh", [x], device=Device("cpu", 1))
+    reduce = graph.add_node("allreduce", sent.outputs, attrs={"group": "cpu:2"},
+                            device=Device("cpu", 2))
+    reader = graph.add_node("relu", reduce.outputs, device=Device("cpu", 2))
+    chain = [x]
+    for _ in range(3):
+        chain.append(graph.add_node("tanh", [chain[-1]], device=Device("cpu", 3)).outputs[0])
+    graph.set_outputs([("y", reader.outputs[0]), ("z", chain[-1])])
+    comm = FakeComm(graph)
+    nudges = []
+
+    class Nudged(FakePending):
+        def nudge(self):
+            nudges.append(threading.current_thread().name)
+
+    comm.ready_when[reduce] = lambda: len(nudges) >= 2
+    kernels = comm.kernels({node: 0.01 for node in graph.nodes if node.op == "tanh"})
+    kernels[reduce] = lambda x, y: Nudged(comm, reduce, x, y, comm.ready_when[reduce])
+    exe = Executable(graph, kernels)
+    env = random_env(graph)
+    result = call_with_timeout(exe, copied(env))
+    assert "error" not in result, result.get("error")
+    assert_same(execute(graph, copied(env)), result["value"])
+    assert nudges and all("compute" in name for name in nudges)
+
+
 def test_a_comm_only_plan_runs_inline_and_polls_its_collectives():
     graph = Graph("g")
     x = graph.add_input("x", TensorType((2, 3), F32))

@@ -179,8 +179,22 @@ def _check_world(ranks: tuple[int, ...], world: World, where: str) -> None:
                            f"`mpiexec -n {ranks[-1] + 1}`")
 
 
+# A tag no message of purinec's is sent with (MPI guarantees tags up to 32767): probing
+# for it finds nothing, but runs MPI's progress engine, which moves every posted
+# operation of this process along.
+PROGRESS_TAG = 32767
+
+
+def _progress() -> None:
+    MPI = _mpi()
+    MPI.COMM_WORLD.Iprobe(MPI.ANY_SOURCE, PROGRESS_TAG)
+
+
 class _Pending:
-    """Posted MPI requests; ``finish`` unpacks the result once they are all complete."""
+    """Posted MPI requests; ``finish`` unpacks the result once they are all complete.
+    ``nudge`` (any thread, any time) progresses them without completing them."""
+
+    nudge = staticmethod(_progress)
 
     def __init__(self, requests: list, finish: Callable[[], None]):
         self.requests = requests

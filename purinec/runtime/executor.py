@@ -15,7 +15,9 @@ The ``comm`` queues' worker posts its ready tasks in plan order, since every ran
 must issue collectives in the same order (one worker serves all the comm queues of a
 plan, so the order holds across devices too), and polls the pending ones between posts,
 releasing a task's successors when its operation completes; it never blocks on one
-operation while another could be posted. Elsewhere (other queues, the inline path) a
+operation while another could be posted. While operations are pending, compute workers
+nudge them along between tasks (MPI progresses only when called), so the comm worker
+can look up rarely while they are busy, and is woken as soon as one goes idle. Elsewhere (other queues, the inline path) a
 returned Pending is polled until complete before the next task.
 
 A task that raises stops the run: the failure is recorded, no worker takes another task
@@ -26,6 +28,7 @@ next call starts new workers.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import random
 import threading
@@ -56,6 +59,12 @@ POLL = 0.1
 PENDING_SPIN = 50
 PENDING_POLL_MIN = 1e-5
 PENDING_POLL_MAX = 2e-4
+# While every compute worker is busy, the comm worker looks up this rarely: each wake-up
+# of a thread costs tens of microseconds of the core compute is using, the compute
+# workers nudge MPI's progress between their tasks (`Pending.nudge`), and a compute
+# worker about to go idle wakes the comm worker at once (WAKE).
+BUSY_POLL = 2e-3
+WAKE = -2  # put in the comm inbox: poll now, and quickly until compute is busy again
 
 
 def _pauses():
@@ -75,6 +84,10 @@ class Pending(Protocol):
 
     def wait(self) -> None:
         """Block until the operation is complete and its outputs are written."""
+
+    # Optionally, ``nudge``: a thread-safe callable that advances every posted operation
+    # of its kind a step without completing any (MPI: a pass of its progress engine), for
+    # the compute workers to call between tasks.
 
 
 class Executable:
@@ -296,12 +309,22 @@ class _Pool:
                  worker_init: Callable[[Lane], None] | None):
         self.inboxes = [queue.SimpleQueue() for _ in queue_workers]
         self.queue_workers = queue_workers
+        # Written by the comm worker only: whether operations are pending, and their nudge.
+        self.comm_pending = False
+        self.nudge: Callable[[], None] | None = None
+        self.comm_inbox = next((self.inboxes[q] for lane, q in lanes
+                                if lane.queue.kind == COMM), None)
+        # One flag per compute worker, set while it runs a task (written by it alone).
+        self.computing = [False] * sum(lane.queue.kind == COMPUTE for lane, _ in lanes)
         self.run: _Run | None = None
         self.closed = False
         self.init_failures: list[tuple[Lane, BaseException]] = []
         started = threading.Semaphore(0)
+        slots = itertools.count()
         self.threads = [threading.Thread(target=_start,
-                                         args=(self, lane, q, program, worker_init, started),
+                                         args=(self, lane, q, program, worker_init, started,
+                                               next(slots) if lane.queue.kind == COMPUTE
+                                               else None),
                                          name=f"purinec {lane}", daemon=True)
                         for lane, q in lanes]
         try:
@@ -337,7 +360,8 @@ def _wait(pending: Pending) -> None:
 
 
 def _start(pool: _Pool, lane: Lane, q: int, program,
-           worker_init: Callable[[Lane], None] | None, started: threading.Semaphore) -> None:
+           worker_init: Callable[[Lane], None] | None, started: threading.Semaphore,
+           slot: int | None) -> None:
     """A worker thread: set itself up, say so, then serve its queue."""
     try:
         if worker_init is not None:
@@ -350,7 +374,7 @@ def _start(pool: _Pool, lane: Lane, q: int, program,
     if lane.queue.kind == COMM:
         _CommWorker(pool, q, program).serve()
     else:
-        _serve(pool, lane, pool.inboxes[q], program)
+        _serve(pool, lane, pool.inboxes[q], program, slot)
 
 
 def _release(pool: _Pool, run: _Run, index: int, program) -> None:
@@ -367,8 +391,12 @@ def _release(pool: _Pool, run: _Run, index: int, program) -> None:
             run.finished.set()
 
 
-def _serve(pool: _Pool, lane: Lane, inbox: queue.SimpleQueue, program) -> None:
-    """A worker: run tasks from ``inbox``, release their successors, until closed."""
+def _serve(pool: _Pool, lane: Lane, inbox: queue.SimpleQueue, program,
+           slot: int | None) -> None:
+    """A worker: run tasks from ``inbox``, release their successors, until closed. A
+    compute worker (``slot``: its flag in ``pool.computing``) also keeps pending
+    communication moving: it nudges it after each task, and wakes the comm worker when
+    it is about to go idle."""
     tasks, fns, args = program[:3]
     while not pool.closed:
         try:
@@ -380,6 +408,8 @@ def _serve(pool: _Pool, lane: Lane, inbox: queue.SimpleQueue, program) -> None:
         run = pool.run
         if run is None or run.stop:
             continue  # the run stopped: take no more of its tasks
+        if slot is not None:
+            pool.computing[slot] = True
         try:
             start = perf_counter()
             pending = fns[index](*args[index])
@@ -390,7 +420,20 @@ def _serve(pool: _Pool, lane: Lane, inbox: queue.SimpleQueue, program) -> None:
         except BaseException as err:  # any failure stops the run; the caller raises it
             run.fail(index, err)
             continue
+        finally:
+            if slot is not None:
+                pool.computing[slot] = False
         _release(pool, run, index, program)
+        if slot is not None and pool.comm_pending:
+            _keep_comm_moving(pool, inbox)
+
+
+def _keep_comm_moving(pool: _Pool, inbox: queue.SimpleQueue) -> None:
+    nudge = pool.nudge
+    if nudge is not None:
+        nudge()
+    if inbox.empty():
+        pool.comm_inbox.put(WAKE)
 
 
 class _CommWorker:
@@ -400,7 +443,8 @@ class _CommWorker:
     Tasks are posted strictly in plan order: a ready task waits until every earlier
     comm task has been posted. Between posts it polls what is pending
     (never blocking on one operation), sleeping a little longer each time nothing
-    changed, and waking at once when a task becomes ready.
+    changed (BUSY_POLL while every compute worker is busy), and waking at once when a
+    task becomes ready or a compute worker goes idle.
     """
 
     def __init__(self, pool: _Pool, q: int, program):
@@ -414,14 +458,17 @@ class _CommWorker:
         self.run = run
         self.ready: set[int] = set()
         self.pending: list[tuple[int, Pending, float]] = []
+        self.pool.comm_pending = False
         self.posted = 0  # how many tasks of self.order have been posted in this run
 
     def serve(self) -> None:
         pauses = _pauses()
         while not self.pool.closed:
-            index = self._next(next(pauses) if self.pending else POLL)
+            index = self._next(self._pause(pauses))
             if index is None:
                 return
+            if index == WAKE:
+                pauses = _pauses()
             run = self.pool.run
             if run is not self.run:
                 self._begin(run)
@@ -432,10 +479,18 @@ class _CommWorker:
                 self.ready.add(index)
             if self._post() | self._poll():
                 pauses = _pauses()
+            self.pool.comm_pending = bool(self.pending)
+
+    def _pause(self, pauses) -> float:
+        """How long to wait for a ready task before polling again."""
+        if not self.pending:
+            return POLL
+        computing = self.pool.computing
+        return BUSY_POLL if computing and all(computing) else next(pauses)
 
     def _next(self, pause: float) -> int | None:
         """The next task to become ready, or -1 once ``pause`` has passed without one
-        (time to poll), or None when the pool closes."""
+        (time to poll), or WAKE, or None when the pool closes."""
         try:
             if pause:
                 return self.inbox.get(timeout=pause)
@@ -461,6 +516,7 @@ class _CommWorker:
                 self._complete(index, start)
             else:
                 self.pending.append((index, pending, start))
+                self.pool.nudge = getattr(pending, "nudge", None)
         return self.posted > first
 
     def _poll(self) -> bool:
