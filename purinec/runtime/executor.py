@@ -17,8 +17,9 @@ plan, so the order holds across devices too), and polls the pending ones between
 releasing a task's successors when its operation completes; it never blocks on one
 operation while another could be posted. While operations are pending, compute workers
 nudge them along between tasks (MPI progresses only when called), so the comm worker
-can look up rarely while they are busy, and is woken as soon as one goes idle. Elsewhere (other queues, the inline path) a
-returned Pending is polled until complete before the next task.
+can look up rarely while they are busy, and is woken as soon as one goes idle.
+Elsewhere (other queues, the inline path) a returned Pending is polled until complete
+before the next task.
 
 A task that raises stops the run: the failure is recorded, no worker takes another task
 of that run, the caller wakes at once, closes the workers and joins them (so no thread
