@@ -287,6 +287,32 @@ def test_solver_updates_group_horizontally():
         "g0", "g1", ("fused_sgd_x2", ["w0.next", "w1.next"]), "g2", "w2.next", "y"]
 
 
+def test_solver_updates_group_by_the_communication_their_gradients_arrive_from():
+    # Data parallelism: g0 and g1 are reduced in one bucket, g2 alone. Fusing all three
+    # updates would hold w0's and w1's back until g2 arrives.
+    g = Graph("solver")
+    grads, updates = [], []
+    for i in range(3):
+        w = g.add_input(f"w{i}", T(i + 1, 4), role="param")
+        h = g.add_input(f"h{i}", T(i + 1, 4), role="state")
+        grads.append(g.add_node("softmax", [w], names=[f"g{i}"]).outputs[0])
+        updates.append((w, h))
+    bucket = g.add_node("allreduce", grads[:2], {"group": "cpu:0", "tensors": 2},
+                        names=["s0", "s1"])
+    alone = g.add_node("allreduce", grads[2:], {"group": "cpu:0", "tensors": 1},
+                       names=["s2"])
+    outputs = []
+    for i, ((w, h), summed) in enumerate(zip(updates, [*bucket.outputs, *alone.outputs])):
+        w2, h2 = g.add_node("sgd", [w, h, summed], {"lr": 0.1, "momentum": 0.9},
+                            names=[f"w{i}.next", f"h{i}.next"]).outputs
+        outputs += [(f"w{i}", w2), (f"h{i}", h2)]
+    g.set_outputs(outputs)
+    after = fuse(g)
+    assert layout(after) == ["g0", "g1", "g2", "s0", "s2",
+                             ("fused_sgd_x2", ["w0.next", "w1.next"]), "w2.next"]
+    assert_same_results(g, after)
+
+
 def test_solver_updates_group_per_device():
     after = fuse(solver_graph(devices=(CPU0, CPU1, CPU0)))
     assert layout(after) == ["g0", "g1", "w1.next", "g2",

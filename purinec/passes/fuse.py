@@ -19,7 +19,10 @@ grouped with union-find in three steps; every merge passes the same checks (belo
    fed by a matmul joined its epilogue in step 1) become one fused node per device of
    independent members, in chunks of at most ``max_group_size``, when no path joins
    two of them and no two share an input (so each member may update its own weight and
-   history in place without disturbing another).
+   history in place without disturbing another). Updates whose gradients arrive from
+   different communication nodes (allreduces of a data-parallel graph) stay apart: one
+   fused update would wait for the last gradient, while apart each runs when its own
+   arrives, filling the wait for the next.
 
 The checks. Every value that would flow inside the merged group, from a producer to a
 consumer: the consumer is elementwise or broadcast (nothing fuses into a conv2d or
@@ -58,7 +61,7 @@ import networkx as nx
 
 from purinec.errors import PurinecError
 from purinec.ir.graph import FUSED, Graph, Node, Value, external_inputs
-from purinec.ir.ops import FusionKind, get_op
+from purinec.ir.ops import COMM_OPS, FusionKind, get_op
 
 DEFAULT_MAX_GROUP_SIZE = 64
 
@@ -201,12 +204,15 @@ class _Planner:
                 return apart
 
     def fuse_solver_updates(self) -> None:
-        """Step 3: lone sgd nodes, per device, into as few independent groups as fit."""
+        """Step 3: lone sgd nodes, per device and arrival of their inputs, into as few
+        independent groups as fit."""
         open_groups: dict = {}
         for i, node in enumerate(self.nodes):
             if node.op not in SOLVER_OPS or len(self.members[self.find(i)]) != 1:
                 continue
-            groups = open_groups.setdefault(node.device, [])
+            arrival = tuple(sorted({id(v.producer) for v in node.inputs
+                                    if v.producer is not None and v.producer.op in COMM_OPS}))
+            groups = open_groups.setdefault((node.device, arrival), [])
             home = next((r for r in groups if self.independent(r, i)
                          and len(self.members[r]) < self.max_group_size), None)
             if home is None:
