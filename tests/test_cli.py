@@ -348,6 +348,21 @@ def test_dump_parallel_stages_explain_each_collective(capsys):
     assert any(n.op == "allgather" and len(n.inputs) == 2 for n in parsed.nodes)
 
 
+def test_dump_parameter_servers_explains_each_reduce_and_broadcast(capsys):
+    result = purinec_here(capsys, "dump", "lenet", "--train", "--batch", "8", "--target",
+                          "reference", "--devices", "2", "--parallel", "ps", "--stage",
+                          "parallel", "--explain")
+    assert result.returncode == 0, result.stderr
+    graph = parse(result.stdout)  # the reasons are comments
+    ops = [n.op for n in graph.nodes]
+    assert ops.count("reduce") == ops.count("broadcast") == ops.count("sgd") == 8
+    reasons = result.stdout.splitlines()
+    assert ("# reduce %grad.ip1.weight.sum: %grad.ip1.weight is partial[cpu:0,cpu:1], "
+            "sgd %ip1.weight.next needs replicated[cpu:0]") in reasons
+    assert ("# broadcast %conv1.weight.all: %conv1.weight is replicated[cpu:1], conv2d "
+            "%conv1.conv needs replicated[cpu:0,cpu:1]") in reasons
+
+
 def test_dump_parallel_stage_needs_devices(capsys):
     assert_clean_error(purinec_here(capsys, "dump", "mlp", "--stage", "parallel"),
                        "stage parallel runs only with --devices")

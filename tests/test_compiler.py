@@ -100,7 +100,7 @@ def test_every_stage_of_every_zoo_model_round_trips(name, training):
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))
-@pytest.mark.parametrize("strategy", ["data", "pipeline"])
+@pytest.mark.parametrize("strategy", ["data", "ps", "pipeline"])
 def test_every_parallel_stage_of_every_zoo_model_round_trips(name, strategy):
     from purinec.compiler import physical_passes
     from purinec.passes.parallel import Parallel, parse_devices

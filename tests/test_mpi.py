@@ -70,6 +70,31 @@ def test_collectives_within_one_rank_need_no_mpi():
         np.testing.assert_array_equal(out[f"y{i}"], whole)
 
 
+def test_a_parameter_servers_reduce_and_broadcast_within_one_rank_need_no_mpi():
+    graph = Graph("server")
+    devices = [Device("cpu", i) for i in range(3)]
+    attrs = {"group": "cpu:0,cpu:1,cpu:2", "root": "cpu:1"}
+    xs = [graph.add_input(f"x.p{k}", TensorType((4, 3), DType.f32), devices[k])
+          for k in range(3)]
+    total = graph.add_node("reduce", xs, attrs, names=["sum"], device=devices[1])
+    copies = graph.add_node("broadcast", total.outputs, {**attrs, "shape": [4, 3],
+                                                         "members": 3})
+    for out, device in zip(copies.outputs, devices):
+        out.device = device
+    graph.set_outputs([(f"y{k}", v) for k, v in enumerate(copies.outputs)])
+    exe = Executable(graph, comm.comm_kernels(graph.nodes, comm.world()))
+    rng = np.random.default_rng(0)
+    env = {v.name: rng.standard_normal(v.type.shape).astype(np.float32) for v in graph.inputs}
+    out = exe({k: v.copy() for k, v in env.items()})
+    expected = (env["x.p0"] + env["x.p1"]) + env["x.p2"]  # in group order
+    for k in range(3):
+        assert out[f"y{k}"].tobytes() == expected.tobytes()
+    b = graph.add_input("b", TensorType((3,), DType.bool))
+    with pytest.raises(PurinecError, match="cannot sum bool"):
+        comm.mpi_kernel(graph.add_node("reduce", [b], {"group": "cpu:0", "root": "cpu:0"}),
+                        comm.world())
+
+
 def test_a_group_beyond_this_world_asks_for_mpiexec():
     graph = Graph("g")
     x = graph.add_input("x.p0", TensorType((3,), DType.f32))
@@ -146,7 +171,8 @@ def check_gather(inputs: list[np.ndarray], outputs: list[np.ndarray], axis: int)
 def check_collectives(outdir: Path, size: int) -> None:
     """What tests/mpi_scripts/collectives.py computed on ``size`` ranks (its groups: two
     devices a rank, ranks interleaved; the first device of each rank; each rank's own
-    two devices; and the first and last rank)."""
+    two devices; and the first and last rank; a parameter server's reduce and broadcast
+    over the first group, rooted on the last rank)."""
     for call in range(2):
         ranks = [load(outdir / f"rank{r}.call{call}.npz") for r in range(size)]
         inputs = {k: v for r_in, _ in ranks for k, v in r_in.items()}
@@ -166,6 +192,14 @@ def check_collectives(outdir: Path, size: int) -> None:
                      member_outs("gather_out"), axis=1)
         check_gather([inputs[f"rows.p{r}"] for r in range(size)], member_outs("rows_out"),
                      axis=0)
+        summands = [inputs[f"ps.p{k}"] for k in range(2 * size)]
+        total = outputs[-1]["ps_sum"]
+        np.testing.assert_allclose(total, np.sum(summands, axis=0, dtype=np.float64),
+                                   rtol=1e-5, atol=1e-5)
+        assert [out.tobytes() for out in member_outs("ps_all")] == [total.tobytes()] * 2 * size
+        for r, (r_in, r_out) in enumerate(ranks[:-1]):  # what each other rank sent
+            assert r_out["ps_sum.sent"].tobytes() == (r_in[f"ps.p{r}"] +
+                                                      r_in[f"ps.p{r + size}"]).tobytes()
         if size >= 3:
             ends = [ranks[0][0]["ends.p0"], ranks[-1][0]["ends.p1"]]
             check_sum(ends, member_outs("ends_out"))
@@ -231,7 +265,8 @@ def test_a_killed_rank_ends_the_job_instead_of_hanging():
 @pytest.mark.parametrize("model,batch,per_rank,strategy", [
     ("lenet", 12, 1, "data"), ("cifar_quick", 10, 1, "data"), ("lenet", 12, 2, "data"),
     ("lenet", 12, 1, "model"), ("cifar_quick", 10, 1, "hybrid"),
-    ("lenet", 12, 1, "pipeline"), ("cifar_quick", 10, 1, "pipeline")])
+    ("lenet", 12, 1, "pipeline"), ("cifar_quick", 10, 1, "pipeline"),
+    ("lenet", 12, 1, "ps")])
 def test_training_over_two_ranks_equals_one_device(tmp_path, model, batch, per_rank,
                                                    strategy):
     ran(mpirun(2, "train_equal.py", model, batch, "reference", tmp_path, per_rank, strategy))

@@ -75,6 +75,91 @@ def test_every_boxing_conversion_keeps_the_logical_tensor(src, dst, devices):
     assert conversion_cost(src_dist, dst_dist, logical.nbytes) < float("inf")
 
 
+def _boxed(src: Distribution, dst: Distribution, shape) -> Graph:
+    g = Graph("box")
+    x = g.add_input("x", TensorType(shape, DType.f64), src.group[0], dist=src)
+    g.nodes = convert(g, x, dst, "the test")
+    g.set_outputs([("y", g.nodes[-1].outputs[0])])
+    verify(g)
+    return g
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("server", [0, -1])
+@pytest.mark.parametrize("direction", ["to the server", "from the server"])
+def test_a_parameter_servers_conversions_keep_the_logical_tensor(devices, server, direction):
+    """partial over the group -> whole on its server (reduce), and whole on the server ->
+    whole on every member (broadcast), in process on both targets' kernels."""
+    from purinec.compiler import host_kernels
+    from purinec.runtime.executor import Executable
+
+    group = tuple(Device("cpu", i) for i in range(devices))
+    alone = Distribution(DistKind.replicated, (group[server],))
+    src, dst = ((Distribution(DistKind.partial, group), alone) if direction == "to the server"
+                else (alone, Distribution(DistKind.replicated, group)))
+    rng = np.random.default_rng(devices)
+    shape = (7, 5)
+    g = _boxed(src, dst, shape)
+    [node] = g.nodes
+    assert node.op == ("reduce" if direction == "to the server" else "broadcast")
+    assert node.attrs["root"] == str(group[server]) and explain(g) == [
+        f"{node.op} %{node.outputs[0].name}: %x is {src}, the test needs {dst}"]
+    physical = partition(g, 0)
+    verify(physical)
+    assert str(parse(str(physical))) == str(physical)
+    logical = rng.standard_normal(shape)
+    n = len(src.group)
+    env = {member_name("x", k, n): p for k, p in enumerate(_pieces(logical, src, rng))}
+    out = execute(physical, env)
+    pieces = [out[member_name("y", k, len(dst.group))] for k in range(len(dst.group))]
+    np.testing.assert_allclose(_whole(pieces, dst), logical, rtol=1e-12, atol=1e-12)
+    # The runtime's kernels add up in the same (group) order: the very same bytes.
+    ran = Executable(physical, host_kernels(physical))({k: v.copy() for k, v in env.items()})
+    for name, array in out.items():
+        assert ran[name].tobytes() == array.tobytes(), name
+    assert 0 < conversion_cost(src, dst, logical.nbytes) < float("inf")
+
+
+def test_a_parameter_servers_conversions_over_ranks_partition_per_rank():
+    """Over two ranks: the reduce sums each rank's members toward the root (the rank
+    without it keeps what it sent, which nobody reads); the broadcast reads the root's
+    tensor on its rank only and writes every local member."""
+    group = (Device("cpu", 0), Device("cpu", 1), Device("cpu", 0, 1))
+    server = Distribution(DistKind.replicated, (group[2],))
+    to_server = _boxed(Distribution(DistKind.partial, group), server, (4,))
+    from_server = _boxed(server, Distribution(DistKind.replicated, group), (4,))
+    shapes = {}
+    for rank in (0, 1):
+        for g in (to_server, from_server):
+            physical = partition(g, rank)
+            verify(physical)
+            assert str(parse(str(physical))) == str(physical)
+            [node] = physical.nodes
+            shapes[node.op, rank] = ([(v.name, str(v.device)) for v in node.inputs],
+                                     [(v.name, str(v.device)) for v in node.outputs])
+    assert shapes["reduce", 0] == ([("x.p0", "cpu:0"), ("x.p1", "cpu:1")],
+                                   [("x.sum.sent", "cpu:0")])
+    assert shapes["reduce", 1] == ([("x.p2", "r1/cpu:0")], [("x.sum", "r1/cpu:0")])
+    assert shapes["broadcast", 0] == ([], [("x.all.p0", "cpu:0"), ("x.all.p1", "cpu:1")])
+    assert shapes["broadcast", 1] == ([("x", "r1/cpu:0")], [("x.all.p2", "r1/cpu:0")])
+
+
+def test_a_reduce_or_broadcast_needs_its_root_in_its_group():
+    g = Graph("g")
+    x = g.add_input("x", TensorType((3,), DType.f32))
+    with pytest.raises(PurinecError, match="root cpu:2 is not in its group cpu:0,cpu:1"):
+        g.add_node("reduce", [x], {"group": "cpu:0,cpu:1", "root": "cpu:2"})
+    node = g.add_node("reduce", [x], {"group": "cpu:0,cpu:1", "root": "cpu:1"})
+    node.attrs["root"] = "r1/cpu:0"  # as a hand-edited .pir file might say
+    with pytest.raises(PurinecError, match=r"reduce.*root r1/cpu:0 is not in its group"):
+        verify(g)
+    text = ('graph g(%x: f32[3] @cpu:0) {\n  %y = broadcast(%x) {group="cpu:0,cpu:1", '
+            'root="cpu:0", shape=[4], dtype="f32", members=1} : f32[4] @cpu:0\n'
+            '  return y=%y\n}\n')
+    with pytest.raises(PurinecError, match=r"broadcast: takes the root's f32\[4\]"):
+        verify(parse(text))
+
+
 def test_a_conversion_the_table_lacks_is_refused_with_the_consumer_named():
     group = (Device("cpu", 0), Device("cpu", 1))
     g = Graph("box")
@@ -111,7 +196,7 @@ def _assert_same_training(model: str, batch: int, devices: str, target: str,
                                    atol=2e-5, err_msg=name)
     # Every replica holds bitwise the same weights and momentum.
     replicas = many._run_main.replicas
-    assert replicas or strategy in ("model", "pipeline")  # nothing replicated
+    assert replicas or strategy in ("model", "pipeline", "ps")  # nothing replicated
     for (name, member), array in replicas.items():
         store = many.params if name in many.params else many.state
         np.testing.assert_array_equal(array, store[name], err_msg=f"{name} on member {member}")
@@ -164,6 +249,83 @@ def test_pipeline_training_equals_one_device(model, batch, devices):
     many.close()
 
 
+def _assert_every_device_gets_the_servers_weights(program: purinec.Program, feeds) -> None:
+    """One more step of a ps program, its broadcasts' outputs returned too: every
+    device's copy of every weight is bitwise the server's."""
+    from purinec.compiler import get_target
+
+    physical = parse(str(program.physical_ir))
+    copies = [n for n in physical.nodes if n.op == "broadcast"]
+    physical.set_outputs(physical.outputs + [(v.name, v) for n in copies for v in n.outputs])
+    run = get_target(program.target).build(physical, None)
+    seen = {}
+
+    def capture(env):
+        seen.update(run(env))
+        return seen
+
+    before = {name: array.copy() for name, array in program.params.items()}
+    distributed = program._run_main
+    distributed.physical, original = capture, distributed.physical
+    try:
+        program.step(feeds)
+    finally:
+        distributed.physical = original
+        getattr(run, "close", lambda: None)()
+    devices = set(program.devices)
+    assert {n.inputs[0].name for n in copies} == set(before)
+    for node in copies:
+        assert {v.device for v in node.outputs} == devices
+        for v in node.outputs:
+            assert seen[v.name].tobytes() == before[node.inputs[0].name].tobytes(), v.name
+
+
+@pytest.mark.parametrize("model,batch", [("lenet", 12), ("cifar_quick", 10)])
+@pytest.mark.parametrize("devices", ["2", "3"])
+def test_parameter_server_training_equals_one_device(model, batch, devices):
+    many = _assert_same_training(model, batch, devices, "reference", strategy="ps")
+    _assert_every_device_gets_the_servers_weights(many, _feeds(many.ir,
+                                                               np.random.default_rng(3)))
+    many.close()
+
+
+def test_parameter_server_training_on_the_cpu_target_equals_one_device():
+    many = _assert_same_training("lenet", 16, "cpu:0,cpu:1", "cpu", strategy="ps")
+    _assert_every_device_gets_the_servers_weights(many, _feeds(many.ir,
+                                                               np.random.default_rng(3)))
+    many.close()
+
+
+@pytest.mark.parametrize("model,devices", [("lenet", "2"), ("cifar_quick", "3")])
+def test_parameter_servers_share_the_parameters_by_bytes(model, devices):
+    from purinec.compiler import build_graph, load_source
+
+    logical = build_graph(load_source(model, 8), SGD,
+                          parallel=Parallel(parse_devices(devices), "ps"))
+    servers = {v.name: v.dist.group for v in logical.inputs if v.role in ("param", "state")}
+    assert all(len(group) == 1 for group in servers.values())
+    assert {group[0] for group in servers.values()} == set(parse_devices(devices))
+    params = [v for v in logical.inputs if v.role == "param"]
+    largest = max(params, key=lambda v: v.type.nbytes)
+    assert servers[largest.name] == (Device("cpu", 0),)
+    if model == "lenet":  # ip1.weight outweighs the rest together: cpu:1 serves them
+        assert {v.name for v in params if servers[v.name] == (Device("cpu", 0),)} == {
+            "ip1.weight"}
+    # Each update runs on its parameter's server, after a reduce there; the batch stays
+    # split; the forward and backward passes read the weights broadcast from the server.
+    updates = [n for n in logical.nodes if n.op == "sgd"]
+    assert len(updates) == len(params)
+    for node in updates:
+        weight, history, grad = node.inputs
+        assert weight.dist.group == history.dist.group == servers[weight.name]
+        assert grad.producer.op == "reduce" and grad.dist.group == servers[weight.name]
+        assert {v.dist.group for v in node.outputs} == {servers[weight.name]}
+    assert logical.input("data").dist.kind is DistKind.split
+    readers = logical.users()
+    for param in params:
+        assert sorted(n.op for n in readers[param]) == ["broadcast", "sgd"]
+
+
 def test_pipeline_micro_batches_are_checked():
     with pytest.raises(PurinecError, match="cannot cut a batch of 4 into 5 micro-batches"):
         purinec.compile("mlp", batch=4, devices=2, parallel="pipeline", micro_batches=5)
@@ -185,9 +347,10 @@ def test_uneven_batch_weights_each_piece_by_its_rows():
     _assert_same_training("mlp", 10, "3", "reference", iterations=1).close()
 
 
-def test_inference_outputs_are_gathered_whole():
+@pytest.mark.parametrize("strategy", ["data", "ps"])
+def test_inference_outputs_are_gathered_whole(strategy):
     one = purinec.compile("lenet", batch=6, seed=2)
-    many = purinec.compile("lenet", batch=6, seed=2, devices=3)
+    many = purinec.compile("lenet", batch=6, seed=2, devices=3, parallel=strategy)
     feeds = _feeds(one.ir, np.random.default_rng(0))
     a, b = one.run(feeds), many.run(feeds)
     assert a.keys() == b.keys()

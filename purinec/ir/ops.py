@@ -921,6 +921,59 @@ def _allgather_ref(*xs, group, axis, sizes):
     return tuple(whole.copy() for _ in xs)
 
 
+def _root_attr(op: str, attrs: dict, group: tuple):
+    """The ``root`` device of a reduce or broadcast, which must be in its group."""
+    from purinec.ir.types import Device
+
+    try:
+        root = Device.parse(attrs["root"])
+    except ValueError as err:
+        raise VerifyError(f"op {op}: attribute root: {err}") from None
+    if root not in group:
+        raise VerifyError(f"op {op}: root {root} is not in its group {attrs['group']}; "
+                          f"the root must be one of the group's devices")
+    return root
+
+
+def _reduce_infer(types, attrs):
+    group = _group_attr("reduce", attrs)
+    _root_attr("reduce", attrs, group)
+    if len(types) > len(group):
+        raise _fail("reduce", f"{len(types)} inputs for a group of {len(group)}")
+    for i, t in enumerate(types):
+        if t != types[0]:
+            raise _fail("reduce", f"input {i} is {t} but input 0 is {types[0]}")
+    return [types[0]]
+
+
+def _reduce_ref(*xs, group, root):
+    if len(xs) != len(group.split(",")):
+        raise ValueError("reduce across ranks has no in-process reference")
+    total = xs[0].copy()
+    for x in xs[1:]:  # in group order, as the runtime's kernels sum
+        total += x
+    return (total,)
+
+
+def _broadcast_infer(types, attrs):
+    group = _group_attr("broadcast", attrs)
+    _root_attr("broadcast", attrs, group)
+    whole = TensorType(_shape_attr("broadcast", attrs), _dtype_attr("broadcast", attrs))
+    if len(types) > 1 or (types and types[0] != whole):
+        raise _fail("broadcast", f"takes the root's {whole} (or nothing, on a rank without "
+                                 f"the root), got {', '.join(map(str, types))}")
+    if not 1 <= attrs["members"] <= len(group):
+        raise _fail("broadcast", f"members={attrs['members']} is not between 1 and the "
+                                 f"group's {len(group)}")
+    return [whole] * attrs["members"]
+
+
+def _broadcast_ref(*xs, group, root, shape, dtype, members):
+    if not xs:
+        raise ValueError("broadcast from another rank has no in-process reference")
+    return tuple(xs[0].copy() for _ in range(members))
+
+
 def _slice_infer(types, attrs):
     x = types[0]
     axis, start, stop = attrs["axis"], attrs["start"], attrs["stop"]
@@ -964,7 +1017,7 @@ def _across_ranks(op: str):
     return refuse
 
 
-COMM_OPS = ("copy", "allreduce", "allgather", "send", "recv")
+COMM_OPS = ("copy", "allreduce", "allgather", "reduce", "broadcast", "send", "recv")
 
 register(OpDef("copy", ("x",), _copy_infer, lambda x: (x.copy(),), X, differentiable=False,
                doc="the same tensor on another device"))
@@ -978,6 +1031,21 @@ register(OpDef("allgather", ("xs",), _allgather_infer, _allgather_ref, X,
                variadic=True, differentiable=False,
                doc="every member gets the concatenation of the members' pieces along axis; "
                    "one input and one output for each member on this rank"))
+# A parameter server's conversions (data parallelism with --parallel ps): the partial
+# gradients summed onto the server, and its new weights sent to every member.
+register(OpDef("reduce", ("xs",), _reduce_infer, _reduce_ref, X,
+               attrs={"group": Attr("str"), "root": Attr("str")}, variadic=True,
+               differentiable=False,
+               doc="sum over the group's members onto `root`; one input for each member on "
+                   "this rank, in group order; the output is the sum on the root's rank, "
+                   "and what this rank sent toward it on the others"))
+register(OpDef("broadcast", (), _broadcast_infer, _broadcast_ref, X,
+               attrs={"group": Attr("str"), "root": Attr("str"), "shape": Attr("ints"),
+                      "dtype": Attr("str", "f32"), "members": Attr("int", 1)},
+               variadic=True,  # the root's tensor on its rank, nothing on the others
+               differentiable=False,
+               doc="root's tensor to every member of the group; `members` outputs, one for "
+                   "each member on this rank, in group order"))
 # A copy between ranks: the sending rank's half (its output is a token that the send
 # completed, read by nobody) and the receiving rank's, matched by tag.
 register(OpDef("send", ("x",), _send_infer, _across_ranks("send"), X,

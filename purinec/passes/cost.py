@@ -179,10 +179,13 @@ RULES.update({
     "cast": lambda node: 0,
     "fill": lambda node: 0,
     "dropout_mask": lambda node: 0,
-    # Communication: moving data; an allreduce adds each member's tensors into the sum.
+    # Communication: moving data; an allreduce or reduce adds each member's tensors into
+    # the sum.
     "copy": lambda node: 0,
     "slice": lambda node: 0,
     "allgather": lambda node: 0,
+    "broadcast": lambda node: 0,
+    "reduce": lambda node: sum(v.type.size for v in node.inputs),
     "send": lambda node: 0,
     "recv": lambda node: 0,
     "allreduce": lambda node: sum(v.type.size for v in node.inputs),

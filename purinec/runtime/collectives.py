@@ -1,8 +1,9 @@
 """Kernels for the communication nodes of a physical graph whose members all live in
 this process: copies between device buffers, slices, and collectives over the local
 members. Each sums or gathers once and writes the same bytes to every member, so
-replicas stay bitwise identical. Groups that span ranks get MPI kernels from
-`purinec.runtime.comm` instead.
+replicas stay bitwise identical; a parameter server's reduce sums the members' pieces in
+group order onto the root, and its broadcast copies the root's tensor to every member.
+Groups that span ranks get MPI kernels from `purinec.runtime.comm` instead.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from purinec.ir.graph import Node
 from purinec.ir.types import Device
 
 # Ops whose kernels live here rather than in a code generator.
-HOST_OPS = ("copy", "slice", "allreduce", "allgather", "send", "recv")
+HOST_OPS = ("copy", "slice", "allreduce", "allgather", "reduce", "broadcast", "send", "recv")
 
 
 def spans_ranks(node: Node) -> bool:
@@ -37,6 +38,10 @@ def host_kernel(node: Node) -> Callable:
         return _allreducer(node.attrs["tensors"])
     if node.op == "allgather":
         return _allgatherer(node.attrs["axis"])
+    if node.op == "reduce":
+        return _reduce
+    if node.op == "broadcast":
+        return _broadcast
     raise ValueError(f"no host kernel for op {node.op}")
 
 
@@ -74,3 +79,17 @@ def _allgatherer(axis: int) -> Callable:
         for y in ys[1:]:
             np.copyto(y, ys[0])
     return fn
+
+
+def _reduce(*arrays: np.ndarray) -> None:
+    """The members' pieces (in group order), then the root's output: their sum, added
+    up in that order."""
+    xs, total = arrays[:-1], arrays[-1]
+    np.copyto(total, xs[0])
+    for x in xs[1:]:
+        np.add(total, x, out=total)
+
+
+def _broadcast(x: np.ndarray, *ys: np.ndarray) -> None:
+    for y in ys:
+        np.copyto(y, x)

@@ -4,9 +4,10 @@ A program spanning several ranks runs as one process per rank under ``mpiexec``;
 ``MPI.COMM_WORLD``'s rank is `Device.rank`. A process that no launcher started is a
 world of one, and never initialises MPI (mpi4py is imported only under a launcher).
 
-`comm_kernels` gives physical ``allreduce`` and ``allgather`` nodes of one rank's
-graph their kernels. A kernel takes the executor's ``fn(*inputs, *outputs)`` arrays,
-packs what this rank's members contribute into one contiguous buffer, posts a
+`comm_kernels` gives physical ``allreduce``, ``allgather``, ``reduce`` and ``broadcast``
+nodes of one rank's graph their kernels. A kernel takes the executor's
+``fn(*inputs, *outputs)`` arrays, packs what this rank's members contribute into one
+contiguous buffer (a reduce: its output; a broadcast: its first output), posts a
 non-blocking collective over the group's ranks and returns a `Pending` that unpacks the
 result into every local output once ``test()`` sees the collective complete (the
 executor's comm queue polls it; see `purinec.runtime.executor`). Results are bitwise
@@ -43,7 +44,7 @@ LAUNCHER_VARIABLES = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "OMPI_COMM_WORL
 # Test hook: the rank named here fails at the start of each graph's first run.
 FAIL_RANK_VARIABLE = "PURINEC_FAIL_RANK"
 
-COLLECTIVES = ("allreduce", "allgather")
+COLLECTIVES = ("allreduce", "allgather", "reduce", "broadcast")
 
 
 @dataclass(eq=False)
@@ -102,7 +103,7 @@ def world() -> World:
 
 
 def comm_kernels(nodes: Iterable[Node], world: World) -> dict[Node, Callable]:
-    """Kernels for ``allreduce`` and ``allgather`` nodes of this rank's graph (e.g. all
+    """Kernels for the collectives and sends and receives of this rank's graph (e.g. all
     those whose group spans ranks). Their communicators are created first, in sorted
     order, which no two ranks can disagree on; creating them node by node instead
     (`mpi_kernel` alone) could deadlock if two ranks met shared groups in different
@@ -145,7 +146,7 @@ def _point_to_point(node: Node, world: World) -> Callable:
 
 
 def mpi_kernel(node: Node, world: World) -> Callable:
-    """The kernel of one physical ``allreduce`` or ``allgather`` node on this rank.
+    """The kernel of one physical collective (COLLECTIVES) on this rank.
     Creates the group's communicator if no earlier kernel did (see `comm_kernels`)."""
     if node.op not in COLLECTIVES:
         raise PurinecError(f"node {node!r}: no communication kernel for op {node.op}")
@@ -161,6 +162,10 @@ def mpi_kernel(node: Node, world: World) -> Callable:
         comm = world.group_comm(ranks)
     if node.op == "allreduce":
         return _Allreduce(node, len(local), comm)
+    if node.op == "reduce":
+        return _Reduce(node, ranks, local, comm, world.rank)
+    if node.op == "broadcast":
+        return _Broadcast(node, ranks, local, comm, world.rank)
     return _Allgather(node, group, ranks, local, comm)
 
 
@@ -327,6 +332,65 @@ class _Allgather:
             moved = np.moveaxis(out, self.axis, 0)
             for k, (row, size) in enumerate(zip(self.first_rows, self.sizes)):
                 moved[row:row + size] = self._rows(self.received, self.offsets[k], k)
+
+
+class _Reduce:
+    """Sum the members' summands onto the root: this rank's members' pieces added up in
+    group order into the output (the root's sum on its rank, what this rank sends on the
+    others), then one ``Ireduce`` over the group's ranks to the root's."""
+
+    def __init__(self, node: Node, ranks, local: list[int], comm, rank: int):
+        if len(node.inputs) != len(local):
+            raise PurinecError(f"node {node!r}: {len(node.inputs)} inputs for the "
+                               f"{len(local)} member(s) of its group on this rank")
+        if node.inputs[0].type.dtype.numpy == np.bool_:
+            raise PurinecError(f"node {node!r}: cannot sum bool tensors")
+        root = Device.parse(node.attrs["root"]).rank
+        self.root, self.at_root, self.comm = ranks.index(root), root == rank, comm
+
+    def __call__(self, *arrays: np.ndarray) -> _Pending | None:
+        inputs, total = arrays[:-1], arrays[-1]
+        np.copyto(total, inputs[0])
+        for x in inputs[1:]:
+            np.add(total, x, out=total)
+        if self.comm is None:
+            return None
+        MPI = _mpi()
+        if self.at_root:
+            request = self.comm.Ireduce(MPI.IN_PLACE, total, MPI.SUM, root=self.root)
+        else:
+            request = self.comm.Ireduce(total, None, MPI.SUM, root=self.root)
+        return _Pending([request], lambda: None)
+
+
+class _Broadcast:
+    """The root's tensor to every member: one ``Ibcast`` from the root's rank into the
+    first local output, then copied to the other local members."""
+
+    def __init__(self, node: Node, ranks, local: list[int], comm, rank: int):
+        root = Device.parse(node.attrs["root"]).rank
+        self.at_root = root == rank
+        if len(node.inputs) != int(self.at_root) or len(node.outputs) != len(local):
+            raise PurinecError(f"node {node!r}: {len(node.inputs)} input(s) and "
+                               f"{len(node.outputs)} output(s), but this rank has "
+                               f"{'the' if self.at_root else 'not the'} root and "
+                               f"{len(local)} member(s) of the group")
+        self.root, self.comm = ranks.index(root), comm
+
+    def __call__(self, *arrays: np.ndarray) -> _Pending | None:
+        outputs = arrays[1:] if self.at_root else arrays
+        if self.at_root:
+            for out in outputs:
+                np.copyto(out, arrays[0])
+        if self.comm is None:
+            return None
+        request = self.comm.Ibcast(outputs[0], root=self.root)
+        return _Pending([request], lambda: self._copies(outputs))
+
+    def _copies(self, outputs) -> None:
+        if not self.at_root:
+            for out in outputs[1:]:
+                np.copyto(out, outputs[0])
 
 
 def _starts(extents: list[int]) -> list[int]:

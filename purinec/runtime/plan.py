@@ -57,8 +57,8 @@ class Task:
 def queue_of(node: Node) -> QueueId:
     """Copies run on their destination's inbound copy queue and collectives on the
     communication queue, so neither waits behind (or blocks) a device's compute."""
-    kind = {"copy": COPY_IN, "allreduce": COMM, "allgather": COMM, "send": COMM,
-            "recv": COMM}.get(node.op, COMPUTE)
+    kind = {"copy": COPY_IN, "allreduce": COMM, "allgather": COMM, "reduce": COMM,
+            "broadcast": COMM, "send": COMM, "recv": COMM}.get(node.op, COMPUTE)
     return QueueId(node.device, kind)
 
 

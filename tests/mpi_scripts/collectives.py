@@ -1,13 +1,14 @@
 """Each rank runs a graph of allreduce and allgather nodes over every rank (two devices a
 rank), over this rank's two devices only, and (with 3 ranks or more) over the first and
-last rank; saves its inputs and outputs of each call to OUTDIR/rank<R>.call<C>.npz."""
+last rank, and a parameter server's reduce and broadcast over every rank; saves its
+inputs and outputs of each call to OUTDIR/rank<R>.call<C>.npz."""
 
 from __future__ import annotations
 
 import sys
 
 import numpy as np
-from common import add_collective, executable, random_env, save
+from common import add_collective, executable, group_text, random_env, save
 
 from purinec.ir.graph import Graph
 from purinec.ir.types import DType, Device, TensorType
@@ -54,6 +55,21 @@ def build(world: comm.World) -> Graph:
     piece = graph.add_input(f"rows.p{rank}", TensorType((rows[rank], 3), DType.i32),
                             firsts[rank])
     gather([piece], firsts, axis=0, sizes=rows, name="rows_out")
+    # A parameter server on the last rank's second device: every member's summand onto
+    # it, then its sum to every member.
+    server = Device("cpu", 1, size - 1)
+    here = server.rank == rank
+    attrs = {"group": group_text(both), "root": str(server)}
+    total = graph.add_node("reduce", inputs("ps", both, [((6, 5), DType.f32)]), attrs,
+                           names=["ps_sum" if here else "ps_sum.sent"],
+                           device=server if here else mine[0])
+    local = [k for k, device in enumerate(both) if device.rank == rank]
+    copies = graph.add_node("broadcast", total.outputs if here else [],
+                            {**attrs, "shape": [6, 5], "members": len(local)},
+                            names=[f"ps_all.p{k}" for k in local])
+    for out, k in zip(copies.outputs, local):
+        out.device = both[k]
+    outputs.extend((v.name, v) for v in total.outputs + copies.outputs)
     graph.set_outputs(outputs)
     return graph
 
@@ -69,7 +85,8 @@ def main() -> int:
     exe.close()
     # A kernel called with its output over its input (which the planner never does),
     # waited for directly.
-    [one] = [node for node in graph.nodes if node.inputs[0].name.startswith("one.")]
+    [one] = [node for node in graph.nodes if node.inputs and
+             node.inputs[0].name.startswith("one.")]
     x = np.full(one.inputs[0].type.shape, world.rank + 1.0)
     comm.mpi_kernel(one, world)(x, x).wait()
     save(f"{sys.argv[1]}/rank{world.rank}.aliased.npz", {}, {"x": x})

@@ -9,6 +9,12 @@ the logical tensor:
     split(a)      allgather       allgather, slice       (never needed)
     partial       allreduce       allreduce, slice       -
 
+Between a group G and one of its devices s (a parameter server, `--parallel ps`):
+
+    from \\ to             replicated[s]    replicated[G]
+    partial[G]            reduce to s      allreduce
+    replicated[s]         -                broadcast from s
+
 A value on one device that a consumer needs on another gets a `copy`. The cost of each
 conversion, in bytes moved per device, lets the distribution pass pick the cheapest of
 an op's split signatures.
@@ -34,7 +40,11 @@ def conversion_cost(src: Distribution, dst: Distribution, nbytes: int) -> float:
     if src == dst:
         return 0.0
     if src.group != dst.group:
-        return float(nbytes) if len(src.group) == len(dst.group) == 1 else math.inf
+        if len(src.group) == len(dst.group) == 1:
+            return float(nbytes)  # copy
+        if _to_server(src, dst) or _from_server(src, dst):
+            return float(nbytes)  # reduce or broadcast: each member's tensor, once
+        return math.inf
     if dst.kind is PARTIAL:
         return math.inf
     if src.kind is REPLICATED:
@@ -42,6 +52,18 @@ def conversion_cost(src: Distribution, dst: Distribution, nbytes: int) -> float:
     if src.kind is SPLIT:
         return float(nbytes)  # allgather (then maybe a local slice)
     return 2.0 * nbytes  # allreduce (then maybe a local slice)
+
+
+def _to_server(src: Distribution, dst: Distribution) -> bool:
+    """partial over a group -> whole on one of its devices: a reduce."""
+    return (src.kind is PARTIAL and dst.kind is REPLICATED and len(dst.group) == 1 and
+            dst.group[0] in src.group)
+
+
+def _from_server(src: Distribution, dst: Distribution) -> bool:
+    """whole on one device -> whole on every device of a group holding it: a broadcast."""
+    return (src.kind is REPLICATED and dst.kind is REPLICATED and len(src.group) == 1 and
+            src.group[0] in dst.group)
 
 
 def convert(graph: Graph, value: Value, dst: Distribution, why: str) -> list[Node]:
@@ -54,6 +76,18 @@ def convert(graph: Graph, value: Value, dst: Distribution, why: str) -> list[Nod
                            f"conversion from one to the other")
     nodes: list[Node] = []
     if src == dst:
+        return nodes
+    if _to_server(src, dst):
+        nodes.append(_node(graph, "reduce", value,
+                           {"group": group_attr(src), "root": str(dst.group[0])},
+                           dst, "sum", why))
+        return nodes
+    if _from_server(src, dst):
+        ty = value.type
+        nodes.append(_node(graph, "broadcast", value,
+                           {"group": group_attr(dst), "root": str(src.group[0]),
+                            "shape": list(ty.shape), "dtype": str(ty.dtype)},
+                           dst, "all", why))
         return nodes
     if src.group != dst.group:
         nodes.append(_node(graph, "copy", value, {}, dst, "copy", why, device=dst.group[0]))

@@ -13,6 +13,13 @@ An op with no signature that fits runs replicated. The choice is greedy, node by
 order. Conversions are placed right after their producer, so a gradient's allreduce
 comes as early in the schedule as the gradient does.
 
+"ps" is data parallelism with parameter servers, as in Purine: the batch is split as
+in "data", but each parameter and its momentum live on one device, its server (the
+largest parameters first, each onto the device serving the fewest bytes so far, so the
+servers share the update work and traffic). Its sgd node runs there: the boxing pass
+reduces the partial gradients onto the server and broadcasts the weights from it to
+every device where the forward pass reads them.
+
 Strategies that do not spread nodes over the group ("pipeline" after its stages and
 micro-batches, "placement" for models that place layers themselves) run each node on
 its own device, whole, and only get copies where a consumer sits elsewhere.
@@ -33,11 +40,13 @@ from purinec.passes.parallel.bucket import bucket
 
 # Strategies that spread every node over all the devices; the others run each node on
 # one device (where the model or the pipeline stages put it) and copy between them.
-SPREAD = ("data", "model", "hybrid")
+SPREAD = ("data", "ps", "model", "hybrid")
 
 STRATEGIES = {
     "data": "split the batch over the devices, replicate the parameters, allreduce the "
             "gradients",
+    "ps": "split the batch over the devices; each parameter lives on one device, its "
+          "server, which sums the gradients, updates it and broadcasts it to the others",
     "model": "split every layer's output features or channels (weights, biases and their "
              "momentum) over the devices, gather the activations between layers",
     "hybrid": "data-parallel convolutions, model-parallel fully connected layers",
@@ -56,7 +65,7 @@ OUTPUT_AXIS = {
 }
 
 # The strategies a user picks ("placement" follows a model's own placement).
-USER_STRATEGIES = ("data", "model", "hybrid", "pipeline")
+USER_STRATEGIES = ("data", "ps", "model", "hybrid", "pipeline")
 
 
 @dataclass(frozen=True)
@@ -118,6 +127,7 @@ class Distributor:
         self.after: dict[int, list[Node]] = {}  # conversions placed after a producer
         self.head: list[Node] = []  # conversions of graph inputs
         self.param_axes = self._param_axes()
+        self.servers = self._servers()
         self.wanted_out = self._wanted_outputs()
 
     def dist(self, kind: DistKind, axis: int | None = None) -> Distribution:
@@ -145,6 +155,24 @@ class Distributor:
         return {name: axis for name, axis in axes.items()
                 if self.source.input(name).type.shape[axis] >= len(self.group)}
 
+    def _servers(self) -> dict[str, Device]:
+        """ps: the server of each parameter and of its momentum. The largest parameter
+        goes first, each to the device with the fewest bytes to serve so far (the first
+        such device on a tie)."""
+        if self.parallel.strategy != "ps":
+            return {}
+        params = sorted(self.source.inputs_with_role("param"), key=lambda v: -v.type.nbytes)
+        load = {device: 0 for device in self.parallel.devices}
+        servers: dict[str, Device] = {}
+        for param in params:
+            device = min(load, key=load.__getitem__)
+            servers[param.name] = device
+            load[device] += param.type.nbytes
+        for node in self.source.nodes:  # the momentum lives with its weight
+            if node.op == "sgd" and node.inputs[0].name in servers:
+                servers[node.inputs[1].name] = servers[node.inputs[0].name]
+        return servers
+
     def _feeds_matmul(self, param: Value, fully_connected: set[int]) -> bool:
         """Whether ``param`` belongs to a fully connected layer: a matmul's weight, or a
         bias added to a matmul's output."""
@@ -154,7 +182,12 @@ class Distributor:
                    n.inputs[0].producer is not None and n.inputs[0].producer.op == "matmul"
                    for n in self.source.nodes)
 
-    def _group_for(self, device: Device) -> tuple[Device, ...]:
+    def _group_for(self, device: Device, variable: str | None = None) -> tuple[Device, ...]:
+        """The group of a node on ``device``, or of one that holds or updates
+        ``variable``: its server alone (ps), else every device where the strategy
+        spreads."""
+        if variable in self.servers:
+            return (self.servers[variable],)
         return self.parallel.devices if self.spread else (device,)
 
     def _wanted_outputs(self) -> dict[int, Distribution]:
@@ -166,13 +199,14 @@ class Distributor:
         variables = {v.name: v for v in self.source.inputs_with_role("param", "state")}
         wanted = {}
         for name, value in self.source.outputs:
+            self.group = self._group_for(value.device, name)
             wanted[id(value)] = (self._input_dist(variables[name]) if name in variables
                                  else self.dist(DistKind.replicated))
         return wanted
 
     def run(self) -> Graph:
         for v in self.source.inputs:
-            self.group = self._group_for(v.device)
+            self.group = self._group_for(v.device, v.name)
             self.mapping[v] = self.new.add_input(v.name, v.type, self.group[0], v.role,
                                                  self._input_dist(v), v.init)
         body = [self._place(node) for node in self.source.nodes]
@@ -206,7 +240,8 @@ class Distributor:
         if node.body is not None:
             raise PurinecError(f"parallelize runs before fusion; node {node!r} is fused")
         inputs = [self.mapping[v] for v in node.inputs]
-        self.group = self._group_for(node.device)
+        updated = node.inputs[0].name if node.op == "sgd" else None
+        self.group = self._group_for(node.device, updated)
         signature = self._choose(node, inputs)
         why = f"{node.op} %{node.outputs[0].name}" if node.outputs else node.op
         boxed = [self._converted(v, self._entry_dist(entry), why)
@@ -246,13 +281,16 @@ class Distributor:
         fallback = SplitSignature(("B",) * len(inputs), ("B",) * len(node.outputs))
         if not self.spread:
             return fallback  # one device: the whole tensors
-        if self.parallel.strategy == "data":
+        if self.parallel.strategy in ("data", "ps"):
             # Data parallelism as users know it: a node keeps its inputs' layouts where its
             # op can (the batch stays split, a weight gradient stays a partial sum for the
             # allreduce), so no conversion lands on the forward or backward critical path.
-            # A gather that moves fewer bytes would still wait there (lenet's ip1).
+            # A gather that moves fewer bytes would still wait there (lenet's ip1). (A
+            # server's weight is broadcast whatever the layout; only values on the node's
+            # group have one to keep.)
             keeping = [s for s in candidates
-                       if all(self._entry_dist(e) == v.dist for v, e in zip(inputs, s.inputs))]
+                       if all(self._entry_dist(e) == v.dist for v, e in zip(inputs, s.inputs)
+                              if v.dist.group == self.group)]
             candidates = keeping or candidates
             if keeping:
                 fallback = min(keeping, key=lambda s: self._cost(node, inputs, s))

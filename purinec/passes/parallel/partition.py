@@ -5,7 +5,11 @@ Every logical value becomes one physical value per group member on this rank, na
 piece. Every compute node becomes one node per member, reading and writing pieces;
 attributes that spell the output's shape are rewritten to the piece's shape. Boxing
 nodes become what the runtime executes: one `allreduce` or `allgather` per rank over its
-members' pieces (the group may span ranks), and one `slice` per member at its offset.
+members' pieces (the group may span ranks), and one `slice` per member at its offset. A
+parameter server's `reduce` takes this rank's members' summands and gives the sum on the
+root (or, on a rank without the root, what this rank sent toward it, which nobody reads);
+its `broadcast` takes the root's tensor where the root is and gives one copy to each
+member on this rank.
 
 A mean over the batch rows (loss, accuracy, and the 1/batch of the loss gradient) on a
 piece of the rows is weighted by the piece's share of the rows, which makes the pieces'
@@ -85,6 +89,10 @@ class Partitioner:
     def _partition(self, node: Node) -> None:
         if node.op in ("allreduce", "allgather"):
             self._collective(node)
+        elif node.op == "reduce":
+            self._reduce(node)
+        elif node.op == "broadcast":
+            self._broadcast(node)
         elif node.op == "copy" and node.inputs[0].device.rank != node.outputs[0].device.rank:
             self._across_ranks(node)
         elif (node.op == "slice" and node.inputs[0].dist.kind is DistKind.replicated and
@@ -114,6 +122,30 @@ class Partitioner:
                       dict(node.attrs),
                       [(y, k, device) for k, device in members for y in node.outputs],
                       node.loc)
+
+    def _reduce(self, node: Node) -> None:
+        """The sum of this rank's members' summands: onto the root where it lives here,
+        else into a value of this rank's part, sent to the root and read by nobody."""
+        (x,), (y,) = node.inputs, node.outputs
+        members = self.members(x)
+        if not members:
+            return
+        inputs = [self.piece(x, k) for k, _ in members]
+        if self.members(y):
+            self._add("reduce", inputs, dict(node.attrs), [(y, 0, y.device)], node.loc)
+        else:
+            self.new.add_node("reduce", inputs, dict(node.attrs),
+                              names=[self.new.fresh_name(f"{y.name}.sent")],
+                              device=members[0][1], loc=node.loc)
+
+    def _broadcast(self, node: Node) -> None:
+        """The root's tensor (an input only on its rank) to each member on this rank."""
+        (x,), (y,) = node.inputs, node.outputs
+        members = self.members(y)
+        if members:
+            self._add("broadcast", [self.piece(x, 0)] if self.members(x) else [],
+                      {**node.attrs, "members": len(members)},
+                      [(y, k, device) for k, device in members], node.loc)
 
     def _across_ranks(self, node: Node) -> None:
         """A copy between ranks: a send on the source's rank, a receive on the
