@@ -23,7 +23,7 @@ from purinec.passes.parallel.pipeline import assign_stages, microbatch
 from purinec.passes.pipeline import Pass, StageHook, run_passes
 from purinec.passes.simplify import cse, dce, infer_shapes
 from purinec.runtime.collectives import HOST_OPS, host_kernel, spans_ranks
-from purinec.runtime.distributed import DistributedExecutable
+from purinec.runtime.distributed import DistributedExecutable, Replicas
 from purinec.runtime.reference import execute
 
 
@@ -348,6 +348,7 @@ class Program:
         # What this rank runs, when the program is distributed.
         self.physical_ir: Graph | None = None
         self.physical_eval_ir: Graph | None = None
+        self._replicas = Replicas()  # shared by the distributed executables
         self._run_main = self._executable(graph, trace, after)
         self._run_eval = (self._run_main if self.eval_ir is graph
                           else self._executable(self.eval_ir, trace))
@@ -372,7 +373,7 @@ class Program:
             self.physical_ir = physical
         if graph is self.eval_ir:
             self.physical_eval_ir = physical
-        return DistributedExecutable(graph, build(physical, trace), rank)
+        return DistributedExecutable(graph, build(physical, trace), rank, self._replicas)
 
     def executed_graphs(self) -> list[Graph]:
         """The graphs this process runs: the final IR, or this rank's physical graphs."""

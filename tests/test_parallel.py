@@ -186,22 +186,33 @@ def _assert_same_training(model: str, batch: int, devices: str, target: str,
                            devices=devices, parallel=strategy)
     assert len({n.device for n in many.physical_ir.nodes}) == len(parse_devices(devices))
     rng = np.random.default_rng(1)
+    inputs = _feeds(one.eval_ir, rng)
+    _assert_same_inference(one, many, inputs)
     for _ in range(iterations):
         feeds = _feeds(one.ir, rng)
         loss_one, loss_many = one.step(feeds), many.step(feeds)
         assert loss_many == pytest.approx(loss_one, rel=1e-5)
+    _assert_same_inference(one, many, inputs)  # with the weights the steps made
     for name in one.params:
         scale = np.max(np.abs(one.params[name])) + 1e-12
         np.testing.assert_allclose(many.params[name] / scale, one.params[name] / scale,
                                    atol=2e-5, err_msg=name)
     # Every replica holds bitwise the same weights and momentum.
-    replicas = many._run_main.replicas
+    replicas = many._run_main.replicas.arrays
     assert replicas or strategy in ("model", "pipeline", "ps")  # nothing replicated
-    for (name, member), array in replicas.items():
+    for (name, device), array in replicas.items():
         store = many.params if name in many.params else many.state
-        np.testing.assert_array_equal(array, store[name], err_msg=f"{name} on member {member}")
+        np.testing.assert_array_equal(array, store[name], err_msg=f"{name} on {device}")
     one.close()
     return many
+
+
+def _assert_same_inference(one: purinec.Program, many: purinec.Program, feeds) -> None:
+    expected, got = one.run(feeds), many.run(feeds)
+    for name, value in expected.items():
+        scale = np.max(np.abs(value)) + 1e-12
+        np.testing.assert_allclose(got[name] / scale, value / scale, atol=2e-5,
+                                   err_msg=f"inference output {name}")
 
 
 @pytest.mark.parametrize("model,batch", [("lenet", 12), ("cifar_quick", 10)])

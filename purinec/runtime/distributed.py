@@ -4,10 +4,12 @@ A distributed program keeps the logical graph's interface: it is fed whole input
 holds one array per parameter. `DistributedExecutable` hands each local group member its
 piece: a split input as a view of the rows it owns, a replicated parameter as the
 caller's own array for the first local member (so in-place updates land there) and as
-a replica this object keeps for every other member. The replicas are updated by the
-same kernels on the same bytes, so they stay identical; when the caller passes a
-different array for a variable (new weights were set), the replicas are refreshed from
-it. Outputs come back under their logical names, from the first local member.
+a replica for every other member. The replicas are updated by the same kernels on the
+same bytes, so they stay identical; when the caller passes a different array for a
+variable (new weights were set), the replicas are refreshed from it. The executables of
+one program (its training step and its inference graph) share one `Replicas`: a step
+updates the caller's array in place, and the inference graph's replicas must follow.
+Outputs come back under their logical names, from the first local member.
 """
 
 from __future__ import annotations
@@ -17,19 +19,31 @@ from typing import Callable, Mapping
 import numpy as np
 
 from purinec.ir.graph import Graph, member_name
-from purinec.ir.types import DistKind
+from purinec.ir.types import Device, DistKind
 
 VARIABLE_ROLES = ("param", "state")
 
 
+class Replicas:
+    """The copies of replicated variables held for the local devices after the first,
+    by (variable, device), and the caller's array each variable's copies were made from
+    (or last updated with)."""
+
+    def __init__(self):
+        self.arrays: dict[tuple[str, Device], np.ndarray] = {}
+        self.synced: dict[str, np.ndarray] = {}
+
+
 class DistributedExecutable:
     """``exe(env) -> outputs`` over logical names, running ``physical`` (an executable
-    of the physical graph of ``rank``)."""
+    of the physical graph of ``rank``); ``replicas`` may be shared with the other
+    executables of a program."""
 
-    def __init__(self, logical: Graph, physical: Callable, rank: int):
+    def __init__(self, logical: Graph, physical: Callable, rank: int,
+                 replicas: Replicas | None = None):
         self.physical = physical
         self.inputs = [(v, v.dist.members_on(rank)) for v in logical.inputs]
-        self.outputs = [(name, [k for k, _ in v.dist.members_on(rank)], len(v.dist.group))
+        self.outputs = [(name, v.dist.members_on(rank), len(v.dist.group))
                         for name, v in logical.outputs]
         self.variables = {v.name for v in logical.inputs_with_role(*VARIABLE_ROLES)}
         self.ranks = len({d.rank for v in logical.inputs for d in v.dist.group})
@@ -38,8 +52,7 @@ class DistributedExecutable:
         # returns them.
         self.owners = {name: min(d.rank for d in v.dist.group) for name, v in logical.outputs
                        if name not in self.variables and self._on_some_ranks(v)}
-        self.replicas: dict[tuple[str, int], np.ndarray] = {}
-        self.synced: dict[str, np.ndarray] = {}  # the array the replicas were made from
+        self.replicas = replicas or Replicas()
 
     def __call__(self, env: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         physical_env = {}
@@ -68,11 +81,11 @@ class DistributedExecutable:
             if name in split_variables:
                 outputs[name] = self._assembled(name, n, results, *split_variables[name])
                 continue
-            outputs[name] = results[member_name(name, members[0], n)]
+            outputs[name] = results[member_name(name, members[0][0], n)]
             if name in self.variables:
-                for k in members[1:]:
-                    self.replicas[name, k] = results[member_name(name, k, n)]
-                self.synced[name] = outputs[name]
+                for k, device in members[1:]:
+                    self.replicas.arrays[name, device] = results[member_name(name, k, n)]
+                self.replicas.synced[name] = outputs[name]
         self._share_outputs(outputs)
         return outputs
 
@@ -151,13 +164,16 @@ class DistributedExecutable:
 
     def _replicas(self, v, array: np.ndarray, members) -> dict[str, np.ndarray]:
         name, n = v.name, len(v.dist.group)
-        first, *others = [k for k, _ in members]
-        if self.synced.get(name) is not array:
-            for k in others:
-                self.replicas[name, k] = array.copy()
-            self.synced[name] = array
+        (first, _), *others = members
+        replicas = self.replicas
+        if replicas.synced.get(name) is not array or any(
+                (name, device) not in replicas.arrays for _, device in others):
+            for _, device in others:
+                replicas.arrays[name, device] = array.copy()
+            replicas.synced[name] = array
         return {member_name(name, first, n): array,
-                **{member_name(name, k, n): self.replicas[name, k] for k in others}}
+                **{member_name(name, k, n): replicas.arrays[name, device]
+                   for k, device in others}}
 
     def close(self) -> None:
         close = getattr(self.physical, "close", None)
