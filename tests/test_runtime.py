@@ -631,6 +631,7 @@ class FakeComm:
         self.events: list[tuple[str, Node]] = []
         self.ready_when: dict[Node, Callable] = {}
         self.broken: Node | None = None  # this node's test() raises
+        self.posters: list[str] = []  # the thread that posted each collective
 
     def log(self, what: str, node: Node) -> None:
         with self.lock:
@@ -643,6 +644,7 @@ class FakeComm:
     def collective(self, node: Node):
         def post(x, y):
             self.log("post", node)
+            self.posters.append(threading.current_thread().name)
             return FakePending(self, node, x, y, self.ready_when.get(node, lambda: True))
         return post
 
@@ -699,6 +701,10 @@ def test_comm_tasks_are_posted_in_plan_order_and_release_on_completion(comm_devi
         assert_same(execute(graph, copied(env)), result["value"])
         posts = [node for what, node in comm.events if what == "post"]
         assert posts == reduces
+        # Posted by the compute workers that made them ready, with no hand-off to the
+        # comm worker's thread (which a busy core may not schedule for milliseconds).
+        assert all("compute" in name for name in comm.posters), comm.posters
+        comm.posters.clear()
         for node, reader in zip(reduces, readers):
             assert comm.events.index(("done", node)) < comm.events.index(("start", reader))
     comm_lanes = [lane for _, lane, *_ in exe.trace.records if lane.queue.kind == "comm"]

@@ -11,11 +11,11 @@ itself, with no hand-offs between threads.
 
 A task's callable either finishes its work and returns None, or (a collective posted to
 MPI) returns a `Pending` whose ``test()`` says, without blocking, whether it is done.
-The ``comm`` queues' worker posts its ready tasks in plan order, since every rank
-must issue collectives in the same order (one worker serves all the comm queues of a
-plan, so the order holds across devices too), and polls the pending ones between posts,
-releasing a task's successors when its operation completes; it never blocks on one
-operation while another could be posted. While operations are pending, compute workers
+Tasks of the ``comm`` queues are posted in plan order, since every rank must issue
+collectives in the same order (one worker serves all the comm queues of a plan, so the
+order holds across devices too), by the thread that makes them ready; the comm worker
+polls the pending ones, releasing a task's successors when its operation completes; it
+never blocks on one operation while another could be posted. While operations are pending, compute workers
 nudge them along between tasks (MPI progresses only when called), so the comm worker
 can look up rarely while they are busy, and is woken as soon as one goes idle.
 Elsewhere (other queues, the inline path) a returned Pending is polled until complete
@@ -259,7 +259,11 @@ class CountingExecutor:
         self._counts[:] = self._initial
         run = pool.run = _Run(len(self.tasks), trace)
         for index in self._roots:
-            pool.inboxes[self._queue_of[index]].put(index)
+            if self._queue_of[index] != pool.comm_q:
+                pool.inboxes[self._queue_of[index]].put(index)
+        comm_roots = [i for i in self._roots if self._queue_of[i] == pool.comm_q]
+        if comm_roots:
+            pool.comm.offer(run, comm_roots)
         clean = False
         try:
             while not run.finished.wait(POLL):
@@ -313,10 +317,10 @@ class _Pool:
         # Written by the comm worker only: whether operations are pending, and their nudge.
         self.comm_pending = False
         self.nudge: Callable[[], None] | None = None
-        self.comm_inbox = next((self.inboxes[q] for lane, q in lanes
-                                if lane.queue.kind == COMM), None)
         # One flag per compute worker, set while it runs a task (written by it alone).
         self.computing = [False] * sum(lane.queue.kind == COMPUTE for lane, _ in lanes)
+        self.comm_q = next((q for lane, q in lanes if lane.queue.kind == COMM), None)
+        self.comm = None if self.comm_q is None else _CommWorker(self, self.comm_q, program)
         self.run: _Run | None = None
         self.closed = False
         self.init_failures: list[tuple[Lane, BaseException]] = []
@@ -373,23 +377,30 @@ def _start(pool: _Pool, lane: Lane, q: int, program,
     finally:
         started.release()
     if lane.queue.kind == COMM:
-        _CommWorker(pool, q, program).serve()
+        pool.comm.serve()
     else:
         _serve(pool, lane, pool.inboxes[q], program, slot)
 
 
 def _release(pool: _Pool, run: _Run, index: int, program) -> None:
-    """Task ``index`` is complete: queue the successors it was the last wait of."""
+    """Task ``index`` is complete: queue the successors it was the last wait of (comm
+    tasks are offered to the comm worker, which posts them on this thread)."""
     _, _, _, successors, queue_of, counts = program
     inboxes = pool.inboxes
+    comm_ready = []
     with run.lock:
         for s in successors[index]:
             counts[s] -= 1
             if counts[s] == 0:
-                inboxes[queue_of[s]].put(s)
+                if queue_of[s] == pool.comm_q:
+                    comm_ready.append(s)
+                else:
+                    inboxes[queue_of[s]].put(s)
         run.remaining -= 1
         if run.remaining == 0:
             run.finished.set()
+    if comm_ready:
+        pool.comm.offer(run, comm_ready)
 
 
 def _serve(pool: _Pool, lane: Lane, inbox: queue.SimpleQueue, program,
@@ -434,25 +445,44 @@ def _keep_comm_moving(pool: _Pool, inbox: queue.SimpleQueue) -> None:
     if nudge is not None:
         nudge()
     if inbox.empty():
-        pool.comm_inbox.put(WAKE)
+        pool.comm.inbox.put(WAKE)
 
 
 class _CommWorker:
-    """The worker of every comm queue of a plan: posts ready tasks in plan order, polls
-    pending ones.
+    """The comm queues of a plan: ready tasks posted in plan order, pending ones polled.
 
     Tasks are posted strictly in plan order: a ready task waits until every earlier
-    comm task has been posted. Between posts it polls what is pending
-    (never blocking on one operation), sleeping a little longer each time nothing
-    changed (BUSY_POLL while every compute worker is busy), and waking at once when a
-    task becomes ready or a compute worker goes idle.
+    comm task has been posted. The thread that makes a task ready posts it (`offer`):
+    handing it to this worker's thread instead would wait for that thread to be
+    scheduled, which a core busy with a kernel can delay by milliseconds. The worker's
+    own thread polls what is pending (never blocking on one operation), sleeping a
+    little longer each time nothing changed (BUSY_POLL while every compute worker is
+    busy), and waking at once when a compute worker goes idle or the first operation is
+    posted. One lock (re-entrant: completing a task may make the next one ready) guards
+    the posting order and the pending operations.
     """
 
     def __init__(self, pool: _Pool, q: int, program):
         self.pool, self.program = pool, program
         self.inbox = pool.inboxes[q]
         self.order = [i for i, home in enumerate(program[4]) if home == q]
+        self.lock = threading.RLock()
         self._begin(None)
+
+    def offer(self, run: _Run, indices: list[int]) -> None:
+        """Tasks of ``run`` that became ready: post them (and the ready ones after them
+        in plan order) now, on the calling thread."""
+        with self.lock:
+            if run is not self.run:
+                self._begin(run)
+            if run.stop:
+                return
+            idle = not self.pending
+            self.ready.update(indices)
+            self._post()
+            self.pool.comm_pending = bool(self.pending)
+            if idle and self.pending:
+                self.inbox.put(WAKE)  # from the long POLL sleep to polling
 
     def _begin(self, run: _Run | None) -> None:
         """Start afresh for ``run``, dropping what a stopped run left."""
@@ -465,33 +495,32 @@ class _CommWorker:
     def serve(self) -> None:
         pauses = _pauses()
         while not self.pool.closed:
-            index = self._next(self._pause(pauses))
-            if index is None:
+            signal = self._next(self._pause(pauses))
+            if signal is None:
                 return
-            if index == WAKE:
+            if signal == WAKE:
                 pauses = _pauses()
-            run = self.pool.run
-            if run is not self.run:
-                self._begin(run)
-            if run is None or run.stop:
-                self._begin(None)  # the run stopped: post and poll nothing more of it
-                continue
-            if index >= 0:
-                self.ready.add(index)
-            if self._post() | self._poll():
-                pauses = _pauses()
-            self.pool.comm_pending = bool(self.pending)
+            with self.lock:
+                run = self.pool.run
+                if run is not self.run:
+                    self._begin(run)
+                if run is None or run.stop:
+                    self._begin(None)  # the run stopped: poll nothing more of it
+                    continue
+                if self._poll():
+                    pauses = _pauses()
+                self.pool.comm_pending = bool(self.pending)
 
     def _pause(self, pauses) -> float:
-        """How long to wait for a ready task before polling again."""
+        """How long to wait for a signal before polling again."""
         if not self.pending:
             return POLL
         computing = self.pool.computing
         return BUSY_POLL if computing and all(computing) else next(pauses)
 
     def _next(self, pause: float) -> int | None:
-        """The next task to become ready, or -1 once ``pause`` has passed without one
-        (time to poll), or WAKE, or None when the pool closes."""
+        """WAKE, or -1 once ``pause`` has passed without it (time to poll), or None when
+        the pool closes."""
         try:
             if pause:
                 return self.inbox.get(timeout=pause)
@@ -500,10 +529,10 @@ class _CommWorker:
         except queue.Empty:
             return -1
 
-    def _post(self) -> bool:
-        """Post ready tasks while the next one in plan order is ready; say if any was."""
+    def _post(self) -> None:
+        """Post ready tasks while the next one in plan order is ready."""
         fns, args = self.program[1:3]
-        order, first = self.order, self.posted
+        order = self.order
         while self.posted < len(order) and order[self.posted] in self.ready:
             index = order[self.posted]
             self.posted += 1
@@ -518,7 +547,6 @@ class _CommWorker:
             else:
                 self.pending.append((index, pending, start))
                 self.pool.nudge = getattr(pending, "nudge", None)
-        return self.posted > first
 
     def _poll(self) -> bool:
         """Test each pending operation once; complete those that are done."""
