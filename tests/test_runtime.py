@@ -646,6 +646,7 @@ class FakeComm:
             self.log("post", node)
             self.posters.append(threading.current_thread().name)
             return FakePending(self, node, x, y, self.ready_when.get(node, lambda: True))
+        post.asynchronous = True  # it only posts, as an MPI kernel does
         return post
 
     def kernels(self, delays: dict[Node, float]):
@@ -736,6 +737,25 @@ def test_a_failing_collective_stops_the_run_and_leaves_no_thread(where):
     result = call_with_timeout(exe, copied(env))
     assert "error" not in result, result.get("error")
     assert_same(execute(graph, copied(env)), result["value"])
+
+
+def test_a_synchronous_comm_kernel_runs_on_the_comm_worker():
+    """An in-process collective does its sums and copies when called: the comm worker's
+    thread runs it, not the compute worker that made it ready."""
+    graph, chains, reduces, readers = comm_graph(2)
+    kernels = reference_kernels(graph)
+    threads = []
+    for node in reduces:
+        def summed(*arrays, fn=kernels[node]):
+            threads.append(threading.current_thread().name)
+            return fn(*arrays)
+        kernels[node] = summed
+    exe = Executable(graph, kernels)
+    env = random_env(graph)
+    result = call_with_timeout(exe, copied(env))
+    assert "error" not in result, result.get("error")
+    assert_same(execute(graph, copied(env)), result["value"])
+    assert threads and all(name.endswith("/comm") for name in threads), threads
 
 
 def test_compute_workers_nudge_pending_communication_between_tasks():

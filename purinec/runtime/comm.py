@@ -138,11 +138,13 @@ def _point_to_point(node: Node, world: World) -> Callable:
             sent[()] = False
             request = world.comm.Isend(x, dest=peer.rank, tag=tag)
             return _Pending([request], lambda: sent.fill(True))
-        return send
-
-    def receive(y: np.ndarray) -> _Pending:
-        return _Pending([world.comm.Irecv(y, source=peer.rank, tag=tag)], lambda: None)
-    return receive
+        kernel = send
+    else:
+        def receive(y: np.ndarray) -> _Pending:
+            return _Pending([world.comm.Irecv(y, source=peer.rank, tag=tag)], lambda: None)
+        kernel = receive
+    kernel.asynchronous = True
+    return kernel
 
 
 def mpi_kernel(node: Node, world: World) -> Callable:
@@ -161,12 +163,15 @@ def mpi_kernel(node: Node, world: World) -> Callable:
         _check_world(ranks, world, f"node {node!r}")
         comm = world.group_comm(ranks)
     if node.op == "allreduce":
-        return _Allreduce(node, len(local), comm)
-    if node.op == "reduce":
-        return _Reduce(node, ranks, local, comm, world.rank)
-    if node.op == "broadcast":
-        return _Broadcast(node, ranks, local, comm, world.rank)
-    return _Allgather(node, group, ranks, local, comm)
+        kernel = _Allreduce(node, len(local), comm)
+    elif node.op == "reduce":
+        kernel = _Reduce(node, ranks, local, comm, world.rank)
+    elif node.op == "broadcast":
+        kernel = _Broadcast(node, ranks, local, comm, world.rank)
+    else:
+        kernel = _Allgather(node, group, ranks, local, comm)
+    kernel.asynchronous = comm is not None  # it posts and returns a Pending
+    return kernel
 
 
 def _group(node: Node) -> tuple[Device, ...]:

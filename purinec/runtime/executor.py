@@ -91,6 +91,12 @@ class Pending(Protocol):
     # the compute workers to call between tasks.
 
 
+# A comm kernel with a true ``asynchronous`` attribute only posts its operation and
+# returns a Pending: the thread that makes its task ready posts it. Any other (an
+# in-process sum and its copies) does its work when called, so it runs on the comm
+# worker's thread rather than take the time of the compute worker that released it.
+
+
 class Executable:
     """A graph compiled to tasks: ``exe(env) -> outputs`` (the contract's executable).
 
@@ -452,10 +458,10 @@ class _CommWorker:
     """The comm queues of a plan: ready tasks posted in plan order, pending ones polled.
 
     Tasks are posted strictly in plan order: a ready task waits until every earlier
-    comm task has been posted. The thread that makes a task ready posts it (`offer`):
-    handing it to this worker's thread instead would wait for that thread to be
-    scheduled, which a core busy with a kernel can delay by milliseconds. The worker's
-    own thread polls what is pending (never blocking on one operation), sleeping a
+    comm task has been posted. The thread that makes an asynchronous task ready posts
+    it (`offer`): handing it to this worker's thread instead would wait for that thread
+    to be scheduled, which a core busy with a kernel can delay by milliseconds. The
+    worker's own thread runs the synchronous ones and polls what is pending (never blocking on one operation), sleeping a
     little longer each time nothing changed (BUSY_POLL while every compute worker is
     busy), and waking at once when a compute worker goes idle or the first operation is
     posted. One lock (re-entrant: completing a task may make the next one ready) guards
@@ -479,10 +485,9 @@ class _CommWorker:
                 return
             idle = not self.pending
             self.ready.update(indices)
-            self._post()
+            if not self._post(inline=True) or idle and self.pending:
+                self.inbox.put(WAKE)  # to run a synchronous task, or to start polling
             self.pool.comm_pending = bool(self.pending)
-            if idle and self.pending:
-                self.inbox.put(WAKE)  # from the long POLL sleep to polling
 
     def _begin(self, run: _Run | None) -> None:
         """Start afresh for ``run``, dropping what a stopped run left."""
@@ -507,6 +512,7 @@ class _CommWorker:
                 if run is None or run.stop:
                     self._begin(None)  # the run stopped: poll nothing more of it
                     continue
+                self._post(inline=False)
                 if self._poll():
                     pauses = _pauses()
                 self.pool.comm_pending = bool(self.pending)
@@ -529,12 +535,15 @@ class _CommWorker:
         except queue.Empty:
             return -1
 
-    def _post(self) -> None:
-        """Post ready tasks while the next one in plan order is ready."""
+    def _post(self, inline: bool) -> bool:
+        """Post ready tasks while the next one in plan order is ready; ``inline`` (off
+        the worker's thread), stop at a synchronous one and say so by returning False."""
         fns, args = self.program[1:3]
         order = self.order
         while self.posted < len(order) and order[self.posted] in self.ready:
             index = order[self.posted]
+            if inline and not getattr(fns[index], "asynchronous", False):
+                return False
             self.posted += 1
             start = perf_counter()
             try:
@@ -547,6 +556,7 @@ class _CommWorker:
             else:
                 self.pending.append((index, pending, start))
                 self.pool.nudge = getattr(pending, "nudge", None)
+        return True
 
     def _poll(self) -> bool:
         """Test each pending operation once; complete those that are done."""
