@@ -263,10 +263,9 @@ def test_a_killed_rank_ends_the_job_instead_of_hanging():
 
 
 @pytest.mark.parametrize("model,batch,per_rank,strategy", [
-    ("lenet", 12, 1, "data"), ("cifar_quick", 10, 1, "data"), ("lenet", 12, 2, "data"),
-    ("lenet", 12, 1, "model"), ("cifar_quick", 10, 1, "hybrid"),
-    ("lenet", 12, 1, "pipeline"), ("cifar_quick", 10, 1, "pipeline"),
-    ("lenet", 12, 1, "ps")])
+    (model, batch, 1, strategy) for model, batch in (("lenet", 12), ("cifar_quick", 10))
+    for strategy in ("data", "model", "hybrid", "pipeline", "ps")] + [
+    ("lenet", 12, 2, "data")])
 def test_training_over_two_ranks_equals_one_device(tmp_path, model, batch, per_rank,
                                                    strategy):
     ran(mpirun(2, "train_equal.py", model, batch, "reference", tmp_path, per_rank, strategy))
