@@ -278,6 +278,12 @@ def test_training_over_two_ranks_equals_one_device(tmp_path, model, batch, per_r
             one, many = rank[f"one/{name}"], rank[f"many/{name}"]
             scale = np.max(np.abs(one)) + 1e-12
             np.testing.assert_allclose(many / scale, one / scale, atol=2e-5, err_msg=name)
+        outputs = [k[len("one_"):] for k in rank if k.startswith(("one_before/", "one_after/"))]
+        assert outputs
+        for key in outputs:  # inference, before training and with the weights it made
+            one, many = rank[f"one_{key}"], rank[f"many_{key}"]
+            scale = np.max(np.abs(one)) + 1e-12
+            np.testing.assert_allclose(many / scale, one / scale, atol=2e-5, err_msg=key)
     # The replicas on the two ranks hold bitwise the same weights and momentum.
     for key in ranks[0]:
         if key.startswith("many"):

@@ -1,8 +1,9 @@
 """Data-parallel training over every rank of the job against one device, in each rank:
 ``train_equal.py MODEL BATCH TARGET OUT_DIR [DEVICES_PER_RANK [STRATEGY]]``. Each rank
-gathers the weights, saves the losses and both programs' parameters after two
-iterations to OUT_DIR/rank<R>.npz, and checks that saving before gathering is refused
-when the strategy splits weights over the ranks."""
+gathers the weights, saves the losses, both programs' inference outputs before and after
+training and their parameters after two iterations to OUT_DIR/rank<R>.npz, and checks
+that saving before gathering is refused when the strategy splits weights over the
+ranks."""
 
 import sys
 
@@ -21,14 +22,28 @@ many = purinec.compile(model, target=target, train=sgd, batch=batch, seed=7, dev
                        parallel=strategy)
 one = purinec.compile(model, target="reference", train=sgd, batch=batch, seed=7)
 rng = np.random.default_rng(1)
+
+
+def random_feeds(graph):
+    return {v.name: (rng.standard_normal(v.type.shape).astype(np.float32)
+                     if v.type.dtype.is_float else
+                     rng.integers(0, 10, v.type.shape).astype(v.type.dtype.numpy))
+            for v in graph.inputs_with_role("data")}
+
+
+def inference(when, inputs):
+    return {f"{program}_{when}/{name}": value for program, outputs in
+            (("one", one.run(inputs)), ("many", many.run(inputs)))
+            for name, value in outputs.items()}
+
+
+inputs = random_feeds(one.eval_ir)
+outputs = inference("before", inputs)
 losses = []
 for _ in range(2):
-    feeds = {}
-    for v in one.ir.inputs_with_role("data"):
-        feeds[v.name] = (rng.standard_normal(v.type.shape).astype(np.float32)
-                         if v.type.dtype.is_float else
-                         rng.integers(0, 10, v.type.shape).astype(v.type.dtype.numpy))
+    feeds = random_feeds(one.ir)
     losses.append((one.step(feeds), many.step(feeds)))
+outputs.update(inference("after", inputs))
 if strategy != "data":
     try:
         many.save(f"{out}/early{world.rank}.purine")
@@ -36,7 +51,7 @@ if strategy != "data":
     except purinec.PurinecError as err:
         assert "gather_weights() on every rank" in str(err), err
 many.gather_weights()
-np.savez(f"{out}/rank{world.rank}.npz", losses=np.array(losses),
+np.savez(f"{out}/rank{world.rank}.npz", losses=np.array(losses), **outputs,
          **{f"one/{k}": v for k, v in one.params.items()},
          **{f"many/{k}": v for k, v in many.params.items()},
          **{f"many_state/{k}": v for k, v in many.state.items()})
