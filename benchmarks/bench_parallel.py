@@ -13,8 +13,9 @@ work in the same time.
 Timings on a shared machine drift by 15-20% over minutes, so both programs live in the
 same processes and take turns: each of `--repeats` rounds times `--iterations` steps on
 one device (on rank 0, while the other ranks wait without spinning), then as many on N
-devices. A round's efficiency compares two medians taken a second apart, so the drift
-mostly cancels; the table shows the median over the rounds and their range.
+devices, each turn after one untimed step. A round's efficiency compares two medians
+taken a second apart, so the drift mostly cancels; the table shows the median over the
+rounds and their range.
 
 From a trace of the N-device iterations on rank 0, the share of communication time that
 some compute lane was busy through ("hidden") says how well the allreduces overlap the
@@ -81,16 +82,24 @@ def worker(args) -> None:
         _together(here)
         return times
 
+    def many_devices(iterations: int) -> list[float]:
+        """Every rank times ``many``; the trace keeps the timed steps."""
+        times = _timed(many, feeds_many, iterations)
+        _together(here)
+        return times
+
     single_device(args.warmup)
-    _timed(many, feeds_many, args.warmup)  # (starts the workers, with every core)
-    _together(here)
+    many_devices(args.warmup)  # (starts the workers, with every core)
     trace.clear()
     rounds = []
     for _ in range(args.repeats):
-        one_times = single_device(args.iterations)
-        many_times = _timed(many, feeds_many, args.iterations)
-        _together(here)
-        rounds.append((one_times, many_times))
+        # Each turn begins with an untimed step: the first after the other program's
+        # turn runs with cold caches and, over MPI, on ranks that were just asleep.
+        one_times = single_device(args.iterations + 1)[1:]
+        kept = len(trace.records)
+        many.step(feeds_many)
+        del trace.records[kept:]
+        rounds.append((one_times, many_devices(args.iterations)))
     many.close()
     if here.rank == 0:
         one.close()
