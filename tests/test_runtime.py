@@ -790,6 +790,79 @@ def test_compute_workers_nudge_pending_communication_between_tasks():
     assert nudges and all("compute" in name for name in nudges)
 
 
+def rank_graph():
+    """An MPI rank with one device: a gradient reduced over the group while the rest of
+    the backward pass (a chain of three) goes on; then its reader."""
+    graph = Graph("rank")
+    x = graph.add_input("x", TensorType((2, 3), F32))
+    grad = graph.add_node("tanh", [x], names=["grad"])
+    reduce = graph.add_node("allreduce", grad.outputs, attrs={"group": "cpu:0"})
+    chain = [x]
+    for i in range(3):
+        chain.append(graph.add_node("sigmoid", [chain[-1]], names=[f"c{i}"]).outputs[0])
+    reader = graph.add_node("relu", reduce.outputs, names=["update"])
+    graph.set_outputs([("y", reader.outputs[0]), ("z", chain[-1])])
+    return graph, reduce, [v.producer for v in chain[1:]]
+
+
+def test_one_device_with_communication_runs_on_the_calling_thread():
+    graph, reduce, chain = rank_graph()
+    comm = FakeComm(graph)
+    # Complete only once the whole chain has run: compute goes on while it is pending.
+    comm.ready_when[reduce] = lambda: comm.happened("start", chain[-1])
+    threads = set()
+    kernels = comm.kernels({})
+    for node, fn in list(kernels.items()):
+        def noted(*arrays, fn=fn):
+            threads.add(threading.current_thread())
+            return fn(*arrays)
+        kernels[node] = noted
+    exe = Executable(graph, kernels, trace=Trace())
+    assert exe.executor.one_thread
+    env = random_env(graph)
+    for _ in range(2):
+        comm.events.clear()
+        threads.clear()
+        result = call_with_timeout(exe, copied(env))  # (calls on a thread of its own)
+        assert "error" not in result, result.get("error")
+        assert_same(execute(graph, copied(env)), result["value"])
+        assert comm.events.index(("post", reduce)) < comm.events.index(("start", chain[0]))
+        assert len(threads) == 1  # the caller's, for every kernel and post
+    lanes = {str(lane) for _, lane, *_ in exe.trace.records}
+    assert lanes == {"cpu:0/compute", "cpu:0/comm"}
+
+
+def test_one_device_whose_last_task_is_a_collective():
+    graph = Graph("last")
+    x = graph.add_input("x", TensorType((2, 3), F32))
+    grad = graph.add_node("tanh", [x])
+    reduce = graph.add_node("allreduce", grad.outputs, attrs={"group": "cpu:0"})
+    graph.set_outputs([("y", reduce.outputs[0])])
+    comm = FakeComm(graph)
+    tests = iter(range(3))
+    comm.ready_when[reduce] = lambda: next(tests, 2) >= 2  # done at the third test
+    exe = Executable(graph, comm.kernels({}))
+    assert exe.executor.one_thread
+    env = random_env(graph)
+    result = call_with_timeout(exe, copied(env))
+    assert "error" not in result, result.get("error")
+    assert_same(execute(graph, copied(env)), result["value"])
+
+
+def test_one_device_with_a_failing_collective_names_it():
+    graph, reduce, chain = rank_graph()
+    comm = FakeComm(graph)
+    comm.broken = reduce
+    exe = Executable(graph, comm.kernels({}))
+    result = call_with_timeout(exe, random_env(graph))
+    err = result.get("error")
+    assert isinstance(err, ExecutionError) and isinstance(err.__cause__, Boom), result
+    assert repr(reduce) in str(err)
+    comm.broken = None
+    result = call_with_timeout(exe, random_env(graph))
+    assert "error" not in result, result.get("error")
+
+
 def test_a_comm_only_plan_runs_inline_and_polls_its_collectives():
     graph = Graph("g")
     x = graph.add_input("x", TensorType((2, 3), F32))

@@ -7,7 +7,8 @@ those that reach zero. Counts are reset from the plan at each call; nothing is r
 Each queue in use gets worker threads (one per copy queue, ``workers`` per compute
 queue; Numba kernels release the GIL), started at the first call and kept for the next
 ones. With only one lane in use, the calling thread runs the plan's serial order
-itself, with no hand-offs between threads.
+itself, with no hand-offs between threads; with one compute lane and the comm queue (an
+MPI rank with one device), the calling thread counts and runs both (`_OneThread`).
 
 A task's callable either finishes its work and returns None, or (a collective posted to
 MPI) returns a `Pending` whose ``test()`` says, without blocking, whether it is done.
@@ -29,7 +30,9 @@ next call starts new workers.
 
 from __future__ import annotations
 
+import heapq
 import itertools
+import os
 import queue
 import random
 import threading
@@ -186,6 +189,12 @@ class CountingExecutor:
         # Only a comm queue's tasks may return a Pending: the inline loop checks for one
         # only then, so a plan of kernels keeps its tightest loop.
         self._may_pend = any(q.kind == COMM for q in plan.queues)
+        # One compute lane and the comm queue (an MPI rank with one device): the calling
+        # thread runs both, with no hand-offs between threads (see _run_one_thread).
+        self.one_thread = (sorted(lane.queue.kind for lane, _ in self.lanes) ==
+                           sorted([COMPUTE, COMM]))
+        self._comm_order = [i for i, q in enumerate(self._queue_of)
+                            if comm_queues and q == comm_queues[0]]
 
     def run(self, trace: Trace | None = None, order: random.Random | None = None) -> None:
         if trace is not None:
@@ -194,6 +203,8 @@ class CountingExecutor:
             self._run_in_random_order(order, trace)
         elif self.inline:
             self._run_inline(trace)
+        elif self.one_thread:
+            self._run_one_thread(trace)
         else:
             self._run_threaded(trace)
 
@@ -253,6 +264,14 @@ class CountingExecutor:
                 if counts[s] == 0:
                     ready.append(s)
         assert done == len(self.tasks), "dependency counts never reached zero"
+
+    # -- one compute lane and the comm queue: the calling thread runs both ------------
+
+    def _run_one_thread(self, trace: Trace | None) -> None:
+        if self._worker_init is not None:
+            self._worker_init(next(lane for lane, _ in self.lanes
+                                   if lane.queue.kind == COMPUTE))
+        _OneThread(self, trace).run()
 
     # -- several lanes: a worker thread each ------------------------------------------
 
@@ -361,6 +380,105 @@ class _Pool:
             for thread in self.threads:
                 if thread.ident is not None and thread is not threading.current_thread():
                     thread.join()
+
+
+class _OneThread:
+    """One call of a plan with one compute lane and the comm queue (an MPI rank with one
+    device), counted on the calling thread. Ready compute tasks run in schedule order;
+    comm tasks are posted in plan order as soon as they are ready, and what is pending
+    is tested after every task (which also moves MPI along); with nothing to run, it
+    waits on what is pending (`_idle`). A thread of its own for the communication
+    would cost a wake-up (tens of microseconds) at every hand-off, and share the rank's
+    one core anyway."""
+
+    def __init__(self, executor: CountingExecutor, trace: Trace | None):
+        self.x, self.trace = executor, trace
+        executor._counts[:] = executor._initial
+        order = executor._comm_order
+        self.comm_q = executor._queue_of[order[0]] if order else None
+        self.ready: list[int] = []  # compute tasks, a heap: schedule order
+        self.comm_ready: set[int] = set()
+        self.pending: list[tuple[int, Pending, float]] = []
+        self.posted, self.left = 0, len(executor.tasks)
+        self.index = -1  # the task at hand, to name when it fails
+        for index in executor._roots:
+            self._queue(index)
+
+    def run(self) -> None:
+        fns, args = self.x._fns, self.x._args
+        idle_since = None
+        try:
+            while self.left:
+                self._post()
+                self._poll()
+                if self.ready:
+                    index = self.index = heapq.heappop(self.ready)
+                    start = perf_counter()
+                    fns[index](*args[index])
+                    self._release(index, start)
+                    idle_since = None
+                elif self.pending:
+                    idle_since = _idle(idle_since)
+                elif self.left and not self._postable():
+                    raise AssertionError("dependency counts never reached zero")
+        except Exception as err:
+            raise self.x._failure(self.index, err) from err
+
+    def _postable(self) -> bool:
+        order = self.x._comm_order
+        return self.posted < len(order) and order[self.posted] in self.comm_ready
+
+    def _post(self) -> None:
+        """Post the ready comm tasks, in plan order, up to the first one not ready."""
+        while self._postable():
+            index = self.index = self.x._comm_order[self.posted]
+            self.posted += 1
+            start = perf_counter()
+            operation = self.x._fns[index](*self.x._args[index])
+            if operation is None:
+                self._release(index, start)
+            else:
+                self.pending.append((index, operation, start))
+
+    def _poll(self) -> None:
+        for entry in list(self.pending):
+            self.index = entry[0]
+            if entry[1].test():
+                self.pending.remove(entry)
+                self._release(entry[0], entry[2])
+
+    def _release(self, index: int, start: float) -> None:
+        if self.trace is not None:
+            self.trace.record(self.x.tasks[index], self.x._home_lane[index], start,
+                              perf_counter())
+        self.left -= 1
+        counts = self.x._counts
+        for s in self.x._successors[index]:
+            counts[s] -= 1
+            if counts[s] == 0:
+                self._queue(s)
+
+    def _queue(self, index: int) -> None:
+        if self.x._queue_of[index] == self.comm_q:
+            self.comm_ready.add(index)
+        else:
+            heapq.heappush(self.ready, index)
+
+
+# With nothing to run but operations pending, the one-thread loop yields the core for
+# this long, testing between yields (no other thread of the process needs the core, and
+# sched_yield lets any other runnable thread have it), then sleeps between tests.
+ONE_THREAD_SPIN = 2e-3
+
+
+def _idle(since: float | None) -> float:
+    """One pause of the one-thread loop's wait; returns when the wait began."""
+    now = perf_counter()
+    if since is None or now - since < ONE_THREAD_SPIN:
+        os.sched_yield()
+        return now if since is None else since
+    time.sleep(PENDING_POLL_MAX)
+    return since
 
 
 def _wait(pending: Pending) -> None:
