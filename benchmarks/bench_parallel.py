@@ -22,7 +22,9 @@ some compute lane was busy through ("hidden") says how well the allreduces overl
 backward pass, and "exposed" is the communication time per iteration during which no
 compute lane was busy. (A collective's time in the trace runs until the runtime sees it
 complete, which it checks rarely while compute is busy: that lengthens hidden time,
-never exposed time.)
+never exposed time.) "imbalance" is the busiest device's compute time over the least
+busy one's: the devices do the same work, so above about 1.05 the machine slowed one of
+its cores (other tenants), and the others waited for it at every allreduce.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def worker(args) -> None:
     import purinec
     from purinec.runtime import comm
     from purinec.runtime.trace import Trace
-    from purinec.viz import overlap
+    from purinec.viz import COMPUTE_KIND, overlap
 
     here = comm.world()
     count = here.size if here.size > 1 else args.ranks
@@ -101,16 +103,21 @@ def worker(args) -> None:
         del trace.records[kept:]
         rounds.append((one_times, many_devices(args.iterations)))
     many.close()
+    stats = overlap(trace.events())
+    busy = [ms for lane, ms in stats["busy_ms"].items()
+            if stats["lane_kind"][lane] == COMPUTE_KIND]
+    if here.size > 1:
+        busy = [ms for rank in here.comm.gather(busy, root=0) or [] for ms in rank]
     if here.rank == 0:
         one.close()
         iterations = args.iterations * args.repeats
-        stats = overlap(trace.events())
         Path(args.out).write_text(json.dumps({
             "rounds": [{"one_ms": float(np.median(a)) * 1e3,
                         "many_ms": float(np.median(b)) * 1e3} for a, b in rounds],
             "comm_ms_per_iteration": stats["comm_ms"] / iterations,
             "exposed_ms_per_iteration": (stats["comm_ms"] - stats["hidden_ms"]) / iterations,
-            "hidden_fraction": stats["hidden_fraction"]}))
+            "hidden_fraction": stats["hidden_fraction"],
+            "compute_imbalance": max(busy) / min(busy)}))
 
 
 def _random_feeds(program) -> dict[str, np.ndarray]:
@@ -192,7 +199,8 @@ def main(argv=None) -> int:
         return 0
     results = {}
     print(f"{'model':12} {'mode':8} {'1 device ms':>12} {f'{args.ranks} devices ms':>14} "
-          f"{'efficiency (range)':>19} {'comm ms':>8} {'hidden':>7} {'exposed ms':>10}")
+          f"{'efficiency (range)':>19} {'comm ms':>8} {'hidden':>7} {'exposed ms':>10} "
+          f"{'imbalance':>9}")
     for model in args.models.split(","):
         for mode in args.mode.split(","):
             results[f"{model}/{mode}"] = summary = measure(model, mode, args)
@@ -200,7 +208,8 @@ def main(argv=None) -> int:
             print(f"{model:12} {mode:8} {summary['one_ms']:12.2f} {summary['many_ms']:14.2f} "
                   f"{summary['efficiency']:6.2f} ({low:.2f}-{high:.2f}) "
                   f"{summary['comm_ms_per_iteration']:8.2f} {summary['hidden_fraction']:7.0%} "
-                  f"{summary['exposed_ms_per_iteration']:10.2f}", flush=True)
+                  f"{summary['exposed_ms_per_iteration']:10.2f} "
+                  f"{summary['compute_imbalance']:9.2f}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

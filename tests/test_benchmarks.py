@@ -167,6 +167,7 @@ def test_weak_scaling_benchmark_alternates_rounds_and_reports_each(tmp_path, cap
     assert summary["efficiency_range"] == [min(efficiencies), max(efficiencies)]
     assert summary["comm_ms_per_iteration"] > 0 and 0 <= summary["hidden_fraction"] <= 1
     assert 0 <= summary["exposed_ms_per_iteration"] <= summary["comm_ms_per_iteration"]
+    assert summary["compute_imbalance"] >= 1
 
 
 def test_the_check_flags_a_wrong_loss_or_update_but_not_float32_rounding():
