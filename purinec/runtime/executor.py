@@ -14,13 +14,13 @@ A task's callable either finishes its work and returns None, or (a collective po
 MPI) returns a `Pending` whose ``test()`` says, without blocking, whether it is done.
 Tasks of the ``comm`` queues are posted in plan order, since every rank must issue
 collectives in the same order (one worker serves all the comm queues of a plan, so the
-order holds across devices too), by the thread that makes them ready; the comm worker
-polls the pending ones, releasing a task's successors when its operation completes; it
-never blocks on one operation while another could be posted. While operations are pending, compute workers
-nudge them along between tasks (MPI progresses only when called), so the comm worker
-can look up rarely while they are busy, and is woken as soon as one goes idle.
-Elsewhere (other queues, the inline path) a returned Pending is polled until complete
-before the next task.
+order holds across devices too); an MPI post is made by the thread that makes the task
+ready. The comm worker polls the pending operations, releasing a task's successors
+when its operation completes; it never blocks on one operation while another could be
+posted. While operations are pending, compute workers nudge them along between tasks
+(MPI progresses only when called), so the comm worker can look up rarely while they
+are busy, and is woken as soon as one goes idle. Elsewhere (other queues, the inline
+path) a returned Pending is polled until complete before the next task.
 
 A task that raises stops the run: the failure is recorded, no worker takes another task
 of that run, the caller wakes at once, closes the workers and joins them (so no thread
