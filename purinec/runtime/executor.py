@@ -579,11 +579,12 @@ class _CommWorker:
     comm task has been posted. The thread that makes an asynchronous task ready posts
     it (`offer`): handing it to this worker's thread instead would wait for that thread
     to be scheduled, which a core busy with a kernel can delay by milliseconds. The
-    worker's own thread runs the synchronous ones and polls what is pending (never blocking on one operation), sleeping a
-    little longer each time nothing changed (BUSY_POLL while every compute worker is
-    busy), and waking at once when a compute worker goes idle or the first operation is
-    posted. One lock (re-entrant: completing a task may make the next one ready) guards
-    the posting order and the pending operations.
+    worker's own thread runs the synchronous ones and polls what is pending (never
+    blocking on one operation), sleeping a little longer each time nothing changed
+    (BUSY_POLL while every compute worker is busy), and waking at once when a compute
+    worker goes idle or the first operation is posted. One lock (re-entrant: completing
+    a task may make the next one ready) guards the posting order and the pending
+    operations.
     """
 
     def __init__(self, pool: _Pool, q: int, program):
