@@ -13,7 +13,7 @@ from purinec.errors import ExecutionError, ModelError, PurinecError
 from purinec.ir.graph import Graph, Value
 from purinec.ir.init import initial_value
 from purinec.ir.parser import parse
-from purinec.ir.types import Device, DType
+from purinec.ir.types import Device, Distribution, DType
 from purinec.ir.verify import verify
 from purinec.passes.autodiff import autodiff
 from purinec.passes.fuse import fuse
@@ -168,6 +168,41 @@ def physical_passes(rank: int, target: str) -> list[Pass]:
 
 def is_distributed(graph: Graph) -> bool:
     return any(v.dist is not None for v in graph.inputs)
+
+
+# Node attributes that name devices (of collectives and point-to-point copies).
+DEVICE_ATTRS = ("group", "root", "peer")
+
+
+def in_one_process(*graphs: Graph) -> list[Graph]:
+    """``graphs`` (of one program) laid out over several ranks, moved onto devices of
+    this one process: the k-th device of the layout (in rank order) becomes cpu:k here.
+    The same work on the same pieces, with the collectives run between threads instead
+    of over MPI: a program saved by an MPI job (a checkpoint) runs without mpiexec."""
+    devices = sorted({d for g in graphs for v in g.values() if v.dist is not None
+                      for d in v.dist.group} | {d for g in graphs for d in g.devices()})
+    here = {d: Device(d.kind, k) for k, d in enumerate(devices)}
+    return [_moved(graph, here) for graph in graphs]
+
+
+def _moved(graph: Graph, here: dict[Device, Device]) -> Graph:
+    moved = graph.clone()
+    for v in moved.values():
+        v.device = here[v.device]
+        if v.dist is not None:
+            v.dist = Distribution(v.dist.kind, tuple(here[d] for d in v.dist.group),
+                                  v.dist.axis)
+    for node in moved.nodes:
+        for key in DEVICE_ATTRS:
+            if key in node.attrs:
+                node.attrs[key] = ",".join(str(here[Device.parse(text)])
+                                           for text in node.attrs[key].split(","))
+    return moved
+
+
+def laid_over_ranks(graph: Graph) -> bool:
+    """Whether ``graph`` is laid out over devices of more than one rank."""
+    return any(d.rank for v in graph.inputs if v.dist is not None for d in v.dist.group)
 
 
 def rank_of(graph: Graph) -> int:

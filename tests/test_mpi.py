@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import purinec
 from purinec.errors import PurinecError
 from purinec.ir.graph import Graph
 from purinec.ir.types import DType, Device, TensorType
@@ -319,6 +320,21 @@ def test_purinec_train_under_mpiexec(tmp_path):
     accuracy = float(done.stdout.split("test accuracy")[-1].splitlines()[0])
     assert accuracy > 0.8
     assert checkpoint.exists()
+    # Without mpiexec the checkpoint runs its two devices in this process, and evaluates
+    # as one device with its weights does.
+    loaded = purinec.load(checkpoint)
+    assert [str(d) for d in loaded.devices] == ["cpu:0", "cpu:1"]
+    one = purinec.compile("convnet", target="cpu", batch=loaded.eval_ir.inputs[0].type.shape[0])
+    for name in one.params:
+        one.params[name] = loaded.params[name]
+    feeds = {v.name: np.random.default_rng(0).standard_normal(v.type.shape).astype(np.float32)
+             for v in one.ir.inputs_with_role("data")}
+    expected, got = one.run(feeds), loaded.run(feeds)
+    assert expected.keys() == got.keys()
+    for name, value in expected.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    one.close()
+    loaded.close()
 
 
 def test_devices_of_one_rank_in_a_job_of_two_is_an_error(tmp_path):

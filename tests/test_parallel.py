@@ -493,6 +493,32 @@ def test_a_distributed_program_saves_and_loads_bitwise(tmp_path):
     loaded.close()
 
 
+@pytest.mark.parametrize("strategy", ["data", "ps", "model", "pipeline"])
+def test_a_layout_over_ranks_runs_in_one_process(strategy):
+    """What a checkpoint of an MPI job holds (a graph laid out over two ranks), moved
+    onto this process's devices, trains and evaluates as one device does."""
+    from purinec.compiler import build_graph, in_one_process, laid_over_ranks, load_source
+
+    parallel = Parallel(parse_devices("r0/cpu:0,r1/cpu:0"), strategy)
+    graphs = [build_graph(load_source("lenet", 12), train, parallel=parallel)
+              for train in (SGD, None)]
+    assert all(map(laid_over_ranks, graphs))
+    moved = in_one_process(*graphs)
+    assert not any(map(laid_over_ranks, moved))
+    assert str(parse(str(moved[0]))) == str(moved[0])  # device attributes moved too
+    one = purinec.compile("lenet", train=SGD, batch=12, seed=7)
+    many = purinec.Program.from_ir(*moved, params=dict(one.params), state=dict(one.state))
+    assert [str(d) for d in many.devices] == ["cpu:0", "cpu:1"]
+    rng = np.random.default_rng(1)
+    inputs = _feeds(one.eval_ir, rng)
+    for _ in range(2):
+        feeds = _feeds(one.ir, rng)
+        assert many.step(feeds) == pytest.approx(one.step(feeds), rel=1e-5)
+    _assert_same_inference(one, many, inputs)
+    one.close()
+    many.close()
+
+
 def _partial_graph(sizes: list[int]) -> tuple[Graph, list]:
     """Partial sums of the given sizes, each allreduced by the boxing pass."""
     group = (Device("cpu", 0), Device("cpu", 1))
