@@ -74,6 +74,14 @@ def _add_solver_args(p: argparse.ArgumentParser, lr: float) -> None:
     p.set_defaults(default_lr=lr)
 
 
+def _on_devices(program) -> str:
+    """`` on N devices (...)`` for a program on several devices, else nothing."""
+    devices = program.devices
+    if len(devices) == 1:
+        return ""
+    return f" on {len(devices)} devices ({','.join(map(str, devices))})"
+
+
 def _sgd(args):
     from purinec.passes.optimizer import SGD
 
@@ -497,7 +505,7 @@ def _resume(args):
                                f"{saved}; resuming needs the same (leave {option} out)")
     note = f" (MODEL {args.model} is not recompiled)" if args.model else ""
     print(f"resuming {program.ir.name} from {args.resume} after epoch {checkpoint.epoch}"
-          f"{note}")
+          f"{_on_devices(program)}{note}")
     return program, checkpoint.data, checkpoint.seed, checkpoint.epoch
 
 
@@ -520,9 +528,7 @@ def _training_program(args, data, seed, trace=None):
                           batch=args.batch, seed=seed, trace=trace, **_parallel_kwargs(args),
                           **model_kwargs)
         what = "compiled"
-    devices = program.devices
-    where = f" on {len(devices)} devices ({','.join(map(str, devices))})" if len(devices) > 1 else ""
-    print(f"{what} {program.ir.name} for target {program.target}{where} in "
+    print(f"{what} {program.ir.name} for target {program.target}{_on_devices(program)} in "
           f"{time.perf_counter() - start:.2f} s ({len(program.ir.nodes)} nodes, "
           f"{sum(p.size for p in program.params.values())} parameters)")
     return program

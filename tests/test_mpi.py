@@ -335,6 +335,11 @@ def test_purinec_train_under_mpiexec(tmp_path):
         np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
     one.close()
     loaded.close()
+    resumed = subprocess.run([sys.executable, "-m", "purinec", "train", "--resume",
+                              str(checkpoint), "--epochs", "3", "--quiet"],
+                             capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    ran(resumed)
+    assert "after epoch 2 on 2 devices (cpu:0,cpu:1)" in resumed.stdout
 
 
 def test_devices_of_one_rank_in_a_job_of_two_is_an_error(tmp_path):
