@@ -251,13 +251,7 @@ def load(path: str | os.PathLike, target: str | None = None, trace: Any = None) 
     """Read, check and rebuild the program saved at ``path``. ``target`` overrides the
     target it was compiled for (the IR is the same for every target)."""
     path = os.fspath(path)
-    with _open_zip(path) as zf:
-        manifest = _read_manifest(path, zf)
-        members = _read_members(path, zf, manifest)
-    graph = _read_graph(path, members, PROGRAM, manifest["graphs"]["main"])
-    eval_graph = None
-    if EVAL in members:
-        eval_graph = _read_graph(path, members, EVAL, manifest["graphs"].get("eval"))
+    manifest, members, graph, eval_graph = _read(path)
     weights = _read_weights(path, members[WEIGHTS])
     graphs = [graph] if eval_graph is None else [graph, eval_graph]
     try:
@@ -276,6 +270,24 @@ def load(path: str | os.PathLike, target: str | None = None, trace: Any = None) 
                              else in_one_process(graph, eval_graph))
     return Program.from_ir(graph, eval_graph, target, weights["param"], weights["state"],
                            trace=trace, metadata=manifest["metadata"])
+
+
+def read_ir(path: str | os.PathLike) -> tuple[Graph, Graph | None]:
+    """The final IR saved at ``path`` (checked as `load` checks it), and its inference
+    graph when it has one, without building the program."""
+    _, _, graph, eval_graph = _read(os.fspath(path))
+    return graph, eval_graph
+
+
+def _read(path: str) -> tuple[dict, dict[str, bytes], Graph, Graph | None]:
+    with _open_zip(path) as zf:
+        manifest = _read_manifest(path, zf)
+        members = _read_members(path, zf, manifest)
+    graph = _read_graph(path, members, PROGRAM, manifest["graphs"]["main"])
+    eval_graph = None
+    if EVAL in members:
+        eval_graph = _read_graph(path, members, EVAL, manifest["graphs"].get("eval"))
+    return manifest, members, graph, eval_graph
 
 
 # A zip ends with its end-of-central-directory record: a signature and 18 more bytes, the

@@ -137,6 +137,8 @@ def cmd_dump(args) -> int:
     from purinec.passes.lower import lower
     from purinec.passes.pipeline import run_passes
 
+    if args.model.endswith(".purine"):
+        return _dump_artifact(args)
     train = _sgd(args) if args.train else None
     source = load_source(args.model, args.batch)
     spread = parallel_plan(args.devices, args.parallel, args.micro_batches) or placement(
@@ -215,6 +217,34 @@ def cmd_dump(args) -> int:
         _dump_kernels(graph, args, emit)
     for path in written:
         print(f"wrote {path}")
+    return 0
+
+
+def _dump_artifact(args) -> int:
+    """The final IR an artifact holds (and its inference graph), as text."""
+    from purinec.artifact import read_ir
+
+    given = [option for option, value in (
+        ("--stage", args.stage), ("--train", args.train), ("--batch", args.batch),
+        ("--devices", args.devices), ("--parallel", args.parallel),
+        ("--micro-batches", args.micro_batches), ("--explain", args.explain),
+        ("--llvm", args.llvm), ("--asm", args.asm),
+        ("--format", args.format != "text" and args.format)) if value]
+    if given:
+        raise PurinecError(f"{args.model} is a compiled artifact: dump shows the final IR it "
+                           f"holds, as text; {', '.join(given)} apply to a model (dump the "
+                           f"model it was compiled from)")
+    graphs = [g for g in read_ir(args.model) if g is not None]
+    for graph in graphs:
+        if args.output:
+            path = os.path.join(args.output, f"{graph.name}.pir")
+            os.makedirs(args.output, exist_ok=True)
+            atomic_write_text(path, str(graph) + "\n")
+            print(f"wrote {path}")
+        else:
+            if len(graphs) > 1:
+                print(f"// ---- {graph.name} ----")
+            print(graph)
     return 0
 
 
@@ -567,7 +597,8 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Print the IR of MODEL after a pipeline stage, or write "
                                       "one .pir file per stage with -o.",
                           epilog=STAGE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    dump.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    dump.add_argument("model", metavar="MODEL",
+                      help=MODEL_HELP + ", or a .purine artifact (the final IR it holds)")
     dump.add_argument("--train", action="store_true",
                       help="compile the training iteration (backward and SGD)")
     dump.add_argument("--batch", type=_positive, help="batch size (default: the model's)")

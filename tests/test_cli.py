@@ -218,6 +218,23 @@ def test_compile_says_what_it_wrote(artifact):
     assert program.ir.name == "mlp.train" and program.ir.input("data").type.shape == (32, 1, 8, 8)
 
 
+def test_dump_an_artifact_shows_the_ir_it_holds(artifact, tmp_path):
+    path, _ = artifact
+    program = purinec_api.load(path)
+    result = purinec("dump", path, "-o", tmp_path / "ir")
+    assert result.returncode == 0, result.stderr
+    for graph in (program.ir, program.eval_ir):
+        written = tmp_path / "ir" / f"{graph.name}.pir"
+        assert f"wrote {written}" in result.stdout
+        assert written.read_text() == str(graph) + "\n"
+    shown = purinec("dump", path)
+    assert shown.returncode == 0 and str(program.ir) in shown.stdout
+    refused = purinec("dump", path, "--stage", "autodiff", "--devices", "2")
+    assert refused.returncode != 0
+    assert ("is a compiled artifact" in refused.stderr and "--stage, --devices apply to a "
+            "model" in refused.stderr), refused.stderr
+
+
 def test_compile_then_run_in_another_process_gives_the_same_outputs(artifact, tmp_path):
     path, _ = artifact
     x = np.random.default_rng(0).random((32, 1, 8, 8), dtype=np.float32)
