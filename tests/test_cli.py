@@ -376,8 +376,10 @@ def test_dump_parameter_servers_explains_each_reduce_and_broadcast(capsys):
     reasons = result.stdout.splitlines()
     assert ("# reduce %grad.ip1.weight.sum: %grad.ip1.weight is partial[cpu:0,cpu:1], "
             "sgd %ip1.weight.next needs replicated[cpu:0]") in reasons
-    assert ("# broadcast %conv1.weight.all: %conv1.weight is replicated[cpu:1], conv2d "
-            "%conv1.conv needs replicated[cpu:0,cpu:1]") in reasons
+    assert ("# broadcast %conv1.weight.next.all: %conv1.weight.next is replicated[cpu:1], "
+            "output conv1.weight needs replicated[cpu:0,cpu:1]") in reasons
+    assert ("# copy %conv1.weight.server: %conv1.weight is replicated[cpu:0,cpu:1], sgd "
+            "%conv1.weight.next needs replicated[cpu:1]") in reasons
 
 
 def test_dump_parallel_stage_needs_devices(capsys):

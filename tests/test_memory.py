@@ -282,3 +282,17 @@ def test_a_transfer_in_flight_keeps_its_input_memory():
     exe = Executable(graph, reference_kernels(graph))
     env = random_env(graph)
     assert_same(execute(graph, copied(env)), exe(env))
+
+
+def test_an_unread_transfer_output_is_kept_to_the_end():
+    """What a rank sends toward a reduce's root is read by nobody here, but the transfer
+    reads it until it completes: no later node may take its memory."""
+    graph = Graph("sent")
+    x = graph.add_input("x", T44)
+    summand = graph.add_node("tanh", [x]).outputs[0]
+    sent = graph.add_node("reduce", [summand], {"group": "cpu:0,cpu:1", "root": "cpu:1"})
+    later = graph.add_node("matmul", [x, x])
+    graph.set_outputs([("y", later.outputs[0])])
+    memory = plan_memory(graph)
+    assert memory.class_of[later.outputs[0]].offset != memory.class_of[sent.outputs[0]].offset
+    assert (sent, later) not in memory.hazards

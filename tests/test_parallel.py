@@ -262,7 +262,8 @@ def test_pipeline_training_equals_one_device(model, batch, devices):
 
 def _assert_every_device_gets_the_servers_weights(program: purinec.Program, feeds) -> None:
     """One more step of a ps program, its broadcasts' outputs returned too: every
-    device's copy of every weight is bitwise the server's."""
+    device's copy of every new weight, sent as soon as the server made it, is bitwise
+    the server's."""
     from purinec.compiler import get_target
 
     physical = parse(str(program.physical_ir))
@@ -275,7 +276,6 @@ def _assert_every_device_gets_the_servers_weights(program: purinec.Program, feed
         seen.update(run(env))
         return seen
 
-    before = {name: array.copy() for name, array in program.params.items()}
     distributed = program._run_main
     distributed.physical, original = capture, distributed.physical
     try:
@@ -284,11 +284,12 @@ def _assert_every_device_gets_the_servers_weights(program: purinec.Program, feed
         distributed.physical = original
         getattr(run, "close", lambda: None)()
     devices = set(program.devices)
-    assert {n.inputs[0].name for n in copies} == set(before)
+    assert {n.inputs[0].name for n in copies} == {f"{name}.next" for name in program.params}
     for node in copies:
         assert {v.device for v in node.outputs} == devices
+        served = program.params[node.inputs[0].name[:-len(".next")]]
         for v in node.outputs:
-            assert seen[v.name].tobytes() == before[node.inputs[0].name].tobytes(), v.name
+            assert seen[v.name].tobytes() == served.tobytes(), v.name
 
 
 @pytest.mark.parametrize("model,batch", [("lenet", 12), ("cifar_quick", 10)])
@@ -313,28 +314,32 @@ def test_parameter_servers_share_the_parameters_by_bytes(model, devices):
 
     logical = build_graph(load_source(model, 8), SGD,
                           parallel=Parallel(parse_devices(devices), "ps"))
-    servers = {v.name: v.dist.group for v in logical.inputs if v.role in ("param", "state")}
-    assert all(len(group) == 1 for group in servers.values())
-    assert {group[0] for group in servers.values()} == set(parse_devices(devices))
+    updates = [n for n in logical.nodes if n.op == "sgd"]
+    servers = {n.inputs[0].producer.inputs[0].name: n.outputs[0].dist.group
+               for n in updates}  # (each reads the server's replica of its weight)
     params = [v for v in logical.inputs if v.role == "param"]
+    assert len(updates) == len(params) and all(len(g) == 1 for g in servers.values())
+    assert {group[0] for group in servers.values()} == set(parse_devices(devices))
     largest = max(params, key=lambda v: v.type.nbytes)
     assert servers[largest.name] == (Device("cpu", 0),)
     if model == "lenet":  # ip1.weight outweighs the rest together: cpu:1 serves them
         assert {v.name for v in params if servers[v.name] == (Device("cpu", 0),)} == {
             "ip1.weight"}
-    # Each update runs on its parameter's server, after a reduce there; the batch stays
-    # split; the forward and backward passes read the weights broadcast from the server.
-    updates = [n for n in logical.nodes if n.op == "sgd"]
-    assert len(updates) == len(params)
+    # As in Purine: the weights are whole on every device, the momentum on the server
+    # alone; each update runs on the server, from a reduce there and the server's own
+    # replica, and its result is broadcast right away; the batch stays split.
+    position = {id(n): i for i, n in enumerate(logical.nodes)}
+    readers = logical.users()
     for node in updates:
         weight, history, grad = node.inputs
-        assert weight.dist.group == history.dist.group == servers[weight.name]
-        assert grad.producer.op == "reduce" and grad.dist.group == servers[weight.name]
-        assert {v.dist.group for v in node.outputs} == {servers[weight.name]}
+        group = servers[weight.producer.inputs[0].name]
+        assert weight.producer.op == "copy" and weight.dist.group == group
+        assert weight.producer.inputs[0].dist.group == tuple(parse_devices(devices))
+        assert history.dist.group == group and history.producer is None
+        assert grad.producer.op == "reduce" and grad.dist.group == group
+        (sent,) = readers[node.outputs[0]]
+        assert sent.op == "broadcast" and position[id(sent)] == position[id(node)] + 1
     assert logical.input("data").dist.kind is DistKind.split
-    readers = logical.users()
-    for param in params:
-        assert sorted(n.op for n in readers[param]) == ["broadcast", "sgd"]
 
 
 def test_pipeline_micro_batches_are_checked():

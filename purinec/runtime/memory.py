@@ -226,7 +226,9 @@ def _keep_in_flight_inputs(schedule: list[Node], class_of) -> None:
     """A communication node (a copy, a collective) reads its inputs for as long as it is
     in flight, which may be until its result is first needed: nothing scheduled before
     that reuses their memory. Reusing it sooner would make the reusing node wait for the
-    transfer (a write-after-read hazard), putting the transfer on the critical path."""
+    transfer (a write-after-read hazard), putting the transfer on the critical path. An
+    output nobody reads (what a rank sends toward a reduce's root) is in flight until
+    the end of the run."""
     position = {node: i for i, node in enumerate(schedule)}
     first_read: dict[Value, int] = {}
     for node in reversed(schedule):
@@ -239,6 +241,9 @@ def _keep_in_flight_inputs(schedule: list[Node], class_of) -> None:
                      default=len(schedule))
         for v in node.inputs:
             class_of[v].end = max(class_of[v].end, needed - 1)
+        for v in node.outputs:
+            if v not in first_read:
+                class_of[v].end = max(class_of[v].end, len(schedule) - 1)
 
 
 def _place_variable_updates(graph, schedule, class_of, may_alias, hazards) -> None:

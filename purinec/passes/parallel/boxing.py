@@ -11,9 +11,10 @@ the logical tensor:
 
 Between a group G and one of its devices s (a parameter server, `--parallel ps`):
 
-    from \\ to             replicated[s]    replicated[G]
-    partial[G]            reduce to s      allreduce
-    replicated[s]         -                broadcast from s
+    from \\ to             replicated[s]          replicated[G]
+    partial[G]            reduce to s            allreduce
+    replicated[s]         -                      broadcast from s
+    replicated[G]         copy (s's own piece)   -
 
 A value on one device that a consumer needs on another gets a `copy`. The cost of each
 conversion, in bytes moved per device, lets the distribution pass pick the cheapest of
@@ -44,6 +45,8 @@ def conversion_cost(src: Distribution, dst: Distribution, nbytes: int) -> float:
             return float(nbytes)  # copy
         if _to_server(src, dst) or _from_server(src, dst):
             return float(nbytes)  # reduce or broadcast: each member's tensor, once
+        if _server_replica(src, dst):
+            return 0.0  # the server's own piece
         return math.inf
     if dst.kind is PARTIAL:
         return math.inf
@@ -64,6 +67,12 @@ def _from_server(src: Distribution, dst: Distribution) -> bool:
     """whole on one device -> whole on every device of a group holding it: a broadcast."""
     return (src.kind is REPLICATED and dst.kind is REPLICATED and len(src.group) == 1 and
             src.group[0] in dst.group)
+
+
+def _server_replica(src: Distribution, dst: Distribution) -> bool:
+    """whole on every device of a group -> whole on one of them: that device's piece."""
+    return (src.kind is REPLICATED and dst.kind is REPLICATED and len(dst.group) == 1 and
+            dst.group[0] in src.group)
 
 
 def convert(graph: Graph, value: Value, dst: Distribution, why: str) -> list[Node]:
@@ -89,8 +98,9 @@ def convert(graph: Graph, value: Value, dst: Distribution, why: str) -> list[Nod
                             "shape": list(ty.shape), "dtype": str(ty.dtype)},
                            dst, "all", why))
         return nodes
-    if src.group != dst.group:
-        nodes.append(_node(graph, "copy", value, {}, dst, "copy", why, device=dst.group[0]))
+    if src.group != dst.group:  # a copy, or the server's own replica (no data moves)
+        suffix = "server" if _server_replica(src, dst) else "copy"
+        nodes.append(_node(graph, "copy", value, {}, dst, suffix, why, device=dst.group[0]))
         return nodes
     current = value
     if src.kind is PARTIAL:

@@ -14,11 +14,12 @@ order. Conversions are placed right after their producer, so a gradient's allred
 comes as early in the schedule as the gradient does.
 
 "ps" is data parallelism with parameter servers, as in Purine: the batch is split as
-in "data", but each parameter and its momentum live on one device, its server (the
-largest parameters first, each onto the device serving the fewest bytes so far, so the
-servers share the update work and traffic). Its sgd node runs there: the boxing pass
-reduces the partial gradients onto the server and broadcasts the weights from it to
-every device where the forward pass reads them.
+in "data", and each parameter has a server (the largest parameters first, each onto
+the device serving the fewest bytes so far, so the servers share the update work and
+traffic), which holds its momentum and runs its sgd node: the boxing pass reduces the
+partial gradients onto the server, takes the server's own replica of the weights, and
+broadcasts the new weights from it to every device as soon as they are made, so the
+next forward pass finds them in place.
 
 Strategies that do not spread nodes over the group ("pipeline" after its stages and
 micro-batches, "placement" for models that place layers themselves) run each node on
@@ -45,8 +46,8 @@ SPREAD = ("data", "ps", "model", "hybrid")
 STRATEGIES = {
     "data": "split the batch over the devices, replicate the parameters, allreduce the "
             "gradients",
-    "ps": "split the batch over the devices; each parameter lives on one device, its "
-          "server, which sums the gradients, updates it and broadcasts it to the others",
+    "ps": "split the batch over the devices; each parameter has a server device, which "
+          "sums its gradients, updates it and broadcasts the new weights to the others",
     "model": "split every layer's output features or channels (weights, biases and their "
              "momentum) over the devices, gather the activations between layers",
     "hybrid": "data-parallel convolutions, model-parallel fully connected layers",
@@ -183,12 +184,17 @@ class Distributor:
                    for n in self.source.nodes)
 
     def _group_for(self, device: Device, variable: str | None = None) -> tuple[Device, ...]:
-        """The group of a node on ``device``, or of one that holds or updates
-        ``variable``: its server alone (ps), else every device where the strategy
-        spreads."""
+        """The group of a node on ``device``, or of one that updates ``variable`` or
+        holds it (ps: the server alone; a parameter itself is held by every device, a
+        momentum only by the server), else every device where the strategy spreads."""
         if variable in self.servers:
             return (self.servers[variable],)
         return self.parallel.devices if self.spread else (device,)
+
+    def _holder(self, name: str) -> str | None:
+        """``name`` if that variable lives on its server alone (ps: a momentum)."""
+        held = name in self.servers and self.source.input(name).role != "param"
+        return name if held else None
 
     def _wanted_outputs(self) -> dict[int, Distribution]:
         """Graph outputs come back as their variable is laid out (a parameter's next
@@ -199,14 +205,14 @@ class Distributor:
         variables = {v.name: v for v in self.source.inputs_with_role("param", "state")}
         wanted = {}
         for name, value in self.source.outputs:
-            self.group = self._group_for(value.device, name)
+            self.group = self._group_for(value.device, self._holder(name))
             wanted[id(value)] = (self._input_dist(variables[name]) if name in variables
                                  else self.dist(DistKind.replicated))
         return wanted
 
     def run(self) -> Graph:
         for v in self.source.inputs:
-            self.group = self._group_for(v.device, v.name)
+            self.group = self._group_for(v.device, self._holder(v.name))
             self.mapping[v] = self.new.add_input(v.name, v.type, self.group[0], v.role,
                                                  self._input_dist(v), v.init)
         body = [self._place(node) for node in self.source.nodes]

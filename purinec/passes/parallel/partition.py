@@ -93,6 +93,8 @@ class Partitioner:
             self._reduce(node)
         elif node.op == "broadcast":
             self._broadcast(node)
+        elif node.op == "copy" and _own_replica(node):
+            self._own_replica(node)
         elif node.op == "copy" and node.inputs[0].device.rank != node.outputs[0].device.rank:
             self._across_ranks(node)
         elif (node.op == "slice" and node.inputs[0].dist.kind is DistKind.replicated and
@@ -146,6 +148,13 @@ class Partitioner:
             self._add("broadcast", [self.piece(x, 0)] if self.members(x) else [],
                       {**node.attrs, "members": len(members)},
                       [(y, k, device) for k, device in members], node.loc)
+
+    def _own_replica(self, node: Node) -> None:
+        """A device's piece of a value replicated over a group it belongs to (a parameter
+        server's own replica of the weights): that very piece, no node."""
+        (x,), (y,) = node.inputs, node.outputs
+        if self.members(y):
+            self.pieces[id(y), 0] = self.piece(x, x.dist.group.index(y.device))
 
     def _across_ranks(self, node: Node) -> None:
         """A copy between ranks: a send on the source's rank, a receive on the
@@ -213,3 +222,12 @@ class Partitioner:
                                    f"{attrs[key]}, which is not its output's shape")
             attrs[key] = list(_dist(out).local_type(out.type, k).shape)
         return attrs
+
+
+def _own_replica(node: Node) -> bool:
+    """Whether a copy takes a device's own replica: from a value replicated over a group
+    to one device of that group."""
+    x, y = node.inputs[0], node.outputs[0]
+    return (x.dist is not None and x.dist.kind is DistKind.replicated and
+            len(x.dist.group) > 1 and y.device in x.dist.group and
+            (y.dist is None or len(y.dist.group) == 1))
