@@ -392,7 +392,7 @@ class _OneThread:
     one core anyway."""
 
     def __init__(self, executor: CountingExecutor, trace: Trace | None):
-        self.x, self.trace = executor, trace
+        self.executor, self.trace = executor, trace
         executor._counts[:] = executor._initial
         order = executor._comm_order
         self.comm_q = executor._queue_of[order[0]] if order else None
@@ -405,7 +405,7 @@ class _OneThread:
             self._queue(index)
 
     def run(self) -> None:
-        fns, args = self.x._fns, self.x._args
+        fns, args = self.executor._fns, self.executor._args
         idle_since = None
         try:
             while self.left:
@@ -422,19 +422,19 @@ class _OneThread:
                 elif self.left and not self._postable():
                     raise AssertionError("dependency counts never reached zero")
         except Exception as err:
-            raise self.x._failure(self.index, err) from err
+            raise self.executor._failure(self.index, err) from err
 
     def _postable(self) -> bool:
-        order = self.x._comm_order
+        order = self.executor._comm_order
         return self.posted < len(order) and order[self.posted] in self.comm_ready
 
     def _post(self) -> None:
         """Post the ready comm tasks, in plan order, up to the first one not ready."""
         while self._postable():
-            index = self.index = self.x._comm_order[self.posted]
+            index = self.index = self.executor._comm_order[self.posted]
             self.posted += 1
             start = perf_counter()
-            operation = self.x._fns[index](*self.x._args[index])
+            operation = self.executor._fns[index](*self.executor._args[index])
             if operation is None:
                 self._release(index, start)
             else:
@@ -449,17 +449,17 @@ class _OneThread:
 
     def _release(self, index: int, start: float) -> None:
         if self.trace is not None:
-            self.trace.record(self.x.tasks[index], self.x._home_lane[index], start,
-                              perf_counter())
+            self.trace.record(self.executor.tasks[index], self.executor._home_lane[index],
+                              start, perf_counter())
         self.left -= 1
-        counts = self.x._counts
-        for s in self.x._successors[index]:
+        counts = self.executor._counts
+        for s in self.executor._successors[index]:
             counts[s] -= 1
             if counts[s] == 0:
                 self._queue(s)
 
     def _queue(self, index: int) -> None:
-        if self.x._queue_of[index] == self.comm_q:
+        if self.executor._queue_of[index] == self.comm_q:
             self.comm_ready.add(index)
         else:
             heapq.heappush(self.ready, index)
