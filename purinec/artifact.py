@@ -38,7 +38,8 @@ from typing import Any, BinaryIO, Callable
 
 import numpy as np
 
-from purinec.compiler import TARGETS, Program, check_weights, in_one_process, laid_over_ranks
+from purinec.compiler import (TARGETS, Program, check_weights, is_distributed, layout_ranks,
+                              onto_ranks)
 from purinec.errors import ArtifactError, PurinecError
 from purinec.ir.graph import Graph
 from purinec.ir.parser import parse
@@ -263,11 +264,12 @@ def load(path: str | os.PathLike, target: str | None = None, trace: Any = None) 
     if target not in TARGETS:
         raise ArtifactError(f"{path}: unknown target {target!r}; this purinec has "
                             f"{', '.join(TARGETS)}")
-    if laid_over_ranks(graph) and comm.world().size == 1:
-        # Saved by an MPI job, loaded without one: the same layout on this process's
-        # devices (a checkpoint resumes or evaluates anywhere).
-        graph, eval_graph = (in_one_process(graph) + [None] if eval_graph is None
-                             else in_one_process(graph, eval_graph))
+    ranks = comm.world().size
+    if is_distributed(graph) and layout_ranks(graph) != ranks:
+        # Saved by a job of another size (or without mpiexec): the same layout, its
+        # devices dealt out over this job's ranks (a checkpoint resumes anywhere).
+        graph, eval_graph = (onto_ranks(ranks, graph) + [None] if eval_graph is None
+                             else onto_ranks(ranks, graph, eval_graph))
     return Program.from_ir(graph, eval_graph, target, weights["param"], weights["state"],
                            trace=trace, metadata=manifest["metadata"])
 

@@ -174,15 +174,28 @@ def is_distributed(graph: Graph) -> bool:
 DEVICE_ATTRS = ("group", "root", "peer")
 
 
-def in_one_process(*graphs: Graph) -> list[Graph]:
-    """``graphs`` (of one program) laid out over several ranks, moved onto devices of
-    this one process: the k-th device of the layout (in rank order) becomes cpu:k here.
-    The same work on the same pieces, with the collectives run between threads instead
-    of over MPI: a program saved by an MPI job (a checkpoint) runs without mpiexec."""
-    devices = sorted({d for g in graphs for v in g.values() if v.dist is not None
-                      for d in v.dist.group} | {d for g in graphs for d in g.devices()})
-    here = {d: Device(d.kind, k) for k, d in enumerate(devices)}
+def onto_ranks(ranks: int, *graphs: Graph) -> list[Graph]:
+    """``graphs`` (of one program) laid out over devices of some number of ranks, moved
+    onto ``ranks`` ranks: the layout's devices, in rank order, are dealt out in equal
+    consecutive blocks, the k-th device of a rank's block becoming its cpu:k (one rank:
+    every device becomes a device of this process). The same work on the same pieces,
+    with collectives between threads where devices now share a process: a checkpoint
+    saved by one job runs in a job of another size, or without mpiexec."""
+    devices = layout_devices(*graphs)
+    if len(devices) < ranks:
+        raise PurinecError(f"the program is laid out over {len(devices)} device(s); it "
+                           f"cannot be spread over {ranks} ranks")
+    blocks = [k * ranks // len(devices) for k in range(len(devices))]
+    here = {d: Device(d.kind, blocks[:k].count(blocks[k]), blocks[k])
+            for k, d in enumerate(devices)}
     return [_moved(graph, here) for graph in graphs]
+
+
+def layout_devices(*graphs: Graph) -> list[Device]:
+    """Every device the graphs' values live on or are laid out over, in rank order."""
+    return sorted({d for g in graphs for v in g.values() if v.dist is not None
+                   for d in v.dist.group} | {d for g in graphs for d in g.devices()},
+                  key=lambda d: (d.rank, d.kind, d.index))
 
 
 def _moved(graph: Graph, here: dict[Device, Device]) -> Graph:
@@ -200,9 +213,9 @@ def _moved(graph: Graph, here: dict[Device, Device]) -> Graph:
     return moved
 
 
-def laid_over_ranks(graph: Graph) -> bool:
-    """Whether ``graph`` is laid out over devices of more than one rank."""
-    return any(d.rank for v in graph.inputs if v.dist is not None for d in v.dist.group)
+def layout_ranks(graph: Graph) -> int:
+    """How many ranks ``graph`` is laid out over (1 for a graph of one process)."""
+    return 1 + max(d.rank for d in layout_devices(graph))
 
 
 def rank_of(graph: Graph) -> int:

@@ -342,6 +342,31 @@ def test_purinec_train_under_mpiexec(tmp_path):
     assert "after epoch 2 on 2 devices (cpu:0,cpu:1)" in resumed.stdout
 
 
+def test_a_program_saved_by_one_process_resumes_over_two_ranks(tmp_path):
+    """Two devices of one process, saved, then loaded by a job of two ranks: each rank
+    hosts one of the devices, and the steps equal the ones taken in one process."""
+    program = purinec.compile("lenet", target="cpu", train=purinec.SGD(lr=0.05, momentum=0.9),
+                              batch=12, seed=3, devices=2, parallel="data")
+    program.save(tmp_path / "two.purine")
+    program.close()
+    ran(mpirun(2, "load_elsewhere.py", tmp_path / "two.purine", tmp_path))
+    here = tmp_path / "here"
+    here.mkdir()
+    done = subprocess.run([sys.executable, SCRIPTS / "load_elsewhere.py",
+                           tmp_path / "two.purine", here], capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    alone = np.load(here / "rank0.npz")
+    assert list(alone["devices"]) == ["cpu:0", "cpu:1"]
+    for rank in range(2):
+        job = np.load(tmp_path / f"rank{rank}.npz")
+        assert list(job["devices"]) == ["cpu:0", "r1/cpu:0"]
+        np.testing.assert_allclose(job["losses"], alone["losses"], rtol=1e-6)
+        for key in (k for k in alone.files if k.startswith("param/")):
+            np.testing.assert_allclose(job[key], alone[key], rtol=1e-5, atol=1e-7,
+                                       err_msg=key)
+
+
 def test_devices_of_one_rank_in_a_job_of_two_is_an_error(tmp_path):
     done = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-m", "purinec", "train",
                            "mlp", "--devices", "2", "--epochs", "1", "--quiet"],

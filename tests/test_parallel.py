@@ -502,14 +502,14 @@ def test_a_distributed_program_saves_and_loads_bitwise(tmp_path):
 def test_a_layout_over_ranks_runs_in_one_process(strategy):
     """What a checkpoint of an MPI job holds (a graph laid out over two ranks), moved
     onto this process's devices, trains and evaluates as one device does."""
-    from purinec.compiler import build_graph, in_one_process, laid_over_ranks, load_source
+    from purinec.compiler import build_graph, layout_ranks, load_source, onto_ranks
 
     parallel = Parallel(parse_devices("r0/cpu:0,r1/cpu:0"), strategy)
     graphs = [build_graph(load_source("lenet", 12), train, parallel=parallel)
               for train in (SGD, None)]
-    assert all(map(laid_over_ranks, graphs))
-    moved = in_one_process(*graphs)
-    assert not any(map(laid_over_ranks, moved))
+    assert [layout_ranks(g) for g in graphs] == [2, 2]
+    moved = onto_ranks(1, *graphs)
+    assert [layout_ranks(g) for g in moved] == [1, 1]
     assert str(parse(str(moved[0]))) == str(moved[0])  # device attributes moved too
     one = purinec.compile("lenet", train=SGD, batch=12, seed=7)
     many = purinec.Program.from_ir(*moved, params=dict(one.params), state=dict(one.state))
@@ -522,6 +522,20 @@ def test_a_layout_over_ranks_runs_in_one_process(strategy):
     _assert_same_inference(one, many, inputs)
     one.close()
     many.close()
+
+
+def test_a_layout_is_dealt_out_over_the_ranks_of_a_job():
+    from purinec.compiler import build_graph, layout_devices, load_source, onto_ranks
+
+    four = build_graph(load_source("mlp", 8), SGD,
+                       parallel=Parallel(parse_devices("4"), "data"))
+    (two,) = onto_ranks(2, four)
+    assert [str(d) for d in layout_devices(two)] == ["cpu:0", "cpu:1", "r1/cpu:0",
+                                                     "r1/cpu:1"]
+    assert str(parse(str(two))) == str(two)
+    assert 'group="cpu:0,cpu:1,r1/cpu:0,r1/cpu:1"' in str(two)
+    with pytest.raises(PurinecError, match="over 4 device.*cannot be spread over 5 ranks"):
+        onto_ranks(5, four)
 
 
 def _partial_graph(sizes: list[int]) -> tuple[Graph, list]:
