@@ -81,16 +81,21 @@ def test_mlp_reaches_90_percent_on_digits():
     assert result.epochs[-1].loss < result.epochs[0].loss
 
 
-@pytest.mark.parametrize("name", sorted(ZOO))
-@pytest.mark.parametrize("training", [False, True])
-def test_every_stage_of_every_zoo_model_round_trips(name, training):
-    seen = []
-
+def _round_trip_check(name: str, seen: list[str]):
+    """A stage hook: the IR of every stage parses back to the same text; the stages
+    are noted in ``seen``."""
     def check(stage, graph):
         text = str(graph)
         assert str(parse(text)) == text, f"{name} at {stage}"
         seen.append(stage)
+    return check
 
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.parametrize("training", [False, True])
+def test_every_stage_of_every_zoo_model_round_trips(name, training):
+    seen = []
+    check = _round_trip_check(name, seen)
     sgd = purinec.SGD(lr=0.01, momentum=0.9, weight_decay=1e-4) if training else None
     build_graph(load_source(name, batch=2), sgd, check, target="cpu")  # cpu: fuse runs too
     parallel_only = ("stages", "microbatch", "parallel", "partition")
@@ -107,12 +112,7 @@ def test_every_parallel_stage_of_every_zoo_model_round_trips(name, strategy):
     from purinec.passes.pipeline import run_passes
 
     seen = []
-
-    def check(stage, graph):
-        text = str(graph)
-        assert str(parse(text)) == text, f"{name} at {stage}"
-        seen.append(stage)
-
+    check = _round_trip_check(name, seen)
     spread = Parallel(parse_devices("2"), strategy)
     logical = build_graph(load_source(name, batch=4), purinec.SGD(lr=0.01), check, "cpu",
                           spread)
