@@ -431,8 +431,7 @@ class Program:
     @property
     def devices(self) -> list[Device]:
         """Every device the program runs on (on every rank)."""
-        values = [*self.ir.inputs, *(v for node in self.ir.nodes for v in node.outputs)]
-        return sorted({d for v in values for d in (v.dist.group if v.dist else (v.device,))})
+        return sorted(layout_devices(self.ir))
 
     @property
     def trainable(self) -> bool:
