@@ -39,9 +39,9 @@ def host_kernel(node: Node) -> Callable:
     if node.op == "allgather":
         return _allgatherer(node.attrs["axis"])
     if node.op == "reduce":
-        return _reduce
+        return sum_in_order
     if node.op == "broadcast":
-        return _broadcast
+        return copy_to_all
     raise ValueError(f"no host kernel for op {node.op}")
 
 
@@ -81,15 +81,15 @@ def _allgatherer(axis: int) -> Callable:
     return fn
 
 
-def _reduce(*arrays: np.ndarray) -> None:
-    """The members' pieces (in group order), then the root's output: their sum, added
-    up in that order."""
+def sum_in_order(*arrays: np.ndarray) -> None:
+    """The members' pieces (in group order), then the output: their sum, added up in
+    that order (a reduce's, here and in the MPI kernel's local part)."""
     xs, total = arrays[:-1], arrays[-1]
     np.copyto(total, xs[0])
     for x in xs[1:]:
         np.add(total, x, out=total)
 
 
-def _broadcast(x: np.ndarray, *ys: np.ndarray) -> None:
+def copy_to_all(x: np.ndarray, *ys: np.ndarray) -> None:
     for y in ys:
         np.copyto(y, x)

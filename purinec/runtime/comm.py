@@ -36,6 +36,7 @@ import numpy as np
 from purinec.errors import ExecutionError, PurinecError
 from purinec.ir.graph import Node
 from purinec.ir.types import Device
+from purinec.runtime.collectives import copy_to_all, sum_in_order
 
 # What MPI launchers set in each process they start: MPICH's Hydra (PMI_RANK, PMI_SIZE,
 # MPI_LOCALRANKID) and Open MPI (OMPI_COMM_WORLD_RANK).
@@ -354,10 +355,8 @@ class _Reduce:
         self.root, self.at_root, self.comm = ranks.index(root), root == rank, comm
 
     def __call__(self, *arrays: np.ndarray) -> _Pending | None:
-        inputs, total = arrays[:-1], arrays[-1]
-        np.copyto(total, inputs[0])
-        for x in inputs[1:]:
-            np.add(total, x, out=total)
+        sum_in_order(*arrays)
+        total = arrays[-1]
         if self.comm is None:
             return None
         MPI = _mpi()
@@ -385,8 +384,7 @@ class _Broadcast:
     def __call__(self, *arrays: np.ndarray) -> _Pending | None:
         outputs = arrays[1:] if self.at_root else arrays
         if self.at_root:
-            for out in outputs:
-                np.copyto(out, arrays[0])
+            copy_to_all(*arrays)
         if self.comm is None:
             return None
         request = self.comm.Ibcast(outputs[0], root=self.root)
@@ -394,8 +392,7 @@ class _Broadcast:
 
     def _copies(self, outputs) -> None:
         if not self.at_root:
-            for out in outputs[1:]:
-                np.copyto(out, outputs[0])
+            copy_to_all(*outputs)
 
 
 def _starts(extents: list[int]) -> list[int]:

@@ -20,7 +20,7 @@ import numpy as np
 
 from purinec.errors import ExecutionError, PurinecError
 from purinec.ir.graph import Graph, Node, Value
-from purinec.ir.ops import get_op
+from purinec.ir.ops import COMM_OPS, get_op
 from purinec.runtime.devices import COMM, COMPUTE, COPY_IN, QueueId
 from purinec.runtime.memory import (ALIGNMENT, ARENA, COPY, EXTERNAL, FRESH, VARIABLE,
                                     MemoryPlan, is_view, may_alias, plan_memory)
@@ -57,8 +57,7 @@ class Task:
 def queue_of(node: Node) -> QueueId:
     """Copies run on their destination's inbound copy queue and collectives on the
     communication queue, so neither waits behind (or blocks) a device's compute."""
-    kind = {"copy": COPY_IN, "allreduce": COMM, "allgather": COMM, "reduce": COMM,
-            "broadcast": COMM, "send": COMM, "recv": COMM}.get(node.op, COMPUTE)
+    kind = (COPY_IN if node.op == "copy" else COMM if node.op in COMM_OPS else COMPUTE)
     return QueueId(node.device, kind)
 
 
