@@ -117,6 +117,7 @@ def worker(args) -> None:
             "comm_ms_per_iteration": stats["comm_ms"] / iterations,
             "exposed_ms_per_iteration": (stats["comm_ms"] - stats["hidden_ms"]) / iterations,
             "hidden_fraction": stats["hidden_fraction"],
+            "compute_ms_per_device": [ms / (args.iterations * args.repeats) for ms in busy],
             "compute_imbalance": max(busy) / min(busy)}))
 
 

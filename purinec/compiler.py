@@ -287,14 +287,22 @@ def placement(graph: Graph) -> Parallel | None:
 
 
 class TensorStore(MutableMapping):
-    """Named arrays with fixed types: assigning checks the shape and casts the dtype."""
+    """Named arrays with fixed types: assigning checks the shape and casts the dtype.
+
+    Reading gives a read-only view, which follows the updates a step makes in place. New
+    values are set by assignment only: a distributed program keeps a replica of each
+    variable per device, refreshed when it is assigned, and a write into the array
+    itself would reach one device and leave the others computing with the old values.
+    """
 
     def __init__(self, kind: str, arrays: dict[str, np.ndarray]):
         self._kind = kind
         self._arrays = arrays
 
     def __getitem__(self, name: str) -> np.ndarray:
-        return self._arrays[name]
+        view = self._arrays[name].view()
+        view.flags.writeable = False
+        return view
 
     def __setitem__(self, name: str, value) -> None:
         if name not in self._arrays:
@@ -459,7 +467,7 @@ class Program:
                 raise ExecutionError(f"input {v.name}: expected {v.type}, got {array.dtype}")
             env[v.name] = array.astype(want, order="C", copy=False)
         for store in (self.params, self.state):
-            env.update({name: store[name] for name in store})
+            env.update(store._arrays)  # the arrays themselves: a step updates them in place
         return env
 
     def run(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:

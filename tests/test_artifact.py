@@ -496,7 +496,7 @@ def test_saving_into_a_missing_directory_is_a_clear_error(trained, tmp_path):
 # -- Program from IR, checkpoints -----------------------------------------------------------
 
 def test_program_from_ir_checks_the_weights_it_is_given(trained):
-    params = dict(trained.params)
+    params = {name: array.copy() for name, array in trained.params.items()}
     program = Program.from_ir(trained.ir, trained.eval_ir, "reference", params,
                               dict(trained.state))
     params["ip1.bias"][:] = 42  # the program holds copies

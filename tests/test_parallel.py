@@ -374,6 +374,25 @@ def test_inference_outputs_are_gathered_whole(strategy):
         np.testing.assert_allclose(b[name], a[name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("target", ["reference", "cpu"])
+def test_new_weights_are_set_by_assignment_and_reach_every_device(target):
+    # Every device holds its own replica of a replicated weight. Writing into the array
+    # the program hands out would change one of them, so that array is read-only.
+    one = purinec.compile("lenet", batch=6, seed=2, target=target)
+    many = purinec.compile("lenet", batch=6, seed=2, target=target, devices=3)
+    feeds = _feeds(one.ir, np.random.default_rng(0))
+    many.run(feeds)  # the replicas exist
+    with pytest.raises(ValueError, match="read-only"):
+        many.params["ip2.weight"][...] = 0
+    rng = np.random.default_rng(1)
+    for name in ("ip2.weight", "conv1.bias"):
+        new = rng.standard_normal(one.params[name].shape)
+        one.params[name] = many.params[name] = new
+    a, b = one.run(feeds), many.run(feeds)
+    np.testing.assert_allclose(b["logits"], a["logits"], rtol=1e-5, atol=1e-5)
+    many.close()
+
+
 def test_distributed_graph_prints_and_parses_back_and_explains_itself():
     from purinec.compiler import build_graph, load_source
 
