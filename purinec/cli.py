@@ -485,7 +485,8 @@ def cmd_train(args) -> int:
     data = load_dataset(data_spec, seed=seed)
     print(data)
     if not args.resume:
-        program = _training_program(args, data, seed, trace)
+        program, data = _training_program(args, data_spec, data, seed, trace)
+    data = _built_in_data_for(program, data_spec, data)
     _check_fits(program, data)
     batch = program.ir.input("data").type.shape[0]
 
@@ -539,9 +540,12 @@ def _resume(args):
     return program, checkpoint.data, checkpoint.seed, checkpoint.epoch
 
 
-def _training_program(args, data, seed, trace=None):
-    """Compile MODEL's training iteration for ``data``, or load it from an artifact."""
+def _training_program(args, data_spec: str, data, seed, trace=None):
+    """MODEL's training iteration compiled for ``data``, or loaded from an artifact, and
+    the data: a built-in set that a model cannot take at its own size (images too small
+    for its layers) comes at the model's default input shape instead."""
     from purinec.compiler import compile, load
+    from purinec.errors import ShapeError
 
     start = time.perf_counter()
     if _is_artifact(args.model):
@@ -551,17 +555,64 @@ def _training_program(args, data, seed, trace=None):
                                "`purinec compile MODEL --train -o FILE.purine` to train it")
         what = "loaded"
     else:
-        model_kwargs = {}
-        if not args.model.endswith(".pir"):
-            model_kwargs = {"input_shape": data.input_shape, "num_classes": data.num_classes}
-        program = compile(args.model, target=args.target or "reference", train=_sgd(args),
-                          batch=args.batch, seed=seed, trace=trace, **_parallel_kwargs(args),
-                          **model_kwargs)
+        def compiled(data):
+            model_kwargs = {}
+            if not args.model.endswith(".pir"):
+                model_kwargs = {"input_shape": data.input_shape,
+                                "num_classes": data.num_classes}
+            return compile(args.model, target=args.target or "reference", train=_sgd(args),
+                           batch=args.batch, seed=seed, trace=trace,
+                           **_parallel_kwargs(args), **model_kwargs)
+
+        try:
+            program = compiled(data)
+        except ShapeError as err:
+            shape = _default_input_shape(args.model, data_spec)
+            if shape is None or shape == data.input_shape:
+                raise
+            data = _resized(data, shape, f"{args.model} cannot take them at "
+                                         f"{list(data.input_shape)} ({err})")
+            program = compiled(data)
         what = "compiled"
     print(f"{what} {program.ir.name} for target {program.target}{_on_devices(program)} in "
           f"{time.perf_counter() - start:.2f} s ({len(program.ir.nodes)} nodes, "
           f"{sum(p.size for p in program.params.values())} parameters)")
-    return program
+    return program, data
+
+
+def _default_input_shape(model: str, data_spec: str) -> tuple[int, ...] | None:
+    """The input shape to make the built-in data set ``data_spec`` at for ``model``, if
+    the model declares one (None for data read from files: those are what they are)."""
+    from purinec.data import DATASETS
+    from purinec.models.loader import default_input_shape
+
+    if data_spec not in DATASETS or model.endswith(".pir"):
+        return None
+    return default_input_shape(model)
+
+
+def _built_in_data_for(program, data_spec: str, data):
+    """A built-in data set scaled up to the images ``program`` takes (one loaded or
+    resumed from a model that needed larger images than the built-in sets'). Smaller
+    is not made: `_check_fits` refuses the program."""
+    from purinec.data import DATASETS
+
+    try:
+        shape = tuple(program.ir.input("data").type.shape[1:])
+    except KeyError:
+        return data  # _check_fits says what is wrong
+    have = data.input_shape
+    if (data_spec not in DATASETS or shape == have or len(shape) != 3 or
+            shape[1] < have[1] or shape[2] < have[2]):
+        return data
+    return _resized(data, shape, f"what {program.ir.name} takes")
+
+
+def _resized(data, shape: tuple[int, ...], why: str):
+    from purinec.data import resized
+
+    print(f"{data.name}: images scaled to {list(shape)}: {why}")
+    return resized(data, shape)
 
 
 def _check_fits(program, data) -> None:

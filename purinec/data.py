@@ -63,6 +63,35 @@ def synthetic(seed: int = 0, n: int = 1024, shape=(1, 8, 8), num_classes: int = 
     return _split("synthetic", x, y, num_classes, 0.2, seed)
 
 
+def resized(data: Dataset, shape: tuple[int, int, int]) -> Dataset:
+    """``data`` with its (float) images scaled bilinearly to ``shape`` (C, H, W), gray
+    images repeated over the C channels: the built-in sets for a model made for larger
+    images than theirs."""
+    channels, height, width = shape
+    have = data.input_shape[0]
+    if have not in (1, channels):
+        raise DataError(f"{data.name} has {have} channels; it cannot be made into images "
+                        f"of shape {list(shape)}")
+
+    def scale(images: np.ndarray) -> np.ndarray:
+        x = _interpolated(_interpolated(images, height, axis=2), width, axis=3)
+        return np.repeat(x, channels // have, axis=1).astype(np.float32)
+
+    return Dataset(data.name, scale(data.train_x), data.train_y,
+                   scale(data.test_x), data.test_y, data.num_classes)
+
+
+def _interpolated(x: np.ndarray, size: int, axis: int) -> np.ndarray:
+    """Linear interpolation of ``x`` to ``size`` samples along ``axis`` (pixel centres
+    kept aligned, as image resizing does)."""
+    n = x.shape[axis]
+    position = np.clip((np.arange(size) + 0.5) * n / size - 0.5, 0, n - 1)
+    low = np.floor(position).astype(np.intp)
+    high = np.minimum(low + 1, n - 1)
+    weight = (position - low).reshape([size if d == axis else 1 for d in range(x.ndim)])
+    return np.take(x, low, axis) * (1 - weight) + np.take(x, high, axis) * weight
+
+
 # -- MNIST: IDX files ---------------------------------------------------------------------
 
 MNIST_FILES = {  # split -> (images, labels), as distributed (each may also end in .gz)

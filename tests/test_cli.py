@@ -174,6 +174,28 @@ def test_train_reports_loss_and_accuracy():
     assert accuracy > 0.5  # separable synthetic data: far above the 0.1 of guessing
 
 
+def test_a_built_in_data_set_comes_at_the_size_a_model_needs(tmp_path):
+    # lenet's convolutions need more than the 8x8 of the built-in sets: they are scaled
+    # to its 28x28 input, for training and when its checkpoint resumes.
+    common = ("--data", "synthetic", "--target", "cpu", "--quiet")
+    first = purinec("train", "lenet", *common, "--epochs", "1",
+                    "--checkpoint", tmp_path / "lenet.purine")
+    assert first.returncode == 0, first.stderr
+    assert "synthetic: images scaled to [1, 28, 28]: lenet cannot take them" in first.stdout
+    assert "epoch   1" in first.stdout
+    rest = purinec("train", "--resume", tmp_path / "lenet.purine", "--epochs", "2")
+    assert rest.returncode == 0, rest.stderr
+    assert "scaled to [1, 28, 28]: what lenet.train takes" in rest.stdout
+    assert "epoch   2" in rest.stdout
+    from tests.test_data import write_mnist
+
+    mnist = tmp_path / "mnist"  # read from files: the data is what it is
+    mnist.mkdir()
+    write_mnist(mnist, size=8)
+    assert_clean_error(purinec("train", "lenet", "--data", f"mnist:{mnist}"),
+                       "kernel 5x5 does not fit")
+
+
 @pytest.mark.parametrize("args, fragment", [
     (("train", "mlp", "--data", "imagenet"), "unknown data set 'imagenet'"),
     (("train", "mlp", "--data", "synthetic", "--lr", "-1"), "learning rate"),

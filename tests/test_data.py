@@ -241,3 +241,23 @@ def test_synthetic_and_shuffles_are_reproducible():
     other = [y for _, y in batches(a.train_x, a.train_y, 8, epoch_rng(4, 3))]
     np.testing.assert_array_equal(order, again)
     assert not np.array_equal(order, other)  # each epoch its own shuffle
+
+
+def test_resized_images_interpolate_between_pixel_centres():
+    from purinec.data import Dataset, resized
+
+    ramp = np.array([[0.0, 1.0], [2.0, 3.0]], np.float32)[None, None]  # 1 image, gray
+    data = Dataset("ramp", ramp, np.zeros(1, np.int32), ramp + 1, np.ones(1, np.int32), 2)
+    big = resized(data, (3, 4, 4))
+    # Output pixel i of 4 sits at input position (i + 0.5) / 2 - 0.5, clipped to [0, 1].
+    along = np.array([0.0, 0.25, 0.75, 1.0], np.float32)
+    expected = 2 * along[:, None] + along[None, :]
+    assert big.train_x.shape == (1, 3, 4, 4) and big.train_x.dtype == np.float32
+    for channel in range(3):  # gray repeated over the channels
+        np.testing.assert_allclose(big.train_x[0, channel], expected, atol=1e-6)
+        np.testing.assert_allclose(big.test_x[0, channel], expected + 1, atol=1e-6)
+    np.testing.assert_array_equal(big.train_y, data.train_y)
+    same = resized(data, (1, 2, 2))
+    np.testing.assert_allclose(same.train_x, ramp)
+    with pytest.raises(DataError, match="has 3 channels"):
+        resized(big, (2, 4, 4))

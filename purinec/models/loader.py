@@ -34,6 +34,21 @@ def load_model(spec: str, batch: int | None = None, **kwargs) -> Net:
                      f"the path of a .py file that defines build(batch, ...)")
 
 
+def default_input_shape(spec: str) -> tuple[int, ...] | None:
+    """The ``input_shape`` a zoo model or a Python file's build() takes when given none
+    (None if it declares no default)."""
+    from purinec.models import ZOO
+
+    build = ZOO[spec] if spec in ZOO else _load_file(spec)
+    try:
+        parameter = inspect.signature(build).parameters.get("input_shape")
+    except (TypeError, ValueError):
+        return None
+    if parameter is None or parameter.default is inspect.Parameter.empty:
+        return None
+    return tuple(parameter.default)
+
+
 def _load_file(spec: str) -> Callable:
     path = os.path.abspath(spec)
     if not os.path.exists(path):
