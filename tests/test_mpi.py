@@ -172,8 +172,8 @@ def check_gather(inputs: list[np.ndarray], outputs: list[np.ndarray], axis: int)
 def check_collectives(outdir: Path, size: int) -> None:
     """What tests/mpi_scripts/collectives.py computed on ``size`` ranks (its groups: two
     devices a rank, ranks interleaved; the first device of each rank; each rank's own
-    two devices; and the first and last rank; a parameter server's reduce and broadcast
-    over the first group, rooted on the last rank)."""
+    two devices; and the first and last rank; a parameter server's reduce of a bucket
+    and broadcast over the first group, rooted on the last rank)."""
     for call in range(2):
         ranks = [load(outdir / f"rank{r}.call{call}.npz") for r in range(size)]
         inputs = {k: v for r_in, _ in ranks for k, v in r_in.items()}
@@ -193,14 +193,17 @@ def check_collectives(outdir: Path, size: int) -> None:
                      member_outs("gather_out"), axis=1)
         check_gather([inputs[f"rows.p{r}"] for r in range(size)], member_outs("rows_out"),
                      axis=0)
-        summands = [inputs[f"ps.p{k}"] for k in range(2 * size)]
-        total = outputs[-1]["ps_sum"]
-        np.testing.assert_allclose(total, np.sum(summands, axis=0, dtype=np.float64),
-                                   rtol=1e-5, atol=1e-5)
-        assert [out.tobytes() for out in member_outs("ps_all")] == [total.tobytes()] * 2 * size
-        for r, (r_in, r_out) in enumerate(ranks[:-1]):  # what each other rank sent
-            assert r_out["ps_sum.sent"].tobytes() == (r_in[f"ps.p{r}"] +
-                                                      r_in[f"ps.p{r + size}"]).tobytes()
+        for t in range(3):  # the parameter server's bucket
+            summands = [inputs[f"ps{t}.p{k}"] for k in range(2 * size)]
+            total = outputs[-1][f"ps_sum{t}"]
+            assert total.dtype == summands[0].dtype
+            np.testing.assert_allclose(total, np.sum(summands, axis=0, dtype=np.float64),
+                                       rtol=1e-5, atol=1e-5)
+            for r, (r_in, r_out) in enumerate(ranks[:-1]):  # what each other rank sent
+                assert r_out[f"ps_sum{t}.sent"].tobytes() == (
+                    r_in[f"ps{t}.p{r}"] + r_in[f"ps{t}.p{r + size}"]).tobytes()
+        assert ([out.tobytes() for out in member_outs("ps_all")] ==
+                [outputs[-1]["ps_sum0"].tobytes()] * 2 * size)
         if size >= 3:
             ends = [ranks[0][0]["ends.p0"], ranks[-1][0]["ends.p1"]]
             check_sum(ends, member_outs("ends_out"))

@@ -144,7 +144,7 @@ def test_a_parameter_servers_conversions_over_ranks_partition_per_rank():
     assert shapes["broadcast", 1] == ([("x", "r1/cpu:0")], [("x.all.p2", "r1/cpu:0")])
 
 
-def test_a_reduce_or_broadcast_needs_its_root_in_its_group():
+def test_reduce_and_broadcast_nodes_are_checked():
     g = Graph("g")
     x = g.add_input("x", TensorType((3,), DType.f32))
     with pytest.raises(PurinecError, match="root cpu:2 is not in its group cpu:0,cpu:1"):
@@ -153,6 +153,12 @@ def test_a_reduce_or_broadcast_needs_its_root_in_its_group():
     node.attrs["root"] = "r1/cpu:0"  # as a hand-edited .pir file might say
     with pytest.raises(PurinecError, match=r"reduce.*root r1/cpu:0 is not in its group"):
         verify(g)
+    z = g.add_input("z", TensorType((2,), DType.f32), Device("cpu", 0))
+    bucket = {"group": "cpu:0,cpu:1", "root": "cpu:1", "tensors": 2}
+    with pytest.raises(PurinecError, match=r"3 inputs are not 2 tensor\(s\) for each"):
+        g.add_node("reduce", [x, z, x], bucket)
+    with pytest.raises(PurinecError, match=r"input 2 is f32\[2\] but the same tensor"):
+        g.add_node("reduce", [x, z, z, x], bucket)
     text = ('graph g(%x: f32[3] @cpu:0) {\n  %y = broadcast(%x) {group="cpu:0,cpu:1", '
             'root="cpu:0", shape=[4], dtype="f32", members=1} : f32[4] @cpu:0\n'
             '  return y=%y\n}\n')
@@ -617,3 +623,45 @@ def test_a_bucket_spans_little_work_counting_memory_traffic():
     g.nodes = [product, reduced[0], reduced[1], joined]  # nothing between them: one bucket
     assert [n.op for n in bucket(g, limit=1 << 20).nodes] == ["matmul", "allreduce",
                                                              "concat"]
+
+
+def test_reduces_onto_one_server_are_bucketed_and_sum_as_before():
+    """A parameter server's small gradients: reduces onto the same root merge into one
+    (across a reduce onto another root in between), each with its own sums."""
+    from purinec.passes.parallel.bucket import bucket
+
+    group = (Device("cpu", 0), Device("cpu", 1))
+    g = Graph("servers")
+    partial = Distribution(DistKind.partial, group)
+    nodes = []
+    for i, server in enumerate([group[1], group[0], group[1]]):
+        x = g.add_input(f"g{i}", TensorType((3 + i, 2), DType.f32), group[0], dist=partial)
+        nodes.extend(convert(g, x, Distribution(DistKind.replicated, (server,)), f"use {i}"))
+    whole = Distribution(DistKind.replicated, group)
+    a = g.add_input("a", TensorType((64, 64), DType.f32), group[0], dist=whole)
+    product = g.make_node("matmul", [a, a], names=["p"])  # the graph's work
+    product.outputs[0].dist = whole
+    g.nodes = [product, *nodes]
+    g.set_outputs([("p", product.outputs[0])] +
+                  [(f"y{i}", n.outputs[0]) for i, n in enumerate(nodes)])
+    merged = bucket(g)
+    verify(merged)
+    assert [(n.op, n.attrs.get("root"), len(n.outputs)) for n in merged.nodes] == [
+        ("matmul", None, 1), ("reduce", "cpu:0", 1), ("reduce", "cpu:1", 2)]
+    from purinec.compiler import host_kernels
+    from purinec.runtime.executor import Executable
+    from purinec.runtime.plan import reference_kernels
+
+    before, after = partition(g, 0), partition(merged, 0)
+    verify(after)
+    assert str(parse(str(after))) == str(after)
+    rng = np.random.default_rng(0)
+    env = {v.name: rng.standard_normal(v.type.shape).astype(np.float32)
+           for v in before.inputs}
+    want = execute(before, env)
+    for got in (execute(after, env),
+                Executable(after, {**reference_kernels(after), **host_kernels(after)})(
+                    {k: v.copy() for k, v in env.items()})):
+        assert got.keys() == want.keys()
+        for name in want:
+            assert got[name].tobytes() == want[name].tobytes(), name

@@ -938,21 +938,27 @@ def _root_attr(op: str, attrs: dict, group: tuple):
 def _reduce_infer(types, attrs):
     group = _group_attr("reduce", attrs)
     _root_attr("reduce", attrs, group)
-    if len(types) > len(group):
-        raise _fail("reduce", f"{len(types)} inputs for a group of {len(group)}")
+    per = attrs["tensors"]
+    if per < 1 or len(types) % per or len(types) // per > len(group):
+        raise _fail("reduce", f"{len(types)} inputs are not {per} tensor(s) for each of at "
+                              f"most {len(group)} local member(s) of the group")
     for i, t in enumerate(types):
-        if t != types[0]:
-            raise _fail("reduce", f"input {i} is {t} but input 0 is {types[0]}")
-    return [types[0]]
+        if t != types[i % per]:
+            raise _fail("reduce", f"input {i} is {t} but the same tensor on the first member "
+                                  f"is {types[i % per]}")
+    return list(types[:per])
 
 
-def _reduce_ref(*xs, group, root):
-    if len(xs) != len(group.split(",")):
+def _reduce_ref(*xs, group, root, tensors):
+    if len(xs) != tensors * len(group.split(",")):
         raise ValueError("reduce across ranks has no in-process reference")
-    total = xs[0].copy()
-    for x in xs[1:]:  # in group order, as the runtime's kernels sum
-        total += x
-    return (total,)
+    totals = []
+    for t in range(tensors):
+        total = xs[t].copy()
+        for x in xs[t + tensors::tensors]:  # in group order, as the runtime's kernels sum
+            total += x
+        totals.append(total)
+    return tuple(totals)
 
 
 def _broadcast_infer(types, attrs):
@@ -1034,11 +1040,12 @@ register(OpDef("allgather", ("xs",), _allgather_infer, _allgather_ref, X,
 # A parameter server's conversions (data parallelism with --parallel ps): the partial
 # gradients summed onto the server, and its new weights sent to every member.
 register(OpDef("reduce", ("xs",), _reduce_infer, _reduce_ref, X,
-               attrs={"group": Attr("str"), "root": Attr("str")}, variadic=True,
-               differentiable=False,
-               doc="sum over the group's members onto `root`; one input for each member on "
-                   "this rank, in group order; the output is the sum on the root's rank, "
-                   "and what this rank sent toward it on the others"))
+               attrs={"group": Attr("str"), "root": Attr("str"), "tensors": Attr("int", 1)},
+               variadic=True, differentiable=False,
+               doc="sum over the group's members onto `root`; inputs are `tensors` tensors "
+                   "for each member on this rank, in group order; the outputs are their "
+                   "sums on the root's rank, and what this rank sent toward it on the "
+                   "others"))
 register(OpDef("broadcast", (), _broadcast_infer, _broadcast_ref, X,
                attrs={"group": Attr("str"), "root": Attr("str"), "shape": Attr("ints"),
                       "dtype": Attr("str", "f32"), "members": Attr("int", 1)},

@@ -39,7 +39,7 @@ def host_kernel(node: Node) -> Callable:
     if node.op == "allgather":
         return _allgatherer(node.attrs["axis"])
     if node.op == "reduce":
-        return sum_in_order
+        return _reducer(node.attrs["tensors"])
     if node.op == "broadcast":
         return copy_to_all
     raise ValueError(f"no host kernel for op {node.op}")
@@ -78,6 +78,14 @@ def _allgatherer(axis: int) -> Callable:
         np.concatenate(xs, axis=axis, out=ys[0])
         for y in ys[1:]:
             np.copyto(y, ys[0])
+    return fn
+
+
+def _reducer(tensors: int) -> Callable:
+    def fn(*arrays: np.ndarray) -> None:
+        xs, totals = arrays[:-tensors], arrays[-tensors:]
+        for t, total in enumerate(totals):
+            sum_in_order(*xs[t::tensors], total)
     return fn
 
 

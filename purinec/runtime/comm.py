@@ -23,6 +23,7 @@ its ranks, so `comm_kernels` creates them when kernels are built, every rank in 
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -227,6 +228,47 @@ class _Pending:
         self.done = True
 
 
+def _summands(node: Node, members: int) -> int:
+    """How many tensors each member gives a sum (an allreduce's or reduce's bucket),
+    checked against the node's inputs."""
+    per = node.attrs["tensors"]
+    if len(node.inputs) != members * per:
+        raise PurinecError(f"node {node!r}: {len(node.inputs)} inputs, but its group has "
+                           f"{members} member(s) on this rank with {per} tensor(s) each")
+    if any(value.type.dtype.numpy == np.bool_ for value in node.inputs[:per]):
+        raise PurinecError(f"node {node!r}: cannot sum bool tensors")
+    return per
+
+
+class _Packing:
+    """A bucket's tensors packed together, one contiguous buffer per dtype: `pack` adds
+    up each tensor's pieces from this rank's members (in group order) into its segment,
+    `unpack` copies the segments out to every member's outputs."""
+
+    def __init__(self, node: Node, members: int):
+        per = node.attrs["tensors"]
+        sizes: dict[np.dtype, int] = {}
+        spans = []  # for each tensor: its dtype's buffer and its place in it
+        for value in node.inputs[:per]:
+            t = value.type
+            start = sizes.get(t.dtype.numpy, 0)
+            sizes[t.dtype.numpy] = start + t.size
+            spans.append((t.dtype.numpy, start, start + t.size))
+        self.buffers = {dtype: np.empty(size, dtype) for dtype, size in sizes.items()}
+        self.segments = [self.buffers[dtype][start:stop] for dtype, start, stop in spans]
+        self.members, self.per = members, per
+
+    def pack(self, inputs) -> None:
+        for t, segment in enumerate(self.segments):
+            np.copyto(segment, inputs[t].reshape(-1))
+            for m in range(1, self.members):
+                np.add(segment, inputs[m * self.per + t].reshape(-1), out=segment)
+
+    def unpack(self, outputs) -> None:
+        for i, out in enumerate(outputs):
+            np.copyto(out.reshape(-1), self.segments[i % self.per])
+
+
 class _Allreduce:
     """Sum each of the ``tensors`` tensors over the members: locally first, then one
     in-place ``Iallreduce`` per dtype of the bucket, all its tensors packed together.
@@ -234,41 +276,24 @@ class _Allreduce:
     is reduced straight into its output."""
 
     def __init__(self, node: Node, members: int, comm):
-        per = node.attrs["tensors"]
-        if len(node.inputs) != members * per:
-            raise PurinecError(f"node {node!r}: {len(node.inputs)} inputs, but its group has "
-                               f"{members} member(s) on this rank with {per} tensor(s) each")
-        types = [value.type for value in node.inputs[:per]]
-        if any(t.dtype.numpy == np.bool_ for t in types):
-            raise PurinecError(f"node {node!r}: cannot sum bool tensors")
-        sizes: dict[np.dtype, int] = {}
-        spans = []  # for each tensor: its dtype's buffer and its place in it
-        for t in types:
-            start = sizes.get(t.dtype.numpy, 0)
-            sizes[t.dtype.numpy] = start + t.size
-            spans.append((t.dtype.numpy, start, start + t.size))
+        per = _summands(node, members)
         self.direct = comm is not None and members == per == 1
         if not self.direct:
-            self.buffers = {dtype: np.empty(size, dtype) for dtype, size in sizes.items()}
-            self.segments = [self.buffers[dtype][start:stop] for dtype, start, stop in spans]
-        self.members, self.per, self.comm = members, per, comm
+            self.packing = _Packing(node, members)
+        self.count, self.comm = members * per, comm
 
     def __call__(self, *arrays: np.ndarray) -> _Pending | None:
         if self.direct:
             return self._reduce_into(*arrays)
-        count = self.members * self.per
-        inputs, outputs = arrays[:count], arrays[count:]
-        for t, segment in enumerate(self.segments):
-            np.copyto(segment, inputs[t].reshape(-1))
-            for m in range(1, self.members):
-                np.add(segment, inputs[m * self.per + t].reshape(-1), out=segment)
+        inputs, outputs = arrays[:self.count], arrays[self.count:]
+        self.packing.pack(inputs)
         if self.comm is None:
-            self._unpack(outputs)
+            self.packing.unpack(outputs)
             return None
         MPI = _mpi()
         requests = [self.comm.Iallreduce(MPI.IN_PLACE, buffer, MPI.SUM)
-                    for buffer in self.buffers.values()]
-        return _Pending(requests, lambda: self._unpack(outputs))
+                    for buffer in self.packing.buffers.values()]
+        return _Pending(requests, lambda: self.packing.unpack(outputs))
 
     def _reduce_into(self, x: np.ndarray, y: np.ndarray) -> _Pending:
         MPI = _mpi()
@@ -277,10 +302,6 @@ class _Allreduce:
             np.copyto(y, x)
             send = MPI.IN_PLACE
         return _Pending([self.comm.Iallreduce(send, y, MPI.SUM)], lambda: None)
-
-    def _unpack(self, outputs) -> None:
-        for i, out in enumerate(outputs):
-            np.copyto(out.reshape(-1), self.segments[i % self.per])
 
 
 class _Allgather:
@@ -341,30 +362,37 @@ class _Allgather:
 
 
 class _Reduce:
-    """Sum the members' summands onto the root: this rank's members' pieces added up in
-    group order into the output (the root's sum on its rank, what this rank sends on the
-    others), then one ``Ireduce`` over the group's ranks to the root's."""
+    """Sum the members' summands of each tensor onto the root: this rank's members'
+    pieces added up in group order, then one ``Ireduce`` over the group's ranks to the
+    root's rank (per dtype, a bucket's tensors packed together; one tensor is summed
+    straight into its output). The outputs are the sums on the root's rank, and what
+    this rank sent on the others."""
 
     def __init__(self, node: Node, ranks, local: list[int], comm, rank: int):
-        if len(node.inputs) != len(local):
-            raise PurinecError(f"node {node!r}: {len(node.inputs)} inputs for the "
-                               f"{len(local)} member(s) of its group on this rank")
-        if node.inputs[0].type.dtype.numpy == np.bool_:
-            raise PurinecError(f"node {node!r}: cannot sum bool tensors")
+        self.per = _summands(node, len(local))
+        self.packing = _Packing(node, len(local)) if self.per > 1 else None
         root = Device.parse(node.attrs["root"]).rank
         self.root, self.at_root, self.comm = ranks.index(root), root == rank, comm
 
     def __call__(self, *arrays: np.ndarray) -> _Pending | None:
-        sum_in_order(*arrays)
-        total = arrays[-1]
+        inputs, outputs = arrays[:-self.per], arrays[-self.per:]
+        if self.packing is None:
+            sum_in_order(*arrays)
+            buffers, finish = outputs, lambda: None
+        else:
+            self.packing.pack(inputs)
+            buffers = list(self.packing.buffers.values())
+            finish = functools.partial(self.packing.unpack, outputs)
         if self.comm is None:
+            finish()
             return None
         MPI = _mpi()
         if self.at_root:
-            request = self.comm.Ireduce(MPI.IN_PLACE, total, MPI.SUM, root=self.root)
+            requests = [self.comm.Ireduce(MPI.IN_PLACE, b, MPI.SUM, root=self.root)
+                        for b in buffers]
         else:
-            request = self.comm.Ireduce(total, None, MPI.SUM, root=self.root)
-        return _Pending([request], lambda: None)
+            requests = [self.comm.Ireduce(b, None, MPI.SUM, root=self.root) for b in buffers]
+        return _Pending(requests, finish)
 
 
 class _Broadcast:

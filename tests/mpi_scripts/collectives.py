@@ -1,6 +1,7 @@
 """Each rank runs a graph of allreduce and allgather nodes over every rank (two devices a
 rank), over this rank's two devices only, and (with 3 ranks or more) over the first and
-last rank, and a parameter server's reduce and broadcast over every rank; saves its
+last rank, and a parameter server's reduce (of a bucket) and broadcast over every rank;
+saves its
 inputs and outputs of each call to OUTDIR/rank<R>.call<C>.npz."""
 
 from __future__ import annotations
@@ -55,17 +56,19 @@ def build(world: comm.World) -> Graph:
     piece = graph.add_input(f"rows.p{rank}", TensorType((rows[rank], 3), DType.i32),
                             firsts[rank])
     gather([piece], firsts, axis=0, sizes=rows, name="rows_out")
-    # A parameter server on the last rank's second device: every member's summand onto
-    # it, then its sum to every member.
+    # A parameter server on the last rank's second device: every member's summands (a
+    # bucket of tensors) onto it, then its first sum to every member.
     server = Device("cpu", 1, size - 1)
     here = server.rank == rank
     attrs = {"group": group_text(both), "root": str(server)}
-    total = graph.add_node("reduce", inputs("ps", both, [((6, 5), DType.f32)]), attrs,
-                           names=["ps_sum" if here else "ps_sum.sent"],
+    total = graph.add_node("reduce", inputs("ps", both, BUCKET),
+                           {**attrs, "tensors": len(BUCKET)},
+                           names=[f"ps_sum{t}{'' if here else '.sent'}"
+                                  for t in range(len(BUCKET))],
                            device=server if here else mine[0])
     local = [k for k, device in enumerate(both) if device.rank == rank]
-    copies = graph.add_node("broadcast", total.outputs if here else [],
-                            {**attrs, "shape": [6, 5], "members": len(local)},
+    copies = graph.add_node("broadcast", total.outputs[:1] if here else [],
+                            {**attrs, "shape": list(BUCKET[0][0]), "members": len(local)},
                             names=[f"ps_all.p{k}" for k in local])
     for out, k in zip(copies.outputs, local):
         out.device = both[k]

@@ -1,10 +1,11 @@
 """bucket: reduce small tensors together.
 
 Every allreduce costs a fixed latency (an MPI message, a runtime task) besides its bytes,
-and the backward pass makes many small gradients (biases). Neighbouring allreduce nodes
-over the same group are merged, in schedule order, into one multi-tensor allreduce of
-up to BUCKET_BYTES, placed where its last member was: it starts as soon as its last
-gradient exists, while the rest of the backward pass goes on. A bucket never grows past
+and the backward pass makes many small gradients (biases). Allreduce nodes over the same
+group (and a parameter server's reduce nodes onto the same root) are merged, in
+schedule order, into one multi-tensor node of up to BUCKET_BYTES, placed where its last
+member was: it starts as soon as its last gradient exists, while the rest of the
+backward pass goes on. A bucket never grows past
 a point where one of its results is already needed, nor across more than BUCKET_SPAN of
 the graph's work (`cost.node_work`: FLOPs, or memory traffic where that dominates): a
 gradient made early is not held back for one made much later (the last bucket of an
@@ -18,6 +19,7 @@ import itertools
 from purinec.ir.graph import Graph, Node
 from purinec.passes.cost import node_work
 
+BUCKETED = ("allreduce", "reduce")
 BUCKET_BYTES = 1 << 19
 BUCKET_SPAN = 0.05  # of the graph's work, from a bucket's first member to its last
 
@@ -29,15 +31,18 @@ def bucket(graph: Graph, limit: int = BUCKET_BYTES) -> Graph:
     done = list(itertools.accumulate(node_work(node) for node in new.nodes))
     span = BUCKET_SPAN * (done[-1] if done else 0)
     groups: list[list[Node]] = []
+    filling: dict[tuple, list[Node]] = {}  # the latest bucket of each kind
     for node in new.nodes:
-        if node.op != "allreduce":
+        if node.op not in BUCKETED:
             continue
-        current = groups[-1] if groups else None
+        key = _kind(node)
+        current = filling.get(key)
         if (current is not None and _fits(current, node, limit, position, first_use) and
                 done[position[id(node)]] - done[position[id(current[0])]] <= span):
             current.append(node)
         else:
-            groups.append([node])
+            filling[key] = [node]
+            groups.append(filling[key])
     merged = {id(group[-1]): group for group in groups if len(group) > 1}
     gone = {id(n) for group in merged.values() for n in group[:-1]}
     nodes = []
@@ -58,10 +63,13 @@ def _first_uses(graph: Graph, position: dict[int, int]) -> dict[int, int]:
     return first
 
 
+def _kind(node: Node) -> tuple:
+    """What nodes merged into one must share: the op, its group (and root), and the
+    dtype (a bucket is one buffer)."""
+    return (node.op, node.attrs["group"], node.attrs.get("root"), node.inputs[0].type.dtype)
+
+
 def _fits(group: list[Node], node: Node, limit: int, position, first_use) -> bool:
-    if (node.attrs["group"] != group[0].attrs["group"] or
-            node.inputs[0].type.dtype != group[0].inputs[0].type.dtype):  # one buffer
-        return False
     if sum(_bytes(n) for n in group) + _bytes(node) > limit:
         return False
     # Merged, every member's results appear where ``node`` is: none may be read before.
@@ -77,8 +85,7 @@ def _merge(group: list[Node]) -> Node:
     inputs = [v for n in group for v in n.inputs]
     outputs = [v for n in group for v in n.outputs]
     reasons = "; ".join(n.loc[len("boxing: "):] for n in group if n.loc)
-    node = Node("allreduce", inputs, outputs,
-                {"group": group[0].attrs["group"], "tensors": len(inputs)},
+    node = Node(group[0].op, inputs, outputs, {**group[0].attrs, "tensors": len(inputs)},
                 f"boxing: {reasons}")
     for v in outputs:
         v.producer = node

@@ -126,18 +126,20 @@ class Partitioner:
                       node.loc)
 
     def _reduce(self, node: Node) -> None:
-        """The sum of this rank's members' summands: onto the root where it lives here,
-        else into a value of this rank's part, sent to the root and read by nobody."""
-        (x,), (y,) = node.inputs, node.outputs
-        members = self.members(x)
+        """The sums of this rank's members' summands (of each tensor of a bucket): onto
+        the root where it lives here, else into values of this rank's part, sent to the
+        root and read by nobody."""
+        members = self.members(node.inputs[0])
         if not members:
             return
-        inputs = [self.piece(x, k) for k, _ in members]
-        if self.members(y):
-            self._add("reduce", inputs, dict(node.attrs), [(y, 0, y.device)], node.loc)
+        inputs = [self.piece(x, k) for k, _ in members for x in node.inputs]
+        if self.members(node.outputs[0]):
+            self._add("reduce", inputs, dict(node.attrs),
+                      [(y, 0, y.device) for y in node.outputs], node.loc)
         else:
             self.new.add_node("reduce", inputs, dict(node.attrs),
-                              names=[self.new.fresh_name(f"{y.name}.sent")],
+                              names=[self.new.fresh_name(f"{y.name}.sent")
+                                     for y in node.outputs],
                               device=members[0][1], loc=node.loc)
 
     def _broadcast(self, node: Node) -> None:
