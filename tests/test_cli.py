@@ -394,7 +394,9 @@ def test_dump_parameter_servers_explains_each_reduce_and_broadcast(capsys):
     assert result.returncode == 0, result.stderr
     graph = parse(result.stdout)  # the reasons are comments
     ops = [n.op for n in graph.nodes]
-    assert ops.count("reduce") == ops.count("broadcast") == ops.count("sgd") == 8
+    assert ops.count("broadcast") == ops.count("sgd") == 8
+    reduces = [n for n in graph.nodes if n.op == "reduce"]  # small ones bucketed per server
+    assert sum(len(n.outputs) for n in reduces) == 8 and len(reduces) < 8
     reasons = result.stdout.splitlines()
     assert ("# reduce %grad.ip1.weight.sum: %grad.ip1.weight is partial[cpu:0,cpu:1], "
             "sgd %ip1.weight.next needs replicated[cpu:0]") in reasons
