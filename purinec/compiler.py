@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
@@ -135,7 +135,8 @@ def passes_for(train: SGD | None, target: str = "reference",
               Pass("verify", _verify_pass, "check every IR invariant")]
     pipelined = parallel is not None and parallel.strategy == "pipeline"
     if pipelined:
-        passes.append(Pass("stages", lambda g: assign_stages(g, parallel.devices),
+        passes.append(Pass("stages", lambda g: assign_stages(g, parallel.devices,
+                                                             dict(parallel.pinned)),
                            "put layers on the devices in stages of equal FLOPs"))
     if train is not None:
         passes += [Pass("autodiff", autodiff, "append the backward graph"),
@@ -398,6 +399,7 @@ class Program:
         self.target = target
         self.metadata = dict(metadata or {})
         graphs = [graph] if self.eval_ir is graph else [graph, self.eval_ir]
+        _check_variables_stay(graph, self.eval_ir)
         rng = np.random.default_rng(seed)
         self.params = TensorStore("parameter", _initial_arrays(graphs, "param", params, rng))
         self.state = TensorStore("state", _initial_arrays(graphs, "state", state, rng))
@@ -423,13 +425,16 @@ class Program:
         build = get_target(self.target).build
         if not is_distributed(graph):
             return build(graph, trace)
-        rank = rank_of(graph)
+        # The job is the one the main graph is laid out for: the inference graph of a
+        # pipeline may live on the first stages' ranks only.
+        rank = rank_of(self.ir)
         physical = run_passes(graph, physical_passes(rank, self.target), after).graph
         if graph is self.ir:
             self.physical_ir = physical
         if graph is self.eval_ir:
             self.physical_eval_ir = physical
-        return DistributedExecutable(graph, build(physical, trace), rank, self._replicas)
+        return DistributedExecutable(graph, build(physical, trace), rank, self._replicas,
+                                     layout_ranks(self.ir))
 
     def executed_graphs(self) -> list[Graph]:
         """The graphs this process runs: the final IR, or this rank's physical graphs."""
@@ -527,6 +532,19 @@ class Program:
         self.close()
 
 
+def _check_variables_stay(graph: Graph, eval_graph: Graph) -> None:
+    """Every variable must be laid out in the inference graph as in the training graph:
+    over MPI ranks, only the ranks the training graph keeps it on hold its new values
+    after a step."""
+    theirs = {v.name: v.dist for v in eval_graph.inputs_with_role("param", "state")}
+    for v in graph.inputs_with_role("param", "state"):
+        other = theirs.get(v.name)
+        if v.dist is not None and other is not None and other != v.dist:
+            raise PurinecError(f"{v.role} {v.name} is {v.dist} in graph {graph.name} but "
+                               f"{other} in graph {eval_graph.name}: a program's graphs must "
+                               f"keep each variable in one place (compile the model again)")
+
+
 def _initial_arrays(graphs: list[Graph], role: str, given: Mapping[str, np.ndarray] | None,
                     rng: np.random.Generator) -> dict[str, np.ndarray]:
     if given is not None:
@@ -557,9 +575,19 @@ def compile(model: Any, target: str = "reference", train: SGD | None = None,
     spread = parallel_plan(devices, parallel, micro_batches)
     source = load_source(model, batch, **model_kwargs)
     graph = build_graph(source, train, after, target, spread)
-    eval_graph = (build_graph(source, None, target=target, parallel=spread)
+    eval_graph = (build_graph(source, None, target=target,
+                              parallel=spread and _pinned_to(graph, spread))
                   if train is not None else None)
     return Program(graph, eval_graph, target, seed, trace=trace, after=after)
+
+
+def _pinned_to(graph: Graph, spread: Parallel) -> Parallel:
+    """``spread`` for the inference graph of a program whose training graph is
+    ``graph``: a pipeline keeps every parameter on the stage that trains it."""
+    if spread.strategy != "pipeline":
+        return spread
+    return replace(spread, pinned=tuple(
+        (v.name, v.device) for v in graph.inputs_with_role("param")))
 
 
 def parallel_plan(devices: Any, strategy: str | None,

@@ -55,3 +55,44 @@ def random_env(graph: Graph, rng: np.random.Generator) -> dict[str, np.ndarray]:
 def save(path: str, env: dict, outputs: dict) -> None:
     np.savez(path, **{f"in:{k}": v for k, v in env.items()},
              **{f"out:{k}": v for k, v in outputs.items()})
+
+
+STRATEGIES = ("data", "ps", "model", "hybrid", "pipeline")
+
+
+def random_net(choose, devices: int):
+    """A random small network for ``devices`` devices, with a strategy and a batch that
+    strategy can cut: ``(net, strategy, classes)``. Convolutions (with activations and
+    pooling) then fully connected layers, in odd sizes: batches that do not divide
+    evenly, fewer features or channels than devices, layers shrunk to 1x1.
+    ``choose(options)`` picks one option: hypothesis's draw, or a seeded generator's."""
+    from purinec.bigraph import (Accuracy, AvgPool, Blob, Conv, InnerProduct, MaxPool, Net,
+                                 ReLU, Sigmoid, SoftmaxWithLoss, TanH)
+
+    strategy = choose(STRATEGIES)
+    batch = choose(range(2 * devices if strategy == "pipeline" else 1, 10))
+    channels, size = choose(range(1, 4)), choose(range(5, 10))
+    convs = [(choose(range(1, 6)), choose([1, 3]), choose([0, 1]),
+              choose([ReLU, Sigmoid, TanH, None]), choose([MaxPool, AvgPool, None]))
+             for _ in range(choose(range(3)))]
+    widths = [choose(range(1, 8)) for _ in range(choose(range(3)))]
+    classes = choose(range(2, 6))
+    with Net("random") as net:
+        x = Blob("data", (batch, channels, size, size))
+        label = Blob("label", (batch,), "i32")
+        for i, (out, kernel, pad, activation, pool) in enumerate(convs):
+            if size + 2 * pad < kernel:
+                continue  # too small for this kernel
+            size += 2 * pad - kernel + 1
+            x = x >> Conv(f"conv{i}", out, kernel, pad=pad)
+            if activation is not None:
+                x = x >> activation(f"act{i}")
+            if pool is not None and size >= 2:
+                x = x >> pool(f"pool{i}", 2, 2)
+                size = (size - 1) // 2 + 1
+        for j, width in enumerate(widths):
+            x = x >> InnerProduct(f"ip{j}", width) >> ReLU(f"relu{j}")
+        logits = x >> InnerProduct("out", classes) >> Blob("logits")
+        net.outputs = [logits, [logits, label] >> SoftmaxWithLoss("loss"),
+                       [logits, label] >> Accuracy("accuracy")]
+    return net, strategy, classes

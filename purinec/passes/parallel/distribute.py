@@ -76,6 +76,9 @@ class Parallel:
     devices: tuple[Device, ...]
     strategy: str = "data"
     micro_batches: int | None = None  # pipeline: default twice the stages
+    # Variables to place where another graph of the program keeps them, by name
+    # (pipeline: the inference graph's parameters on the stages that train them).
+    pinned: tuple[tuple[str, Device], ...] = ()
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:

@@ -19,6 +19,8 @@ micro-batch m+1's first stage while micro-batch m is in the second: the pipeline
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from purinec.errors import PurinecError
 from purinec.ir.graph import Graph, Node, Value, member_name
 from purinec.ir.ops import FusionKind, get_op
@@ -27,12 +29,17 @@ from purinec.passes.cost import node_work
 from purinec.passes.parallel.partition import Partitioner
 
 
-def assign_stages(graph: Graph, devices: tuple[Device, ...]) -> Graph:
+def assign_stages(graph: Graph, devices: tuple[Device, ...],
+                  pinned: Mapping[str, Device] | None = None) -> Graph:
     """Every node on one of ``devices``, in contiguous stages of about equal work
     (`cost.node_work`: FLOPs, or memory traffic where that dominates). A
     cheap elementwise, broadcast or injective node (a bias, a relu, a reshape) stays
-    with its input's producer, so stages are cut between layers, not inside one."""
+    with its input's producer, so stages are cut between layers, not inside one. A node
+    reading a ``pinned`` input (by name) runs where that input is pinned: a program's
+    inference graph uses each parameter on the device its training graph updates it on,
+    although the two graphs' work (and so their stages) differ."""
     new = graph.clone()
+    pinned = pinned or {}
     costs = [max(node_work(node), 1) for node in new.nodes]
     total = sum(costs)
     done = 0
@@ -42,6 +49,7 @@ def assign_stages(graph: Graph, devices: tuple[Device, ...]) -> Graph:
         producer = node.inputs[0].producer if node.inputs else None
         follows = get_op(node.op).fusion <= FusionKind.injective and producer is not None
         device = producer.device if follows else devices[stage]
+        device = next((pinned[v.name] for v in node.inputs if v.name in pinned), device)
         for v in node.outputs:
             v.device = device
     readers = new.users()
