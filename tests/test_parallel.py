@@ -89,24 +89,31 @@ def _boxed(src: Distribution, dst: Distribution, shape) -> Graph:
 
 @pytest.mark.parametrize("devices", [2, 3])
 @pytest.mark.parametrize("server", [0, -1])
-@pytest.mark.parametrize("direction", ["to the server", "from the server"])
+@pytest.mark.parametrize("direction", ["to the server", "from the server",
+                                       "pieces to the server"])
 def test_a_parameter_servers_conversions_keep_the_logical_tensor(devices, server, direction):
-    """partial over the group -> whole on its server (reduce), and whole on the server ->
-    whole on every member (broadcast), in process on both targets' kernels."""
+    """partial over the group -> whole on its server (reduce), whole on the server ->
+    whole on every member (broadcast), and pieces -> whole on the server (allgather,
+    then the server's own piece), in process on both targets' kernels."""
     from purinec.compiler import host_kernels
     from purinec.runtime.executor import Executable
 
     group = tuple(Device("cpu", i) for i in range(devices))
     alone = Distribution(DistKind.replicated, (group[server],))
-    src, dst = ((Distribution(DistKind.partial, group), alone) if direction == "to the server"
-                else (alone, Distribution(DistKind.replicated, group)))
+    src, dst, ops = {
+        "to the server": (Distribution(DistKind.partial, group), alone, ["reduce"]),
+        "from the server": (alone, Distribution(DistKind.replicated, group), ["broadcast"]),
+        "pieces to the server": (Distribution(DistKind.split, group, 1), alone,
+                                 ["allgather", "copy"]),
+    }[direction]
     rng = np.random.default_rng(devices)
     shape = (7, 5)
     g = _boxed(src, dst, shape)
-    [node] = g.nodes
-    assert node.op == ("reduce" if direction == "to the server" else "broadcast")
-    assert node.attrs["root"] == str(group[server]) and explain(g) == [
-        f"{node.op} %{node.outputs[0].name}: %x is {src}, the test needs {dst}"]
+    assert [n.op for n in g.nodes] == ops
+    node = g.nodes[0]
+    if node.op != "allgather":
+        assert node.attrs["root"] == str(group[server]) and explain(g) == [
+            f"{node.op} %{node.outputs[0].name}: %x is {src}, the test needs {dst}"]
     physical = partition(g, 0)
     verify(physical)
     assert str(parse(str(physical))) == str(physical)
@@ -485,19 +492,25 @@ def test_distributed_graph_prints_and_parses_back_and_explains_itself():
         assert position[id(node)] == last + 1
 
 
-@pytest.mark.parametrize("batch", [8, 64])
-def test_data_parallelism_communicates_only_gradients_and_outputs(batch):
+@pytest.mark.parametrize("model,batch", [("lenet", 8), ("lenet", 64), ("inception", 8),
+                                         ("nin", 8)])
+def test_data_parallelism_communicates_only_gradients_and_outputs(model, batch):
     """The batch stays split through the forward and backward passes: no activation is
     gathered for a consumer, even where that would move fewer bytes than reducing a
-    weight gradient (lenet's ip1 at batch 8), since the gather would stall the pass."""
+    weight gradient (lenet's ip1 at batch 8), since the gather would stall the pass.
+    (inception: the gradient of a concat is split; nin: a global average pool's
+    gradient is broadcast back over H and W.)"""
     from purinec.compiler import build_graph, load_source
 
-    logical = build_graph(load_source("lenet", batch), SGD,
+    logical = build_graph(load_source(model, batch), SGD,
                           parallel=Parallel(parse_devices("cpu:0,cpu:1")))
     readers = logical.users()
     returned = {id(v) for _, v in logical.outputs}
     for node in logical.nodes:
-        if node.op in ("allgather", "slice", "copy"):
+        # (A dropout mask is drawn whole on every device, the same numbers as on one
+        # device, and each takes its rows: no communication.)
+        mask = node.op == "slice" and node.inputs[0].producer.op == "dropout_mask"
+        if node.op in ("allgather", "slice", "copy") and not mask:
             assert all(id(v) in returned and not readers.get(v) for v in node.outputs), node
         if node.op == "allreduce":
             assert all(r.op == "sgd" for v in node.outputs for r in readers.get(v, [])), node

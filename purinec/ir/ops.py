@@ -395,9 +395,20 @@ def _broadcast_to_infer(types, attrs):
     return [x.with_shape(shape)]
 
 
+def _broadcast_to_split(types, attrs):
+    """An axis that is not broadcast keeps its pieces (x's axes align with the shape's
+    last ones)."""
+    x, shape = types[0], attrs["shape"]
+    lead = len(shape) - x.rank
+    sigs = [SplitSignature((f"S{a}",), (f"S{lead + a}",)) for a in range(x.rank)
+            if x.shape[a] == shape[lead + a]]
+    return sigs + [SplitSignature(("B",), ("B",)), SplitSignature(("P",), ("P",))]
+
+
 register(OpDef("broadcast_to", ("x",), _broadcast_to_infer,
                lambda x, shape: (np.broadcast_to(x, shape).copy(),), B,
-               attrs={"shape": Attr("ints")}, doc="NumPy broadcasting to shape"))
+               attrs={"shape": Attr("ints")}, split=_broadcast_to_split,
+               doc="NumPy broadcasting to shape"))
 
 
 def _reshape_infer(types, attrs):
@@ -462,9 +473,18 @@ def _split_ref(x, axis, sections):
     return tuple(np.split(x, np.cumsum(sections)[:-1], axis=axis))
 
 
+def _split_split(types, attrs):
+    """Pieces along any other axis than the one cut split the same way (concat's
+    gradient in a data-parallel inception: the batch stays split)."""
+    axis, n = attrs["axis"], len(attrs["sections"])
+    sigs = [SplitSignature((f"S{a}",), (f"S{a}",) * n) for a in range(types[0].rank)
+            if a != axis]
+    return sigs + [SplitSignature(("B",), ("B",) * n), SplitSignature(("P",), ("P",) * n)]
+
+
 register(OpDef("split", ("x",), _split_infer, _split_ref, I,
                attrs={"axis": Attr("int", 1), "sections": Attr("ints")},
-               doc="slices of x along axis; the inverse of concat"))
+               split=_split_split, doc="slices of x along axis; the inverse of concat"))
 
 
 def _matmul_infer(types, attrs):
