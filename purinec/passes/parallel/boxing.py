@@ -13,6 +13,7 @@ Between a group G and one of its devices s (a parameter server, `--parallel ps`)
 
     from \\ to             replicated[s]          replicated[G]
     partial[G]            reduce to s            allreduce
+    split(a)[G]           allgather, s's piece   allgather
     replicated[s]         -                      broadcast from s
     replicated[G]         copy (s's own piece)   -
 
@@ -47,6 +48,8 @@ def conversion_cost(src: Distribution, dst: Distribution, nbytes: int) -> float:
             return float(nbytes)  # reduce or broadcast: each member's tensor, once
         if _server_replica(src, dst):
             return 0.0  # the server's own piece
+        if _gathered_to_server(src, dst):
+            return float(nbytes)  # an allgather, then the server's own piece
         return math.inf
     if dst.kind is PARTIAL:
         return math.inf
@@ -75,6 +78,13 @@ def _server_replica(src: Distribution, dst: Distribution) -> bool:
             dst.group[0] in src.group)
 
 
+def _gathered_to_server(src: Distribution, dst: Distribution) -> bool:
+    """pieces over a group -> whole on one of its devices: gathered everywhere, then that
+    device's piece. (Rare: a parameter server's gradient made in pieces.)"""
+    return (src.kind is SPLIT and dst.kind is REPLICATED and len(dst.group) == 1 and
+            dst.group[0] in src.group)
+
+
 def convert(graph: Graph, value: Value, dst: Distribution, why: str) -> list[Node]:
     """Nodes (not yet placed in ``graph.nodes``) turning ``value`` into ``dst``; the last
     one's output is the converted value. ``why`` names the consumer, for the dump."""
@@ -98,6 +108,9 @@ def convert(graph: Graph, value: Value, dst: Distribution, why: str) -> list[Nod
                             "shape": list(ty.shape), "dtype": str(ty.dtype)},
                            dst, "all", why))
         return nodes
+    if _gathered_to_server(src, dst):
+        nodes = convert(graph, value, Distribution(REPLICATED, src.group), why)
+        return nodes + convert(graph, nodes[-1].outputs[0], dst, why)
     if src.group != dst.group:  # a copy, or the server's own replica (no data moves)
         suffix = "server" if _server_replica(src, dst) else "copy"
         nodes.append(_node(graph, "copy", value, {}, dst, suffix, why, device=dst.group[0]))
