@@ -63,11 +63,15 @@ STRATEGIES = ("data", "ps", "model", "hybrid", "pipeline")
 def random_net(choose, devices: int):
     """A random small network for ``devices`` devices, with a strategy and a batch that
     strategy can cut: ``(net, strategy, classes)``. Convolutions (with activations and
-    pooling) then fully connected layers, in odd sizes: batches that do not divide
-    evenly, fewer features or channels than devices, layers shrunk to 1x1.
-    ``choose(options)`` picks one option: hypothesis's draw, or a seeded generator's."""
-    from purinec.bigraph import (Accuracy, AvgPool, Blob, Conv, InnerProduct, MaxPool, Net,
-                                 ReLU, Sigmoid, SoftmaxWithLoss, TanH)
+    pooling), then maybe two branches joined (concatenated, added or multiplied), or
+    the channels split and put back in another order, maybe a global average pool or a
+    local response normalization, then fully connected layers. In odd sizes: batches
+    that do not divide evenly, fewer features or channels than devices, layers shrunk to
+    1x1. ``choose(options)`` picks one option: hypothesis's draw, or a seeded
+    generator's."""
+    from purinec.bigraph import (LRN, Accuracy, AvgPool, Blob, Concat, Conv, Eltwise,
+                                 GlobalAvgPool, InnerProduct, MaxPool, Net, ReLU, Sigmoid,
+                                 SoftmaxWithLoss, Split, TanH)
 
     strategy = choose(STRATEGIES)
     batch = choose(range(2 * devices if strategy == "pipeline" else 1, 10))
@@ -75,6 +79,9 @@ def random_net(choose, devices: int):
     convs = [(choose(range(1, 6)), choose([1, 3]), choose([0, 1]),
               choose([ReLU, Sigmoid, TanH, None]), choose([MaxPool, AvgPool, None]))
              for _ in range(choose(range(3)))]
+    join = choose([None, "concat", "add", "mul", "split"])
+    widths_of_branches = (choose(range(1, 4)), choose(range(1, 4)))
+    summary = choose([None, GlobalAvgPool, LRN])
     widths = [choose(range(1, 8)) for _ in range(choose(range(3)))]
     classes = choose(range(2, 6))
     with Net("random") as net:
@@ -84,12 +91,24 @@ def random_net(choose, devices: int):
             if size + 2 * pad < kernel:
                 continue  # too small for this kernel
             size += 2 * pad - kernel + 1
-            x = x >> Conv(f"conv{i}", out, kernel, pad=pad)
+            x, channels = x >> Conv(f"conv{i}", out, kernel, pad=pad), out
             if activation is not None:
                 x = x >> activation(f"act{i}")
             if pool is not None and size >= 2:
                 x = x >> pool(f"pool{i}", 2, 2)
                 size = (size - 1) // 2 + 1
+        if join in ("concat", "add", "mul"):
+            first, second = (widths_of_branches if join == "concat"
+                             else (widths_of_branches[0],) * 2)
+            left = x >> Conv("left", first, 1) >> ReLU("left_relu")
+            right = x >> Conv("right", second, 3, pad=1) >> TanH("right_tanh")
+            joined = Concat("join", axis=1) if join == "concat" else Eltwise("join", join)
+            x = [left, right] >> joined
+        elif join == "split" and channels >= 2:
+            low, high = x >> Split("halves", [1, channels - 1])
+            x = [high, low] >> Concat("swapped", axis=1)
+        if summary is not None:
+            x = x >> summary("summary")
         for j, width in enumerate(widths):
             x = x >> InnerProduct(f"ip{j}", width) >> ReLU(f"relu{j}")
         logits = x >> InnerProduct("out", classes) >> Blob("logits")
