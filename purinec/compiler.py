@@ -533,16 +533,23 @@ class Program:
 
 
 def _check_variables_stay(graph: Graph, eval_graph: Graph) -> None:
-    """Every variable must be laid out in the inference graph as in the training graph:
-    over MPI ranks, only the ranks the training graph keeps it on hold its new values
-    after a step."""
-    theirs = {v.name: v.dist for v in eval_graph.inputs_with_role("param", "state")}
-    for v in graph.inputs_with_role("param", "state"):
-        other = theirs.get(v.name)
-        if v.dist is not None and other is not None and other != v.dist:
-            raise PurinecError(f"{v.role} {v.name} is {v.dist} in graph {graph.name} but "
-                               f"{other} in graph {eval_graph.name}: a program's graphs must "
-                               f"keep each variable in one place (compile the model again)")
+    """Every variable must be laid out alike wherever a program's graphs read or write
+    it: over MPI ranks, only the ranks a step's new value is made on hold it."""
+    where = {}
+    for g in (graph, eval_graph):
+        variables = g.inputs_with_role("param", "state")
+        updates = {name: v for name, v in g.outputs}
+        for v in variables:
+            for seen, how in ((v, f"graph {g.name} reads it as"),
+                              (updates.get(v.name), f"graph {g.name} makes it as")):
+                if seen is None or seen.dist is None:
+                    continue
+                first = where.setdefault(v.name, (seen.dist, how))
+                if first[0] != seen.dist:
+                    raise PurinecError(
+                        f"{v.role} {v.name}: {first[1]} {first[0]} but {how} {seen.dist}; "
+                        f"a program must keep each variable in one place (compile the "
+                        f"model again)")
 
 
 def _initial_arrays(graphs: list[Graph], role: str, given: Mapping[str, np.ndarray] | None,

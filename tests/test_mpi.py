@@ -286,6 +286,17 @@ def test_random_small_networks_train_over_ranks_as_on_one_device(tmp_path, ranks
         check_same_training(tmp_path / str(case), ranks)
 
 
+def test_a_pipeline_with_dropout_over_three_ranks_trains_as_on_one_device(tmp_path):
+    """The iteration counter that dropout reads lives on one stage's rank and is counted
+    up on another's (see test_parallel.DROPOUT_PIPELINE)."""
+    from test_parallel import DROPOUT_PIPELINE
+
+    model = tmp_path / "dropouts.py"
+    model.write_text(DROPOUT_PIPELINE)
+    ran(mpirun(3, "train_equal.py", model, 8, "reference", tmp_path, 1, "pipeline"))
+    check_same_training(tmp_path, 3)
+
+
 def check_same_training(folder: Path, size: int) -> None:
     """What tests/mpi_scripts/train_equal.py saved: on every rank, the losses, weights
     and inference outputs of the program over the ranks equal one device's (weights at

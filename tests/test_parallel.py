@@ -408,9 +408,43 @@ def test_a_pipelines_inference_graph_keeps_each_parameter_on_its_training_stage(
     assert used == trained and len({d.group for d in trained.values()}) == 2
     # Laid out by their own work, the graphs would disagree: refused by name.
     monkeypatch.setattr(purinec.compiler, "_pinned_to", lambda graph, spread: spread)
-    with pytest.raises(PurinecError, match="param ip0.weight is replicated.cpu:0. in graph "
-                                           "shifts.train but replicated.cpu:1. in graph shifts"):
+    with pytest.raises(PurinecError, match=r"param ip0.weight: graph shifts.train reads it "
+                                           r"as replicated\[cpu:0\] but graph shifts reads "
+                                           r"it as replicated\[cpu:1\]"):
         purinec.compile(net, train=SGD, devices=3, parallel="pipeline")
+
+
+DROPOUT_PIPELINE = """
+from purinec.bigraph import (Accuracy, Blob, Dropout, GlobalAvgPool, InnerProduct, Net, ReLU,
+                             SoftmaxWithLoss)
+
+def build(batch=8):
+    with Net("dropouts") as net:
+        data, label = Blob("data", (batch, 1, 6, 6)), Blob("label", (batch,), "i32")
+        logits = (data >> GlobalAvgPool("pool") >> InnerProduct("ip0", 5) >> ReLU("relu0")
+                  >> Dropout("drop0", 0.3) >> InnerProduct("ip1", 10) >> ReLU("relu1")
+                  >> Dropout("drop1", 0.3) >> InnerProduct("out", 10) >> Blob("logits"))
+        net.outputs = [logits, [logits, label] >> SoftmaxWithLoss("loss"),
+                       [logits, label] >> Accuracy("accuracy")]
+    return net
+"""
+
+
+def test_a_pipelines_iteration_counter_comes_back_where_it_is_kept(tmp_path):
+    """Dropout's iteration counter is read on two stages and counted up on a third; the
+    next value goes back to the counter's device (over ranks, another device's rank
+    would never see it, and the next step would draw the same masks)."""
+    model = tmp_path / "dropouts.py"
+    model.write_text(DROPOUT_PIPELINE)
+    program = purinec.compile(str(model), train=SGD, devices=3, parallel="pipeline")
+    counter = program.ir.input("iteration")
+    [after] = [v for name, v in program.ir.outputs if name == "iteration"]
+    assert after.dist == counter.dist
+    readers = {n.device for n in program.ir.nodes if n.op == "dropout_mask"}
+    [counting] = [n for n in program.ir.nodes if n.op == "add_scalar"]
+    assert len(readers | {counting.device}) == 3 and counting.device != counter.device
+    _assert_trains_as_one_device(str(model), None, 3, "reference", iterations=3,
+                                 strategy="pipeline").close()
 
 
 def test_pipeline_micro_batches_are_checked():

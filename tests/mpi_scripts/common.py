@@ -65,11 +65,11 @@ def random_net(choose, devices: int):
     strategy can cut: ``(net, strategy, classes)``. Convolutions (with activations and
     pooling), then maybe two branches joined (concatenated, added or multiplied), or
     the channels split and put back in another order, maybe a global average pool or a
-    local response normalization, then fully connected layers. In odd sizes: batches
-    that do not divide evenly, fewer features or channels than devices, layers shrunk to
-    1x1. ``choose(options)`` picks one option: hypothesis's draw, or a seeded
-    generator's."""
-    from purinec.bigraph import (LRN, Accuracy, AvgPool, Blob, Concat, Conv, Eltwise,
+    local response normalization, then fully connected layers (maybe with dropout). In
+    odd sizes: batches that do not divide evenly, fewer features or channels than
+    devices, layers shrunk to 1x1. ``choose(options)`` picks one option: hypothesis's
+    draw, or a seeded generator's."""
+    from purinec.bigraph import (LRN, Accuracy, AvgPool, Blob, Concat, Conv, Dropout, Eltwise,
                                  GlobalAvgPool, InnerProduct, MaxPool, Net, ReLU, Sigmoid,
                                  SoftmaxWithLoss, Split, TanH)
 
@@ -82,7 +82,8 @@ def random_net(choose, devices: int):
     join = choose([None, "concat", "add", "mul", "split"])
     widths_of_branches = (choose(range(1, 4)), choose(range(1, 4)))
     summary = choose([None, GlobalAvgPool, LRN])
-    widths = [choose(range(1, 8)) for _ in range(choose(range(3)))]
+    widths = [(choose(range(1, 8)), choose([None, Dropout]))
+              for _ in range(choose(range(3)))]
     classes = choose(range(2, 6))
     with Net("random") as net:
         x = Blob("data", (batch, channels, size, size))
@@ -109,8 +110,10 @@ def random_net(choose, devices: int):
             x = [high, low] >> Concat("swapped", axis=1)
         if summary is not None:
             x = x >> summary("summary")
-        for j, width in enumerate(widths):
+        for j, (width, dropout) in enumerate(widths):
             x = x >> InnerProduct(f"ip{j}", width) >> ReLU(f"relu{j}")
+            if dropout is not None:
+                x = x >> dropout(f"drop{j}", 0.3)
         logits = x >> InnerProduct("out", classes) >> Blob("logits")
         net.outputs = [logits, [logits, label] >> SoftmaxWithLoss("loss"),
                        [logits, label] >> Accuracy("accuracy")]

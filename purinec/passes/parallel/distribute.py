@@ -200,16 +200,18 @@ class Distributor:
         return name if held else None
 
     def _wanted_outputs(self) -> dict[int, Distribution]:
-        """Graph outputs come back as their variable is laid out (a parameter's next
-        value), everything else whole on every device. Placed graphs return values
-        where they are."""
-        if not self.spread:
-            return {}
+        """A variable's next value comes back as the variable is laid out (a parameter's,
+        the iteration counter's): the next step reads it there. Other graph outputs come
+        back whole on every device, or in placed graphs where they are made."""
         variables = {v.name: v for v in self.source.inputs_with_role("param", "state")}
         wanted = {}
         for name, value in self.source.outputs:
-            self.group = self._group_for(value.device, self._holder(name))
-            wanted[id(value)] = (self._input_dist(variables[name]) if name in variables
+            variable = variables.get(name)
+            if variable is None and not self.spread:
+                continue
+            where = value.device if self.spread or variable is None else variable.device
+            self.group = self._group_for(where, self._holder(name))
+            wanted[id(value)] = (self._input_dist(variable) if variable is not None
                                  else self.dist(DistKind.replicated))
         return wanted
 
