@@ -12,6 +12,7 @@ import numpy as np
 from purinec.errors import ExecutionError, ModelError, PurinecError
 from purinec.ir.graph import Graph, Value
 from purinec.ir.init import initial_value
+from purinec.ir.ops import spans_ranks
 from purinec.ir.parser import parse
 from purinec.ir.types import Device, Distribution, DType
 from purinec.ir.verify import verify
@@ -22,7 +23,7 @@ from purinec.passes.parallel import Parallel, parallelize, parse_devices, partit
 from purinec.passes.parallel.pipeline import assign_stages, microbatch
 from purinec.passes.pipeline import Pass, StageHook, run_passes
 from purinec.passes.simplify import cse, dce, infer_shapes
-from purinec.runtime.collectives import HOST_OPS, host_kernel, spans_ranks
+from purinec.runtime.collectives import HOST_OPS, host_kernel
 from purinec.runtime.distributed import DistributedExecutable, Replicas
 from purinec.runtime.reference import execute
 

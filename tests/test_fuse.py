@@ -166,6 +166,31 @@ def test_the_path_check_refuses_a_cycle_through_an_outside_node():
     assert_same_results(g, after)
 
 
+def test_the_path_check_follows_exchanges_through_other_ranks():
+    # A pipeline stage on rank 0: its activation goes to rank 1, whose gradient comes
+    # back. Within this rank's graph no path joins tanh and tanh_grad's second input,
+    # but rank 1 makes that gradient from the activation: one fused node would wait for
+    # its own output (both ranks would hang).
+    here, there = Device("cpu", 0), Device("cpu", 0, rank=1)
+    g = Graph("stage0")
+    x = g.add_input("x", T(3, 4), here)
+    y = g.add_node("tanh", [x], names=["y"]).outputs[0]
+    g.add_node("send", [y], {"peer": str(there), "tag": 1}, names=["y.sent"])
+    gy = g.add_node("recv", [], {"peer": str(there), "tag": 2, "shape": [3, 4]},
+                    names=["gy"], device=here).outputs[0]
+    gx = g.add_node("tanh_grad", [y, gy], names=["gx"]).outputs[0]
+    g.set_outputs([("gx", gx)])
+    assert layout(fuse(g)) == ["y", "y.sent", "gy", "gx"]
+    assert reasons(g)[("y", "gx")] == ("fusing would make a cycle through %y.sent (send), "
+                                       "which reads the group and feeds it")
+    # With the gradient from anywhere else, the two fuse.
+    g = Graph("alone")
+    x, gy = g.add_input("x", T(3, 4), here), g.add_input("gy", T(3, 4), here)
+    y = g.add_node("tanh", [x], names=["y"]).outputs[0]
+    g.set_outputs([("y", y), ("gx", g.add_node("tanh_grad", [y, gy], names=["gx"]).outputs[0])])
+    assert [members for _, members in layout(fuse(g))] == [["y", "gx"]]
+
+
 def test_nothing_fuses_into_an_anchor_even_through_its_epilogue():
     # %p feeds the matmul and the matmul's epilogue: joining the epilogue would put the
     # edge %p -> %a inside the group, making %p a prologue of the matmul.

@@ -297,6 +297,30 @@ def test_a_pipeline_with_dropout_over_three_ranks_trains_as_on_one_device(tmp_pa
     check_same_training(tmp_path, 3)
 
 
+TANH_PIPELINE = """
+from purinec.bigraph import Accuracy, Blob, Conv, InnerProduct, Net, SoftmaxWithLoss, TanH
+
+def build(batch=9):
+    with Net("tanh") as net:
+        data, label = Blob("data", (batch, 1, 9, 9)), Blob("label", (batch,), "i32")
+        logits = (data >> Conv("conv0", 1, 3, pad=1) >> TanH("act0")
+                  >> InnerProduct("out", 10) >> Blob("logits"))
+        net.outputs = [logits, [logits, label] >> SoftmaxWithLoss("loss"),
+                       [logits, label] >> Accuracy("accuracy")]
+    return net
+"""
+
+
+def test_fused_kernels_never_wait_for_their_own_exchange(tmp_path):
+    """On the cpu target, fusion on the first stage's rank once put the tanh with its
+    gradient, which comes back from the other rank made from the tanh's output: both
+    ranks waited forever. (tests/test_fuse.py checks the rule on a graph.)"""
+    model = tmp_path / "tanh.py"
+    model.write_text(TANH_PIPELINE)
+    ran(mpirun(2, "train_equal.py", model, 9, "cpu", tmp_path, 1, "pipeline"))
+    check_same_training(tmp_path, 2)
+
+
 def check_same_training(folder: Path, size: int) -> None:
     """What tests/mpi_scripts/train_equal.py saved: on every rank, the losses, weights
     and inference outputs of the program over the ranks equal one device's (weights at

@@ -1045,6 +1045,17 @@ def _across_ranks(op: str):
 
 COMM_OPS = ("copy", "allreduce", "allgather", "reduce", "broadcast", "send", "recv")
 
+
+def spans_ranks(node) -> bool:
+    """Whether ``node`` talks to other ranks: a send or receive, or a collective whose
+    group does."""
+    from purinec.ir.types import Device
+
+    if node.op in ("send", "recv"):
+        return True
+    group = node.attrs.get("group")
+    return group is not None and len({Device.parse(d).rank for d in group.split(",")}) > 1
+
 register(OpDef("copy", ("x",), _copy_infer, lambda x: (x.copy(),), X, differentiable=False,
                doc="the same tensor on another device"))
 register(OpDef("allreduce", ("xs",), _allreduce_infer, _allreduce_ref, X,

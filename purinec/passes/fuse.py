@@ -34,6 +34,13 @@ consumer's outputs (a broadcast op broadcasts only inputs from outside its group
 merged group: at most one out_elementwise_fusable member, at most ``max_group_size``
 members, and no path from it back into it through an outside node (a cycle).
 
+A rank's graph does not show every path. What a receive or a collective across ranks
+gives may depend on what this rank sent or contributed to an earlier exchange, through
+other ranks' work (a pipeline stage's gradient comes back from the stage its
+activations went to). So the planner chains this rank's exchanges, each after the one
+before it (the order every rank posts them in): a group that both feeds an exchange and
+waits for a later one would wait for itself, and the path check refuses it.
+
 So the pass makes three shapes of group, which is what a renderer has to handle:
 
 - loop: elementwise and broadcast members whose outputs all have one shape;
@@ -61,7 +68,7 @@ import networkx as nx
 
 from purinec.errors import PurinecError
 from purinec.ir.graph import FUSED, Graph, Node, Value, external_inputs
-from purinec.ir.ops import COMM_OPS, FusionKind, get_op
+from purinec.ir.ops import COMM_OPS, FusionKind, get_op, spans_ranks
 
 DEFAULT_MAX_GROUP_SIZE = 64
 
@@ -140,6 +147,11 @@ class _Planner:
                     self.edges.append((p, c, v))
                     self.succ[p].add(c)
                     self.flows.setdefault((p, c), []).append(v)
+        # Paths through other ranks, for the cycle check only (see the module doc).
+        self.reach = [set(c) for c in self.succ]
+        exchanges = [i for i, n in enumerate(self.nodes) if spans_ranks(n)]
+        for before, after in zip(exchanges, exchanges[1:]):
+            self.reach[before].add(after)
         returned = {id(v) for _, v in graph.outputs}
         self.returned = {i for i, n in enumerate(self.nodes)
                          if any(id(v) in returned for v in n.outputs)}
@@ -286,7 +298,7 @@ class _Planner:
         stack = []
         for r in roots:
             for m in self.members[r]:
-                for c in self.succ[m]:
+                for c in self.reach[m]:
                     g = self.find(c)
                     if g not in roots and g not in origin:
                         origin[g] = c
@@ -294,7 +306,7 @@ class _Planner:
         while stack:
             g = stack.pop()
             for m in self.members[g]:
-                for c in self.succ[m]:
+                for c in self.reach[m]:
                     h = self.find(c)
                     if h in roots:
                         return origin[g]

@@ -13,19 +13,9 @@ from typing import Callable
 import numpy as np
 
 from purinec.ir.graph import Node
-from purinec.ir.types import Device
 
 # Ops whose kernels live here rather than in a code generator.
 HOST_OPS = ("copy", "slice", "allreduce", "allgather", "reduce", "broadcast", "send", "recv")
-
-
-def spans_ranks(node: Node) -> bool:
-    """Whether ``node`` talks to other ranks: a send or receive, or a collective whose
-    group does."""
-    if node.op in ("send", "recv"):
-        return True
-    group = node.attrs.get("group")
-    return group is not None and len({Device.parse(d).rank for d in group.split(",")}) > 1
 
 
 def host_kernel(node: Node) -> Callable:
