@@ -278,8 +278,9 @@ def test_training_over_two_ranks_equals_one_device(tmp_path, model, batch, per_r
 
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_random_small_networks_train_over_ranks_as_on_one_device(tmp_path, ranks):
-    """Odd sizes (see tests/mpi_scripts/common.random_net), random strategies."""
-    cases = 6
+    """Odd sizes (see tests/mpi_scripts/common.random_net), every strategy twice, on one
+    or two devices a rank."""
+    cases = 10
     ran(mpirun(ranks, "train_equal.py", f"random:{ranks}:{cases}", "-", "reference",
                tmp_path))
     for case in range(cases):

@@ -60,7 +60,7 @@ def save(path: str, env: dict, outputs: dict) -> None:
 STRATEGIES = ("data", "ps", "model", "hybrid", "pipeline")
 
 
-def random_net(choose, devices: int):
+def random_net(choose, devices: int, strategy: str | None = None):
     """A random small network for ``devices`` devices, with a strategy and a batch that
     strategy can cut: ``(net, strategy, classes)``. Convolutions (with activations and
     pooling), then maybe two branches joined (concatenated, added or multiplied), or
@@ -68,13 +68,14 @@ def random_net(choose, devices: int):
     local response normalization, then fully connected layers (maybe with dropout). In
     odd sizes: batches that do not divide evenly, fewer features or channels than
     devices, layers shrunk to 1x1. ``choose(options)`` picks one option: hypothesis's
-    draw, or a seeded generator's."""
+    draw, or a seeded generator's; it picks the strategy too unless one is given."""
     from purinec.bigraph import (LRN, Accuracy, AvgPool, Blob, Concat, Conv, Dropout, Eltwise,
                                  GlobalAvgPool, InnerProduct, MaxPool, Net, ReLU, Sigmoid,
                                  SoftmaxWithLoss, Split, TanH)
 
-    strategy = choose(STRATEGIES)
-    batch = choose(range(2 * devices if strategy == "pipeline" else 1, 10))
+    strategy = strategy or choose(STRATEGIES)
+    fewest = 2 * devices if strategy == "pipeline" else 1  # rows: a micro-batch each
+    batch = choose(range(fewest, max(fewest, 9) + 1))
     channels, size = choose(range(1, 4)), choose(range(5, 10))
     convs = [(choose(range(1, 6)), choose([1, 3]), choose([0, 1]),
               choose([ReLU, Sigmoid, TanH, None]), choose([MaxPool, AvgPool, None]))

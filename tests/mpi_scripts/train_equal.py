@@ -1,17 +1,17 @@
 """Training over every rank of the job against one device, in each rank:
 ``train_equal.py MODEL BATCH TARGET OUT_DIR [DEVICES_PER_RANK [STRATEGY]]``, or
 ``train_equal.py random:SEED:COUNT - TARGET OUT_DIR`` for COUNT random small networks
-(`common.random_net`, each with its own strategy, one device a rank). Each rank gathers
-the weights, saves the losses, both programs' inference outputs before and after
-training and their parameters after two iterations to OUT_DIR/rank<R>.npz (a random
-network's to OUT_DIR/<case>/rank<R>.npz), and checks that saving before gathering is
-refused when the strategy splits weights over the ranks."""
+(`common.random_net`, the strategies in turn, on one or two devices a rank). Each
+rank gathers the weights, saves the losses, both programs' inference outputs before and
+after training and their parameters after two iterations to OUT_DIR/rank<R>.npz (a
+random network's to OUT_DIR/<case>/rank<R>.npz), and checks that saving before
+gathering is refused when the strategy splits weights over the ranks."""
 
 import os
 import sys
 
 import numpy as np
-from common import random_net
+from common import STRATEGIES, random_net
 
 import purinec
 from purinec.runtime import comm
@@ -71,11 +71,14 @@ def main() -> int:
         _, seed, count = model.split(":")
         for case in range(int(count)):
             rng = np.random.default_rng([int(seed), case])
+            per_rank = int(rng.integers(1, 3))
             net, strategy, classes = random_net(
-                lambda options: options[int(rng.integers(len(options)))], world.size)
+                lambda options: options[int(rng.integers(len(options)))],
+                world.size * per_rank, STRATEGIES[case % len(STRATEGIES)])
             folder = f"{out}/{case}"
             os.makedirs(folder, exist_ok=True)
-            devices = ",".join(f"r{r}/cpu:0" for r in range(world.size))
+            devices = ",".join(f"r{r}/cpu:{i}" for r in range(world.size)
+                               for i in range(per_rank))
             train_and_save(net, None, target, folder, devices, strategy, classes)
         return 0
     per_rank = int(sys.argv[5]) if len(sys.argv) > 5 else 1
