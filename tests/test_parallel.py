@@ -209,12 +209,15 @@ def _assert_same_training(model: str, batch: int, devices: str, target: str,
 
 def _assert_trains_as_one_device(model, batch: int | None, devices, target: str,
                                  iterations: int = 2, strategy: str = "data",
-                                 classes: int = 10) -> purinec.Program:
-    """The losses, weights and inference outputs on ``devices`` equal one device's;
-    the replicas of each parameter are bitwise the same."""
-    one = purinec.compile(model, target=target, train=SGD, batch=batch, seed=7)
+                                 classes: int = 10, alone=None) -> purinec.Program:
+    """The losses, weights and inference outputs on ``devices`` equal one device's
+    (``alone``'s, if given: ``model`` without its placement); the replicas of each
+    parameter are bitwise the same. A placed model runs where it says."""
+    one = purinec.compile(alone or model, target=target, train=SGD, batch=batch, seed=7)
+    placed = strategy == "placement"
     many = purinec.compile(model, target=target, train=SGD, batch=batch, seed=7,
-                           devices=devices, parallel=strategy)
+                           devices=None if placed else devices,
+                           parallel=None if placed else strategy)
     rng = np.random.default_rng(1)
     inputs = _feeds(one.eval_ir, rng, classes)
     _assert_same_inference(one, many, inputs)
@@ -249,18 +252,18 @@ def _assert_same_inference(one: purinec.Program, many: purinec.Program, feeds) -
 
 @st.composite
 def _small_nets(draw):
-    devices = draw(st.sampled_from([2, 3]))
-    return devices, *random_net(lambda options: draw(st.sampled_from(options)), devices)
+    devices = [Device("cpu", i) for i in range(draw(st.sampled_from([2, 3])))]
+    return len(devices), *random_net(lambda options: draw(st.sampled_from(options)), devices)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(_small_nets())
 def test_every_strategy_trains_random_small_networks_as_one_device(case):
     """Odd sizes: batches that do not divide evenly, fewer output features or channels
-    than devices, layers that shrink to 1x1."""
-    devices, net, strategy, classes = case
+    than devices, layers that shrink to 1x1; layers placed by the model."""
+    devices, net, alone, strategy, classes = case
     _assert_trains_as_one_device(net, None, devices, "reference", strategy=strategy,
-                                 classes=classes).close()
+                                 classes=classes, alone=alone).close()
 
 
 @pytest.mark.parametrize("model,batch", [("lenet", 12), ("cifar_quick", 10)])

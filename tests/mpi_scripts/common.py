@@ -57,24 +57,27 @@ def save(path: str, env: dict, outputs: dict) -> None:
              **{f"out:{k}": v for k, v in outputs.items()})
 
 
-STRATEGIES = ("data", "ps", "model", "hybrid", "pipeline")
+STRATEGIES = ("data", "ps", "model", "hybrid", "pipeline", "placement")
 
 
-def random_net(choose, devices: int, strategy: str | None = None):
-    """A random small network for ``devices`` devices, with a strategy and a batch that
-    strategy can cut: ``(net, strategy, classes)``. Convolutions (with activations and
+def random_net(choose, devices: list[Device], strategy: str | None = None):
+    """A random small network for ``devices``, with a strategy and a batch that strategy
+    can cut: ``(net, alone, strategy, classes)``. Convolutions (with activations and
     pooling), then maybe two branches joined (concatenated, added or multiplied), or
     the channels split and put back in another order, maybe a global average pool or a
     local response normalization, then fully connected layers (maybe with dropout). In
     odd sizes: batches that do not divide evenly, fewer features or channels than
-    devices, layers shrunk to 1x1. ``choose(options)`` picks one option: hypothesis's
-    draw, or a seeded generator's; it picks the strategy too unless one is given."""
+    devices, layers shrunk to 1x1. With ``placement`` the model puts each block of
+    layers on one of the devices itself (the output layer on the last, the data on the
+    first); ``alone`` is the same network without the placement, for one device (the
+    very network otherwise). ``choose(options)`` picks one option: hypothesis's draw, or
+    a seeded generator's; it picks the strategy too unless one is given."""
     from purinec.bigraph import (LRN, Accuracy, AvgPool, Blob, Concat, Conv, Dropout, Eltwise,
-                                 GlobalAvgPool, InnerProduct, MaxPool, Net, ReLU, Sigmoid,
-                                 SoftmaxWithLoss, Split, TanH)
+                                 GlobalAvgPool, InnerProduct, Location, MaxPool, Net, ReLU,
+                                 Sigmoid, SoftmaxWithLoss, Split, TanH)
 
     strategy = strategy or choose(STRATEGIES)
-    fewest = 2 * devices if strategy == "pipeline" else 1  # rows: a micro-batch each
+    fewest = 2 * len(devices) if strategy == "pipeline" else 1  # a micro-batch each
     batch = choose(range(fewest, max(fewest, 9) + 1))
     channels, size = choose(range(1, 4)), choose(range(5, 10))
     convs = [(choose(range(1, 6)), choose([1, 3]), choose([0, 1]),
@@ -86,36 +89,65 @@ def random_net(choose, devices: int, strategy: str | None = None):
     widths = [(choose(range(1, 8)), choose([None, Dropout]))
               for _ in range(choose(range(3)))]
     classes = choose(range(2, 6))
-    with Net("random") as net:
-        x = Blob("data", (batch, channels, size, size))
-        label = Blob("label", (batch,), "i32")
-        for i, (out, kernel, pad, activation, pool) in enumerate(convs):
-            if size + 2 * pad < kernel:
-                continue  # too small for this kernel
-            size += 2 * pad - kernel + 1
-            x, channels = x >> Conv(f"conv{i}", out, kernel, pad=pad), out
-            if activation is not None:
-                x = x >> activation(f"act{i}")
-            if pool is not None and size >= 2:
-                x = x >> pool(f"pool{i}", 2, 2)
-                size = (size - 1) // 2 + 1
-        if join in ("concat", "add", "mul"):
-            first, second = (widths_of_branches if join == "concat"
-                             else (widths_of_branches[0],) * 2)
-            left = x >> Conv("left", first, 1) >> ReLU("left_relu")
-            right = x >> Conv("right", second, 3, pad=1) >> TanH("right_tanh")
-            joined = Concat("join", axis=1) if join == "concat" else Eltwise("join", join)
-            x = [left, right] >> joined
-        elif join == "split" and channels >= 2:
-            low, high = x >> Split("halves", [1, channels - 1])
-            x = [high, low] >> Concat("swapped", axis=1)
-        if summary is not None:
-            x = x >> summary("summary")
-        for j, (width, dropout) in enumerate(widths):
-            x = x >> InnerProduct(f"ip{j}", width) >> ReLU(f"relu{j}")
-            if dropout is not None:
-                x = x >> dropout(f"drop{j}", 0.3)
-        logits = x >> InnerProduct("out", classes) >> Blob("logits")
-        net.outputs = [logits, [logits, label] >> SoftmaxWithLoss("loss"),
-                       [logits, label] >> Accuracy("accuracy")]
-    return net, strategy, classes
+    # Where each block goes: the conv blocks, the join, the summary, the fully
+    # connected blocks, then the output layer (last device) and the loss.
+    spots = ([choose(devices) for _ in range(len(convs) + len(widths) + 2)]
+             + [devices[-1], choose(devices)] if strategy == "placement" else None)
+
+    def build(placed: bool):
+        blocks = iter(spots or [])
+
+        def at():
+            device = next(blocks, None)
+            if not placed or device is None:
+                return None
+            return Location(device.rank, device.kind, device.index)
+
+        size_now, channels_now = size, channels
+        with Net("random") as net:
+            x = Blob("data", (batch, channels, size, size))
+            label = Blob("label", (batch,), "i32")
+            for i, (out, kernel, pad, activation, pool) in enumerate(convs):
+                where = at()
+                if size_now + 2 * pad < kernel:
+                    continue  # too small for this kernel
+                size_now += 2 * pad - kernel + 1
+                x = x >> Conv(f"conv{i}", out, kernel, pad=pad, location=where)
+                channels_now = out
+                if activation is not None:
+                    x = x >> activation(f"act{i}", location=where)
+                if pool is not None and size_now >= 2:
+                    x = x >> pool(f"pool{i}", 2, 2, location=where)
+                    size_now = (size_now - 1) // 2 + 1
+            where = at()
+            if join in ("concat", "add", "mul"):
+                first, second = (widths_of_branches if join == "concat"
+                                 else (widths_of_branches[0],) * 2)
+                left = (x >> Conv("left", first, 1, location=where)
+                        >> ReLU("left_relu", location=where))
+                right = (x >> Conv("right", second, 3, pad=1, location=where)
+                         >> TanH("right_tanh", location=where))
+                joined = (Concat("join", axis=1, location=where) if join == "concat"
+                          else Eltwise("join", join, location=where))
+                x = [left, right] >> joined
+            elif join == "split" and channels_now >= 2:
+                low, high = x >> Split("halves", [1, channels_now - 1], location=where)
+                x = [high, low] >> Concat("swapped", axis=1, location=where)
+            where = at()
+            if summary is not None:
+                x = x >> summary("summary", location=where)
+            for j, (width, dropout) in enumerate(widths):
+                where = at()
+                x = (x >> InnerProduct(f"ip{j}", width, location=where)
+                     >> ReLU(f"relu{j}", location=where))
+                if dropout is not None:
+                    x = x >> dropout(f"drop{j}", 0.3, location=where)
+            logits = x >> InnerProduct("out", classes, location=at()) >> Blob("logits")
+            where = at()
+            net.outputs = [logits,
+                           [logits, label] >> SoftmaxWithLoss("loss", location=where),
+                           [logits, label] >> Accuracy("accuracy", location=where)]
+        return net
+
+    net = build(placed=True)
+    return net, (build(placed=False) if spots else net), strategy, classes

@@ -14,17 +14,24 @@ import numpy as np
 from common import STRATEGIES, random_net
 
 import purinec
+from purinec.ir.types import Device
 from purinec.runtime import comm
 
 SGD = purinec.SGD(lr=0.05, momentum=0.9, weight_decay=5e-4)
 
 
-def train_and_save(model, batch, target, out, devices, strategy, classes=10) -> bool:
-    """Returns whether the program's weights were split over the ranks after a step."""
+def train_and_save(model, batch, target, out, devices, strategy, classes=10,
+                   alone=None) -> bool:
+    """Returns whether the program's weights were split over the ranks after a step.
+    One device runs ``alone`` if given (``model`` without its placement); a placed
+    model runs where it says."""
     world = comm.world()
+    placed = strategy == "placement"
     many = purinec.compile(model, target=target, train=SGD, batch=batch, seed=7,
-                           devices=devices, parallel=strategy)
-    one = purinec.compile(model, target="reference", train=SGD, batch=batch, seed=7)
+                           devices=None if placed else devices,
+                           parallel=None if placed else strategy)
+    one = purinec.compile(alone or model, target="reference", train=SGD, batch=batch,
+                          seed=7)
     rng = np.random.default_rng(1)
 
     def random_feeds(graph):
@@ -72,14 +79,14 @@ def main() -> int:
         for case in range(int(count)):
             rng = np.random.default_rng([int(seed), case])
             per_rank = int(rng.integers(1, 3))
-            net, strategy, classes = random_net(
-                lambda options: options[int(rng.integers(len(options)))],
-                world.size * per_rank, STRATEGIES[case % len(STRATEGIES)])
+            devices = [Device("cpu", i, r) for r in range(world.size) for i in range(per_rank)]
+            net, alone, strategy, classes = random_net(
+                lambda options: options[int(rng.integers(len(options)))], devices,
+                STRATEGIES[case % len(STRATEGIES)])
             folder = f"{out}/{case}"
             os.makedirs(folder, exist_ok=True)
-            devices = ",".join(f"r{r}/cpu:{i}" for r in range(world.size)
-                               for i in range(per_rank))
-            train_and_save(net, None, target, folder, devices, strategy, classes)
+            train_and_save(net, None, target, folder, ",".join(map(str, devices)), strategy,
+                           classes, alone)
         return 0
     per_rank = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     strategy = sys.argv[6] if len(sys.argv) > 6 else "data"
