@@ -434,8 +434,8 @@ class Program:
             self.physical_ir = physical
         if graph is self.eval_ir:
             self.physical_eval_ir = physical
-        return DistributedExecutable(graph, build(physical, trace), rank, self._replicas,
-                                     layout_ranks(self.ir))
+        return DistributedExecutable(graph, build(physical, trace), rank,
+                                     layout_ranks(self.ir), self._replicas)
 
     def executed_graphs(self) -> list[Graph]:
         """The graphs this process runs: the final IR, or this rank's physical graphs."""

@@ -36,19 +36,18 @@ class Replicas:
 
 class DistributedExecutable:
     """``exe(env) -> outputs`` over logical names, running ``physical`` (an executable
-    of the physical graph of ``rank``) in a job of ``ranks`` ranks (default: those the
-    graph's inputs live on; a program's inference graph may live on fewer than its
-    training graph); ``replicas`` may be shared with the other executables of a
-    program."""
+    of the physical graph of ``rank``) in a job of ``ranks`` ranks (a program's
+    inference graph may live on fewer ranks than its training graph); ``replicas`` may
+    be shared with the other executables of a program."""
 
-    def __init__(self, logical: Graph, physical: Callable, rank: int,
-                 replicas: Replicas | None = None, ranks: int | None = None):
+    def __init__(self, logical: Graph, physical: Callable, rank: int, ranks: int,
+                 replicas: Replicas | None = None):
         self.physical = physical
         self.inputs = [(v, v.dist.members_on(rank)) for v in logical.inputs]
         self.outputs = [(name, v.dist.members_on(rank), len(v.dist.group))
                         for name, v in logical.outputs]
         self.variables = {v.name for v in logical.inputs_with_role(*VARIABLE_ROLES)}
-        self.ranks = ranks or len({d.rank for v in logical.inputs for d in v.dist.group})
+        self.ranks = ranks
         # Outputs other than variables that live on some ranks only (a pipeline's loss on
         # its last stage): their owner broadcasts them after each call, so every rank
         # returns them.
