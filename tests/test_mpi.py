@@ -23,6 +23,7 @@ from purinec.ir.graph import Graph
 from purinec.ir.types import DType, Device, TensorType
 from purinec.runtime import comm
 from purinec.runtime.executor import Executable
+from tests.mpi_scripts.common import assert_weights_close
 
 SCRIPTS = Path(__file__).parent / "mpi_scripts"
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
@@ -325,7 +326,7 @@ def test_fused_kernels_never_wait_for_their_own_exchange(tmp_path):
 def check_same_training(folder: Path, size: int) -> None:
     """What tests/mpi_scripts/train_equal.py saved: on every rank, the losses, weights
     and inference outputs of the program over the ranks equal one device's (weights at
-    the largest scale they reached: a sum can cancel to almost nothing), and the replicas
+    the largest scale they reached, `assert_weights_close`), and the replicas
     on the ranks hold bitwise the same weights and momentum."""
     ranks = [dict(np.load(folder / f"rank{r}.npz")) for r in range(size)]
     for rank in ranks:
@@ -334,8 +335,7 @@ def check_same_training(folder: Path, size: int) -> None:
         params = [k[len("one/"):] for k in rank if k.startswith("one/")]
         for name in params:
             one, many = rank[f"one/{name}"], rank[f"many/{name}"]
-            np.testing.assert_allclose(many, one, rtol=0,
-                                       atol=2e-5 * rank[f"scale/{name}"] + 1e-8, err_msg=name)
+            assert_weights_close(many, one, rank[f"scale/{name}"], name)
         outputs = [k[len("one_"):] for k in rank if k.startswith(("one_before/", "one_after/"))]
         assert outputs
         for key in outputs:  # inference, before training and with the weights it made

@@ -19,7 +19,7 @@ from purinec.ir.verify import verify
 from purinec.passes.parallel import (Parallel, conversion_cost, convert, explain,
                                      parse_devices, partition)
 from purinec.runtime.reference import execute
-from tests.mpi_scripts.common import random_net
+from tests.mpi_scripts.common import assert_weights_close, random_net
 
 SGD = purinec.SGD(lr=0.05, momentum=0.9, weight_decay=5e-4)
 
@@ -221,8 +221,6 @@ def _assert_trains_as_one_device(model, batch: int | None, devices, target: str,
     rng = np.random.default_rng(1)
     inputs = _feeds(one.eval_ir, rng, classes)
     _assert_same_inference(one, many, inputs)
-    # Each weight's scale: the largest it has been. (A step can take back what the last
-    # one added, leaving a value near zero whose rounding looks large beside it.)
     scale = {name: np.abs(w).max() for name, w in one.params.items()}
     for _ in range(iterations):
         feeds = _feeds(one.ir, rng, classes)
@@ -231,9 +229,8 @@ def _assert_trains_as_one_device(model, batch: int | None, devices, target: str,
         for name, w in one.params.items():
             scale[name] = max(scale[name], np.abs(w).max())
     _assert_same_inference(one, many, inputs)  # with the weights the steps made
-    for name in one.params:  # (1e-8: a gradient that sums to almost nothing)
-        np.testing.assert_allclose(many.params[name], one.params[name], rtol=0,
-                                   atol=2e-5 * scale[name] + 1e-8, err_msg=name)
+    for name in one.params:
+        assert_weights_close(many.params[name], one.params[name], scale[name], name)
     # Every replica holds bitwise the same weights and momentum.
     for (name, device), array in many._run_main.replicas.arrays.items():
         store = many.params if name in many.params else many.state

@@ -57,6 +57,14 @@ def save(path: str, env: dict, outputs: dict) -> None:
              **{f"out:{k}": v for k, v in outputs.items()})
 
 
+def assert_weights_close(got: np.ndarray, want: np.ndarray, scale: float, name: str) -> None:
+    """Weights trained on several devices against one device's, within float32 rounding
+    of ``scale``: the largest the weight has been (a step can take back what the last
+    one added, leaving a value near zero whose rounding looks large beside it; 1e-8 for
+    a gradient that sums to almost nothing)."""
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * scale + 1e-8, err_msg=name)
+
+
 STRATEGIES = ("data", "ps", "model", "hybrid", "pipeline", "placement")
 
 
