@@ -23,7 +23,7 @@ from purinec.ir.graph import Graph
 from purinec.ir.types import DType, Device, TensorType
 from purinec.runtime import comm
 from purinec.runtime.executor import Executable
-from tests.mpi_scripts.common import assert_weights_close
+from tests.mpi_scripts.common import assert_output_close, assert_weights_close
 
 SCRIPTS = Path(__file__).parent / "mpi_scripts"
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
@@ -339,9 +339,7 @@ def check_same_training(folder: Path, size: int) -> None:
         outputs = [k[len("one_"):] for k in rank if k.startswith(("one_before/", "one_after/"))]
         assert outputs
         for key in outputs:  # inference, before training and with the weights it made
-            one, many = rank[f"one_{key}"], rank[f"many_{key}"]
-            scale = np.max(np.abs(one)) + 1e-12
-            np.testing.assert_allclose(many / scale, one / scale, atol=2e-5, err_msg=key)
+            assert_output_close(rank[f"many_{key}"], rank[f"one_{key}"], key)
     for key in ranks[0]:
         if key.startswith("many"):
             for rank in ranks[1:]:

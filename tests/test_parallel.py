@@ -19,7 +19,8 @@ from purinec.ir.verify import verify
 from purinec.passes.parallel import (Parallel, conversion_cost, convert, explain,
                                      parse_devices, partition)
 from purinec.runtime.reference import execute
-from tests.mpi_scripts.common import assert_weights_close, random_net
+from tests.mpi_scripts.common import (assert_output_close, assert_weights_close, random_net,
+                                      weight_scales)
 
 SGD = purinec.SGD(lr=0.05, momentum=0.9, weight_decay=5e-4)
 
@@ -221,13 +222,12 @@ def _assert_trains_as_one_device(model, batch: int | None, devices, target: str,
     rng = np.random.default_rng(1)
     inputs = _feeds(one.eval_ir, rng, classes)
     _assert_same_inference(one, many, inputs)
-    scale = {name: np.abs(w).max() for name, w in one.params.items()}
+    scale = weight_scales(one.params)
     for _ in range(iterations):
         feeds = _feeds(one.ir, rng, classes)
         loss_one, loss_many = one.step(feeds), many.step(feeds)
         assert loss_many == pytest.approx(loss_one, rel=1e-5)
-        for name, w in one.params.items():
-            scale[name] = max(scale[name], np.abs(w).max())
+        scale = weight_scales(one.params, scale)
     _assert_same_inference(one, many, inputs)  # with the weights the steps made
     for name in one.params:
         assert_weights_close(many.params[name], one.params[name], scale[name], name)
@@ -242,9 +242,7 @@ def _assert_trains_as_one_device(model, batch: int | None, devices, target: str,
 def _assert_same_inference(one: purinec.Program, many: purinec.Program, feeds) -> None:
     expected, got = one.run(feeds), many.run(feeds)
     for name, value in expected.items():
-        scale = np.max(np.abs(value)) + 1e-12
-        np.testing.assert_allclose(got[name] / scale, value / scale, atol=2e-5,
-                                   err_msg=f"inference output {name}")
+        assert_output_close(got[name], value, f"inference output {name}")
 
 
 @st.composite

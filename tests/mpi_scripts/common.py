@@ -65,6 +65,20 @@ def assert_weights_close(got: np.ndarray, want: np.ndarray, scale: float, name: 
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * scale + 1e-8, err_msg=name)
 
 
+def weight_scales(params, so_far: dict[str, float] | None = None) -> dict[str, float]:
+    """The largest magnitude each weight has reached: ``so_far`` (the scales of earlier
+    steps, if any) updated with ``params`` now; the ``scale`` of `assert_weights_close`."""
+    return {name: max(float(np.abs(w).max()), (so_far or {}).get(name, 0.0))
+            for name, w in params.items()}
+
+
+def assert_output_close(got: np.ndarray, want: np.ndarray, name: str) -> None:
+    """An inference output on several devices against one device's, within float32
+    rounding of the output's largest value."""
+    scale = np.max(np.abs(want)) + 1e-12
+    np.testing.assert_allclose(got / scale, want / scale, atol=2e-5, err_msg=name)
+
+
 STRATEGIES = ("data", "ps", "model", "hybrid", "pipeline", "placement")
 
 

@@ -11,7 +11,7 @@ import os
 import sys
 
 import numpy as np
-from common import STRATEGIES, random_net
+from common import STRATEGIES, random_net, weight_scales
 
 import purinec
 from purinec.ir.types import Device
@@ -47,11 +47,11 @@ def train_and_save(model, batch, target, out, devices, strategy, classes=10,
 
     inputs = random_feeds(one.eval_ir)
     outputs = inference("before", inputs)
-    losses, scales = [], {name: np.abs(w).max() for name, w in one.params.items()}
+    losses, scales = [], weight_scales(one.params)
     for _ in range(2):
         feeds = random_feeds(one.ir)
         losses.append((one.step(feeds), many.step(feeds)))
-        scales = {name: max(scales[name], np.abs(w).max()) for name, w in one.params.items()}
+        scales = weight_scales(one.params, scales)
     outputs.update(inference("after", inputs))
     spans = many._run_main.spans_ranks
     if spans:
