@@ -38,6 +38,7 @@ class Target:
     passes: tuple[Pass, ...] = ()
     records_traces: bool = False
     doc: str = ""
+    device_kinds: tuple[str, ...] = ("cpu",)  # the devices its kernels run on
 
 
 def _reference_executable(graph: Graph, trace: Any = None):
@@ -191,6 +192,16 @@ def onto_ranks(ranks: int, *graphs: Graph) -> list[Graph]:
     here = {d: Device(d.kind, blocks[:k].count(blocks[k]), blocks[k])
             for k, d in enumerate(devices)}
     return [_moved(graph, here) for graph in graphs]
+
+
+def _check_device_kinds(target: str, devices, what: str) -> None:
+    """A target refuses devices it has no kernels for, rather than running them on
+    the host under another name."""
+    kinds = get_target(target).device_kinds
+    foreign = sorted(str(d) for d in devices if d.kind not in kinds)
+    if foreign:
+        raise PurinecError(f"target {target} runs on {' or '.join(kinds)} devices, not on "
+                           f"{', '.join(foreign)} ({what})")
 
 
 def layout_devices(*graphs: Graph) -> list[Device]:
@@ -395,6 +406,8 @@ class Program:
         if trace is not None and not get_target(target).records_traces:
             raise PurinecError(f"target {target} does not record traces; run without a trace "
                                f"or on a target that records them")
+        _check_device_kinds(target, layout_devices(graph, eval_graph or graph),
+                            f"devices of graph {graph.name}")
         self.ir = graph
         self.eval_ir = eval_graph or graph
         self.target = target
@@ -579,7 +592,9 @@ def compile(model: Any, target: str = "reference", train: SGD | None = None,
     several devices; ``Program.ir`` is then the distributed logical graph.
     ``micro_batches`` goes with ``parallel="pipeline"``.
     """
-    get_target(target)
+    if devices is not None:
+        devices = as_devices(devices)
+        _check_device_kinds(target, devices, "the devices asked for")
     spread = parallel_plan(devices, parallel, micro_batches)
     source = load_source(model, batch, **model_kwargs)
     graph = build_graph(source, train, after, target, spread)
@@ -611,10 +626,15 @@ def parallel_plan(devices: Any, strategy: str | None,
             raise PurinecError(f"--parallel {strategy} needs several devices: give "
                                f"--devices (e.g. cpu:0,cpu:1) or start the job with mpiexec")
         devices = [Device("cpu", 0, r) for r in range(size)]
-    if isinstance(devices, (str, int)):
-        devices = parse_devices(str(devices))
-    spread = Parallel(tuple(devices), strategy or "data", micro_batches)
+    spread = Parallel(as_devices(devices), strategy or "data", micro_batches)
     return spread if len(spread.devices) > 1 else None
+
+
+def as_devices(devices: Any) -> tuple[Device, ...]:
+    """compile()'s ``devices``: "cpu:0,cpu:1", a count, or Device objects."""
+    if isinstance(devices, (str, int)):
+        return parse_devices(str(devices))
+    return tuple(devices)
 
 
 def load(path: str | os.PathLike, target: str | None = None, trace: Any = None) -> Program:

@@ -559,6 +559,20 @@ def test_parallel_options_are_checked():
         Parallel(parse_devices("cpu:0,cpu:0"))
     with pytest.raises(PurinecError, match="needs several devices"):
         purinec.compile("mlp", parallel="data")
+    with pytest.raises(PurinecError, match="no device kind cuda; the kinds are cpu, gpu"):
+        parse_devices("cpu:0,cuda:1")
+
+
+@pytest.mark.parametrize("devices, refused", [
+    ("gpu:0,gpu:1", "gpu:0, gpu:1"), ("gpu:0", "gpu:0"), ("cpu:0,r1/gpu:0", "r1/gpu:0"),
+    ((Device("tpu", 0), Device("cpu", 1)), "tpu:0")])
+@pytest.mark.parametrize("target", ["reference", "cpu"])
+def test_targets_refuse_devices_they_have_no_kernels_for(devices, refused, target):
+    """No target here runs GPU code: a GPU device is refused, one device alone too,
+    instead of running on the host under the GPU's name."""
+    with pytest.raises(PurinecError, match=f"target {target} runs on cpu devices, not on "
+                                           f"{refused} \\(the devices asked for\\)$"):
+        purinec.compile("mlp", target=target, batch=4, devices=devices)
 
 
 def test_a_program_over_ranks_refuses_to_start_without_mpiexec():
@@ -598,6 +612,9 @@ def test_layers_placed_by_the_model_run_there_with_copies_between(tmp_path, targ
     assert sorted(n.inputs[0].name for n in copies) == [
         "grad.logits", "grad.relu1", "logits", "relu1"]
     assert all(n.loc.startswith("boxing: ") for n in copies)
+    with pytest.raises(PurinecError, match=f"target {target} runs on cpu devices, not on "
+                                           r"gpu:1 \(devices of graph placed.train\)"):
+        purinec.compile(str(path), target=target, train=SGD, second=Location(0, "gpu", 1))
     assert {str(n.device) for n in placed.physical_ir.nodes} == {"cpu:0", "cpu:1"}
     rng = np.random.default_rng(5)
     for _ in range(2):
