@@ -19,8 +19,8 @@ from purinec.ir.verify import verify
 from purinec.passes.parallel import (Parallel, conversion_cost, convert, explain,
                                      parse_devices, partition)
 from purinec.runtime.reference import execute
-from tests.mpi_scripts.common import (assert_output_close, assert_weights_close, random_net,
-                                      weight_scales)
+from tests.mpi_scripts.common import (adopt_weights, assert_output_close, assert_weights_close,
+                                      random_net, weight_scales)
 
 SGD = purinec.SGD(lr=0.05, momentum=0.9, weight_decay=5e-4)
 
@@ -212,8 +212,9 @@ def _assert_trains_as_one_device(model, batch: int | None, devices, target: str,
                                  iterations: int = 2, strategy: str = "data",
                                  classes: int = 10, alone=None) -> purinec.Program:
     """The losses, weights and inference outputs on ``devices`` equal one device's
-    (``alone``'s, if given: ``model`` without its placement); the replicas of each
-    parameter are bitwise the same. A placed model runs where it says."""
+    (``alone``'s, if given: ``model`` without its placement; after training, with the
+    weights ``devices`` trained, `adopt_weights`); the replicas of each parameter are
+    bitwise the same. A placed model runs where it says."""
     one = purinec.compile(alone or model, target=target, train=SGD, batch=batch, seed=7)
     placed = strategy == "placement"
     many = purinec.compile(model, target=target, train=SGD, batch=batch, seed=7,
@@ -228,9 +229,10 @@ def _assert_trains_as_one_device(model, batch: int | None, devices, target: str,
         loss_one, loss_many = one.step(feeds), many.step(feeds)
         assert loss_many == pytest.approx(loss_one, rel=1e-5)
         scale = weight_scales(one.params, scale)
-    _assert_same_inference(one, many, inputs)  # with the weights the steps made
     for name in one.params:
         assert_weights_close(many.params[name], one.params[name], scale[name], name)
+    adopt_weights(one, many)
+    _assert_same_inference(one, many, inputs)  # with the weights the steps made
     # Every replica holds bitwise the same weights and momentum.
     for (name, device), array in many._run_main.replicas.arrays.items():
         store = many.params if name in many.params else many.state

@@ -504,7 +504,12 @@ def _matmul_ref(a, b, trans_a, trans_b):
     # Contiguous operands: NumPy's product of strided views (a split's pieces) can differ
     # in the last bit from that of the same values in contiguous arrays.
     a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
-    return ((a.T if trans_a else a) @ (b.T if trans_b else b),)
+    # OpenBLAS's kernels can leave the "invalid" flag raised on finite operands and a
+    # correct, finite product (numpy/numpy#24067, OpenMathLib/OpenBLAS#1924); seen here
+    # now and then on f32[1,5] @ f32[5,2] with OpenBLAS 0.3.31. NumPy would report it as
+    # "invalid value encountered in matmul". A real NaN still shows in the result.
+    with np.errstate(invalid="ignore"):
+        return ((a.T if trans_a else a) @ (b.T if trans_b else b),)
 
 
 def _matmul_split(types, attrs):

@@ -72,6 +72,17 @@ def weight_scales(params, so_far: dict[str, float] | None = None) -> dict[str, f
             for name, w in params.items()}
 
 
+def adopt_weights(one, many) -> None:
+    """Give the one-device program ``many``'s trained parameters and state, so that
+    inference after training compares the two programs' computations on the same
+    weights. (Two programs trained apart hold weights that differ in float32 rounding,
+    which `assert_weights_close` bounds; through the layers such differences can add up
+    to more than an output's own rounding.)"""
+    for store, trained in ((one.params, many.params), (one.state, many.state)):
+        for name, value in trained.items():
+            store[name] = value
+
+
 def assert_output_close(got: np.ndarray, want: np.ndarray, name: str) -> None:
     """An inference output on several devices against one device's, within float32
     rounding of the output's largest value."""

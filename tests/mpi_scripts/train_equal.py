@@ -3,7 +3,8 @@
 ``train_equal.py random:SEED:COUNT - TARGET OUT_DIR`` for COUNT random small networks
 (`common.random_net`, the strategies in turn, on one or two devices a rank). Each
 rank gathers the weights, saves the losses, both programs' inference outputs before and
-after training and their parameters after two iterations to OUT_DIR/rank<R>.npz (a
+after training (the one device's with the weights the ranks trained, `adopt_weights`)
+and their parameters after two iterations to OUT_DIR/rank<R>.npz (a
 random network's to OUT_DIR/<case>/rank<R>.npz), and checks that saving before
 gathering is refused when the strategy splits weights over the ranks."""
 
@@ -11,7 +12,7 @@ import os
 import sys
 
 import numpy as np
-from common import STRATEGIES, random_net, weight_scales
+from common import STRATEGIES, adopt_weights, random_net, weight_scales
 
 import purinec
 from purinec.ir.types import Device
@@ -40,19 +41,19 @@ def train_and_save(model, batch, target, out, devices, strategy, classes=10,
                          rng.integers(0, classes, v.type.shape).astype(v.type.dtype.numpy))
                 for v in graph.inputs_with_role("data")}
 
-    def inference(when, inputs):
+    def named(when, one_outputs, many_outputs):
         return {f"{program}_{when}/{name}": value for program, outputs in
-                (("one", one.run(inputs)), ("many", many.run(inputs)))
+                (("one", one_outputs), ("many", many_outputs))
                 for name, value in outputs.items()}
 
     inputs = random_feeds(one.eval_ir)
-    outputs = inference("before", inputs)
+    outputs = named("before", one.run(inputs), many.run(inputs))
     losses, scales = [], weight_scales(one.params)
     for _ in range(2):
         feeds = random_feeds(one.ir)
         losses.append((one.step(feeds), many.step(feeds)))
         scales = weight_scales(one.params, scales)
-    outputs.update(inference("after", inputs))
+    many_after = many.run(inputs)  # with the weights where the steps left them
     spans = many._run_main.spans_ranks
     if spans:
         try:
@@ -61,11 +62,13 @@ def train_and_save(model, batch, target, out, devices, strategy, classes=10,
         except purinec.PurinecError as err:
             assert "gather_weights() on every rank" in str(err), err
     many.gather_weights()
-    np.savez(f"{out}/rank{world.rank}.npz", losses=np.array(losses), **outputs,
-             **{f"one/{k}": v for k, v in one.params.items()},
-             **{f"scale/{k}": v for k, v in scales.items()},
-             **{f"many/{k}": v for k, v in many.params.items()},
-             **{f"many_state/{k}": v for k, v in many.state.items()})
+    trained = {**{f"one/{k}": v.copy() for k, v in one.params.items()},
+               **{f"scale/{k}": v for k, v in scales.items()},
+               **{f"many/{k}": v for k, v in many.params.items()},
+               **{f"many_state/{k}": v for k, v in many.state.items()}}
+    adopt_weights(one, many)
+    outputs.update(named("after", one.run(inputs), many_after))
+    np.savez(f"{out}/rank{world.rank}.npz", losses=np.array(losses), **outputs, **trained)
     many.close()
     one.close()
     return spans
