@@ -592,6 +592,7 @@ def compile(model: Any, target: str = "reference", train: SGD | None = None,
     several devices; ``Program.ir`` is then the distributed logical graph.
     ``micro_batches`` goes with ``parallel="pipeline"``.
     """
+    get_target(target)
     if devices is not None:
         devices = as_devices(devices)
         _check_device_kinds(target, devices, "the devices asked for")

@@ -338,8 +338,9 @@ def check_same_training(folder: Path, size: int) -> None:
             assert_weights_close(many, one, rank[f"scale/{name}"], name)
         outputs = [k[len("one_"):] for k in rank if k.startswith(("one_before/", "one_after/"))]
         assert outputs
-        for key in outputs:  # inference, before training and with the weights it made
-        # (given to the one device too: `adopt_weights`)
+        # Inference before training, and with the weights it made (given to the one
+        # device too: `adopt_weights`).
+        for key in outputs:
             assert_output_close(rank[f"many_{key}"], rank[f"one_{key}"], key)
     for key in ranks[0]:
         if key.startswith("many"):

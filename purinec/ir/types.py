@@ -99,6 +99,9 @@ class Device:
             raise ValueError(f"{text!r} is not a device; write KIND:INDEX or rRANK/KIND:INDEX, "
                              f"e.g. cpu:1 or r1/cpu:0")
         rank, kind, index = m.groups()
+        if kind not in DEVICE_KINDS:
+            raise ValueError(f"{text!r}: no device kind {kind}; the kinds are "
+                             f"{', '.join(DEVICE_KINDS)}")
         return cls(kind, int(index), int(rank or 0))
 
 

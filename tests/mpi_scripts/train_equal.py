@@ -62,7 +62,7 @@ def train_and_save(model, batch, target, out, devices, strategy, classes=10,
         except purinec.PurinecError as err:
             assert "gather_weights() on every rank" in str(err), err
     many.gather_weights()
-    trained = {**{f"one/{k}": v.copy() for k, v in one.params.items()},
+    trained = {**{f"one/{k}": v for k, v in one.params.items()},
                **{f"scale/{k}": v for k, v in scales.items()},
                **{f"many/{k}": v for k, v in many.params.items()},
                **{f"many_state/{k}": v for k, v in many.state.items()}}
