@@ -10,12 +10,18 @@ rank) or N devices in one process (`--mode threads`: one worker thread and one c
 share each). Weak-scaling efficiency is t(1) / t(N): 1.0 means N devices do N times the
 work in the same time.
 
-Timings on a shared machine drift by 15-20% over minutes, so both programs live in the
+Devices that share a machine slow each other down even when they exchange nothing
+(memory bandwidth, caches, the host's other tenants), so a third program bounds what
+any communication scheme could reach: "no-comm" is t(1) over the time N copies of the
+one-device program take when every device runs its own at once, exchanging nothing
+(the slowest device's median: in data parallelism everyone waits for it).
+
+Timings on a shared machine drift by 15-20% over minutes, so the programs live in the
 same processes and take turns: each of `--repeats` rounds times `--iterations` steps on
-one device (on rank 0, while the other ranks wait without spinning), then as many on N
-devices, each turn after one untimed step. A round's efficiency compares two medians
-taken a second apart, so the drift mostly cancels; the table shows the median over the
-rounds and their range.
+one device (on rank 0, while the other ranks wait without spinning), then the N copies
+side by side, then N devices, each turn after one untimed step. A round's ratios
+compare medians taken a second or two apart, so the drift mostly cancels; the table
+shows the median over the rounds and their range.
 
 From a trace of the N-device iterations on rank 0, the share of communication time that
 some compute lane was busy through ("hidden") says how well the allreduces overlap the
@@ -35,6 +41,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -47,7 +54,7 @@ MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
 
 def worker(args) -> None:
-    """The processes of one measurement: compile both programs, let them take turns,
+    """The processes of one measurement: compile the programs, let them take turns,
     and (rank 0) report."""
     import purinec
     from purinec.runtime import comm
@@ -60,64 +67,90 @@ def worker(args) -> None:
                ",".join(f"cpu:{i}" for i in range(count)))
     cores = os.sched_getaffinity(0) if here.size > 1 else set(range(count))
     os.sched_setaffinity(0, cores)  # (MPI: the core mpiexec bound this rank to)
+    # The core each copy of the one-device program runs on: one per device.
+    own_cores = [min(cores)] if here.size > 1 else sorted(cores)
     per_device = MODELS[args.worker]
     solver = purinec.SGD(**SOLVER)
     trace = Trace()
     many = purinec.compile(args.worker, target="cpu", train=solver,
                            batch=per_device * count, devices=devices, parallel="data",
                            trace=trace)
-    one = None
-    if here.rank == 0:  # built on one core: its kernels take the cores they see
-        os.sched_setaffinity(0, {min(cores)})
-        one = purinec.compile(args.worker, target="cpu", train=solver, batch=per_device)
-        os.sched_setaffinity(0, cores)
-    feeds_many = _random_feeds(many)
-    feeds_one = _random_feeds(one) if one is not None else None
+    ones = []
+    for core in own_cores:  # built on one core: its kernels take the cores they see
+        os.sched_setaffinity(0, {core})
+        ones.append(purinec.compile(args.worker, target="cpu", train=solver,
+                                    batch=per_device))
+    os.sched_setaffinity(0, cores)
+    feeds_many, feeds_one = _random_feeds(many), _random_feeds(ones[0])
 
-    def single_device(iterations: int) -> list[float]:
-        """Rank 0 times ``one`` on its first core; the other ranks wait."""
-        times = []
-        if one is not None:
-            os.sched_setaffinity(0, {min(cores)})  # this thread: it runs ``one`` inline
-            times = _timed(one, feeds_one, iterations)
-            os.sched_setaffinity(0, cores)
-        _together(here)
+    def pinned(program, core: int, iterations: int) -> list[float]:
+        os.sched_setaffinity(0, {core})  # this thread: it runs a one-device program inline
+        times = _timed(program, feeds_one, iterations)
+        os.sched_setaffinity(0, cores)
         return times
 
-    def many_devices(iterations: int) -> list[float]:
-        """Every rank times ``many``; the trace keeps the timed steps."""
+    def single_device(iterations: int) -> float:
+        """Rank 0 times one device on its first core; the other ranks wait."""
+        times = pinned(ones[0], own_cores[0], iterations) if here.rank == 0 else [0.0]
+        _together(here)
+        return float(np.median(times[1:]))
+
+    def side_by_side(iterations: int) -> float:
+        """Every device runs its own copy of the one-device program at the same time,
+        exchanging nothing: what N devices would take if communication were free, which
+        shows how much the machine slows a core when its neighbours work too. Returns
+        the slowest device's median: in data parallelism everyone waits for it."""
+        medians: list[float] = []
+        if here.size > 1:
+            medians = [float(np.median(pinned(ones[0], own_cores[0], iterations)[1:]))]
+            _together(here)
+            medians = [m for rank in here.comm.allgather(medians) for m in rank]
+        else:
+            threads = [threading.Thread(target=lambda i=i: medians.append(
+                float(np.median(pinned(ones[i], own_cores[i], iterations)[1:]))))
+                for i in range(count)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        return max(medians)
+
+    def many_devices(iterations: int) -> float:
+        """Every rank times ``many``; the trace keeps the timed steps (not the first)."""
+        kept = len(trace.records)
+        many.step(feeds_many)
+        del trace.records[kept:]
         times = _timed(many, feeds_many, iterations)
         _together(here)
-        return times
+        return float(np.median(times))
 
     single_device(args.warmup)
+    side_by_side(args.warmup)
     many_devices(args.warmup)  # (starts the workers, with every core)
     trace.clear()
     rounds = []
     for _ in range(args.repeats):
-        # Each turn begins with an untimed step: the first after the other program's
+        # Each turn begins with an untimed step: the first after the other programs'
         # turn runs with cold caches and, over MPI, on ranks that were just asleep.
-        one_times = single_device(args.iterations + 1)[1:]
-        kept = len(trace.records)
-        many.step(feeds_many)
-        del trace.records[kept:]
-        rounds.append((one_times, many_devices(args.iterations)))
+        rounds.append({"one_ms": single_device(args.iterations + 1) * 1e3,
+                       "side_by_side_ms": side_by_side(args.iterations + 1) * 1e3,
+                       "many_ms": many_devices(args.iterations) * 1e3})
     many.close()
+    for one in ones:
+        one.close()
     stats = overlap(trace.events())
     busy = [ms for lane, ms in stats["busy_ms"].items()
             if stats["lane_kind"][lane] == COMPUTE_KIND]
     if here.size > 1:
         busy = [ms for rank in here.comm.gather(busy, root=0) or [] for ms in rank]
     if here.rank == 0:
-        one.close()
         iterations = args.iterations * args.repeats
         Path(args.out).write_text(json.dumps({
-            "rounds": [{"one_ms": float(np.median(a)) * 1e3,
-                        "many_ms": float(np.median(b)) * 1e3} for a, b in rounds],
+            "rounds": rounds,
             "comm_ms_per_iteration": stats["comm_ms"] / iterations,
             "exposed_ms_per_iteration": (stats["comm_ms"] - stats["hidden_ms"]) / iterations,
             "hidden_fraction": stats["hidden_fraction"],
-            "compute_ms_per_device": [ms / (args.iterations * args.repeats) for ms in busy],
+            "compute_ms_per_device": [ms / iterations for ms in busy],
             "compute_imbalance": max(busy) / min(busy)}))
 
 
@@ -166,15 +199,18 @@ def measure(model: str, mode: str, args) -> dict:
 
 
 def summarize(result: dict) -> dict:
-    """Medians over the rounds; each round's efficiency from its own pair of medians."""
+    """Medians over the rounds; each round's ratios from its own medians."""
     rounds = result["rounds"]
     efficiencies = [r["one_ms"] / r["many_ms"] for r in rounds]
+    ceilings = [r["one_ms"] / r["side_by_side_ms"] for r in rounds]
     return {
         **result,
-        "one_ms": float(np.median([r["one_ms"] for r in rounds])),
-        "many_ms": float(np.median([r["many_ms"] for r in rounds])),
+        **{key: float(np.median([r[key] for r in rounds]))
+           for key in ("one_ms", "side_by_side_ms", "many_ms")},
         "efficiency": float(np.median(efficiencies)),
         "efficiency_range": (min(efficiencies), max(efficiencies)),
+        "no_comm_efficiency": float(np.median(ceilings)),
+        "no_comm_efficiency_range": (min(ceilings), max(ceilings)),
     }
 
 
@@ -188,7 +224,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=5,
                         help="untimed iterations of each program first (5)")
     parser.add_argument("--repeats", type=int, default=8,
-                        help="rounds, each timing one device then N devices (8)")
+                        help="rounds, each timing one device, N side by side, then N "
+                             "devices (8)")
     parser.add_argument("--mode", default="mpi,threads",
                         help="mpi: one process per device; threads: devices of one process")
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
@@ -200,20 +237,25 @@ def main(argv=None) -> int:
         return 0
     results = {}
     print(f"{'model':12} {'mode':8} {'1 device ms':>12} {f'{args.ranks} devices ms':>14} "
-          f"{'efficiency (range)':>19} {'comm ms':>8} {'hidden':>7} {'exposed ms':>10} "
-          f"{'imbalance':>9}")
+          f"{'efficiency (range)':>19} {'no-comm (range)':>17} {'comm ms':>8} "
+          f"{'hidden':>7} {'exposed ms':>10} {'imbalance':>9}")
     for model in args.models.split(","):
         for mode in args.mode.split(","):
             results[f"{model}/{mode}"] = summary = measure(model, mode, args)
-            low, high = summary["efficiency_range"]
             print(f"{model:12} {mode:8} {summary['one_ms']:12.2f} {summary['many_ms']:14.2f} "
-                  f"{summary['efficiency']:6.2f} ({low:.2f}-{high:.2f}) "
+                  f"{_ratio(summary, 'efficiency'):>19} "
+                  f"{_ratio(summary, 'no_comm_efficiency'):>17} "
                   f"{summary['comm_ms_per_iteration']:8.2f} {summary['hidden_fraction']:7.0%} "
                   f"{summary['exposed_ms_per_iteration']:10.2f} "
                   f"{summary['compute_imbalance']:9.2f}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
+
+
+def _ratio(summary: dict, key: str) -> str:
+    low, high = summary[f"{key}_range"]
+    return f"{summary[key]:.2f} ({low:.2f}-{high:.2f})"
 
 
 if __name__ == "__main__":

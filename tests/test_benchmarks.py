@@ -161,10 +161,12 @@ def test_weak_scaling_benchmark_alternates_rounds_and_reports_each(tmp_path, cap
     assert status == 0 and "lenet        threads" in printed, printed
     summary = json.loads(out.read_text())["lenet/threads"]
     rounds = summary["rounds"]
-    assert len(rounds) == 3 and all(r["one_ms"] > 0 and r["many_ms"] > 0 for r in rounds)
-    efficiencies = [r["one_ms"] / r["many_ms"] for r in rounds]
-    assert summary["efficiency"] == pytest.approx(np.median(efficiencies))
-    assert summary["efficiency_range"] == [min(efficiencies), max(efficiencies)]
+    assert len(rounds) == 3 and all(r["one_ms"] > 0 and r["side_by_side_ms"] > 0 and
+                                    r["many_ms"] > 0 for r in rounds)
+    for key, time in (("efficiency", "many_ms"), ("no_comm_efficiency", "side_by_side_ms")):
+        ratios = [r["one_ms"] / r[time] for r in rounds]
+        assert summary[key] == pytest.approx(np.median(ratios))
+        assert summary[f"{key}_range"] == [min(ratios), max(ratios)]
     assert summary["comm_ms_per_iteration"] > 0 and 0 <= summary["hidden_fraction"] <= 1
     assert 0 <= summary["exposed_ms_per_iteration"] <= summary["comm_ms_per_iteration"]
     assert summary["compute_imbalance"] >= 1

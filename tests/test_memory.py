@@ -296,3 +296,48 @@ def test_an_unread_transfer_output_is_kept_to_the_end():
     memory = plan_memory(graph)
     assert memory.class_of[later.outputs[0]].offset != memory.class_of[sent.outputs[0]].offset
     assert (sent, later) not in memory.hazards
+
+
+def allreduce_graph(read_again: bool) -> tuple[Graph, list]:
+    """Two devices' gradients summed by one in-process allreduce, each sum then used;
+    with ``read_again``, device 0's gradient is also read after the allreduce."""
+    graph = Graph("allreduce")
+    cpu0, cpu1 = Device("cpu", 0), Device("cpu", 1)
+    xs = [graph.add_input(f"x{k}", T44, d) for k, d in enumerate((cpu0, cpu1))]
+    grads = [graph.add_node("tanh", [x], device=x.device).outputs[0] for x in xs]
+    total = graph.add_node("allreduce", grads, {"group": "cpu:0,cpu:1"})
+    for out, grad in zip(total.outputs, grads):
+        out.device = grad.device  # each member's sum on its device, as partition does
+    outputs = [graph.add_node("matmul", [s, s], device=s.device).outputs[0]
+               for s in total.outputs]
+    if read_again:
+        outputs.append(graph.add_node("sigmoid", [grads[0]], device=cpu0).outputs[0])
+    graph.set_outputs([(f"y{i}", v) for i, v in enumerate(outputs)])
+    return graph, grads
+
+
+def test_an_allreduce_sums_each_gradient_where_it_lies():
+    """Nothing reads a gradient after its allreduce, so each member's sum takes its own
+    gradient's memory (MPI then reduces in place, with no copy), although the
+    collective keeps its inputs while in flight."""
+    graph, grads = allreduce_graph(read_again=False)
+    memory = plan_memory(graph)
+    total = graph.nodes[2]
+    donors = {cls.root: cls.donor.root for cls in memory.classes if cls.donor is not None}
+    assert {v: donors.get(v) for v in total.outputs} == dict(zip(total.outputs, grads))
+    env = random_env(graph)
+    assert_same(execute(graph, copied(env)), Executable(graph, reference_kernels(graph))(env))
+    from purinec.runtime.collectives import host_kernel
+
+    kernels = {**reference_kernels(graph), total: host_kernel(total)}
+    assert_same(execute(graph, copied(env)), Executable(graph, kernels)(env))
+
+
+def test_an_allreduce_leaves_a_gradient_read_later_alone():
+    graph, grads = allreduce_graph(read_again=True)
+    memory = plan_memory(graph)
+    total = graph.nodes[2]
+    assert memory.class_of[total.outputs[0]].donor is None
+    assert memory.class_of[total.outputs[1]].donor is memory.class_of[grads[1]]
+    env = random_env(graph)
+    assert_same(execute(graph, copied(env)), Executable(graph, reference_kernels(graph))(env))

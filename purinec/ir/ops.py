@@ -69,6 +69,10 @@ class OpDef:
     variadic: bool = False  # the last input may repeat (one or more times)
     split: SplitFn | None = None
     differentiable: bool = True  # False for backward-only and integer ops
+    # Each output may be written over the input in the same position: the kernel is done
+    # reading an input before it writes the output that takes its memory. (Elementwise
+    # ops may do this for any output and input of the same type.)
+    in_place: bool = False
     doc: str = ""
 
     def complete_attrs(self, attrs: dict) -> dict:
@@ -1065,7 +1069,7 @@ register(OpDef("copy", ("x",), _copy_infer, lambda x: (x.copy(),), X, differenti
                doc="the same tensor on another device"))
 register(OpDef("allreduce", ("xs",), _allreduce_infer, _allreduce_ref, X,
                attrs={"group": Attr("str"), "tensors": Attr("int", 1)}, variadic=True,
-               differentiable=False,
+               differentiable=False, in_place=True,
                doc="sum over the group's members; inputs and outputs are `tensors` tensors "
                    "for each member on this rank, in group order"))
 register(OpDef("allgather", ("xs",), _allgather_infer, _allgather_ref, X,

@@ -48,16 +48,22 @@ def _slicer(axis: int, start: int, stop: int) -> Callable:
 
 
 def _allreducer(tensors: int) -> Callable:
+    """Each tensor's members added up in group order into the first member's output,
+    which is then copied to the others'. An output may lie over its own input (memory
+    planned in place): the first sum reads it before writing, the copies come after."""
     def fn(*arrays: np.ndarray) -> None:
         half = len(arrays) // 2
         xs, ys = arrays[:half], arrays[half:]
         for t in range(tensors):
-            total = ys[t]
-            np.copyto(total, xs[t])
-            for m in range(tensors + t, half, tensors):
-                np.add(total, xs[m], out=total)
-            for m in range(tensors + t, half, tensors):
-                np.copyto(ys[m], total)
+            first, rest, total = xs[t], xs[tensors + t::tensors], ys[t]
+            if rest:
+                np.add(first, rest[0], out=total)
+                for x in rest[1:]:
+                    np.add(total, x, out=total)
+            else:
+                np.copyto(total, first)
+            for y in ys[tensors + t::tensors]:
+                np.copyto(y, total)
     return fn
 
 

@@ -61,9 +61,14 @@ def elementwise(node: Node) -> bool:
 def may_alias(node: Node, output: Value, input: Value) -> bool:
     """Whether ``node``'s kernel stays correct when ``output`` is written into the memory
     of ``input`` (of the same type). The kernel contract promises that for elementwise
-    ops. In a fused node it holds when one elementwise member writes ``output`` and no
-    other member reads ``input`` (members of a group may run as separate loops)."""
+    ops, and for an op marked `in_place` when both hold the same position (an allreduce
+    then sums a gradient where it lies, with no copy). In a fused node it holds when one
+    elementwise member writes ``output`` and no other member reads ``input`` (members of
+    a group may run as separate loops)."""
     if node.body is None:
+        opdef = REGISTRY.get(node.op)
+        if opdef is not None and opdef.in_place:
+            return node.outputs.index(output) == node.inputs.index(input)
         return elementwise(node)
     writers = [m for m in node.body if output in m.outputs]
     readers = [m for m in node.body if input in m.inputs]
@@ -90,6 +95,9 @@ class AliasClass:
     offset: int = -1  # for arena storage
     size: int = 0  # for arena storage: aligned bytes
     donor: "AliasClass | None" = None  # the class whose memory it took over in place
+    # The last position that reads it (or `end`, for outputs): `end` less the time a
+    # communication node may still be reading it in flight.
+    read_end: int = -1
 
     @property
     def device(self) -> Device:
@@ -218,6 +226,8 @@ def _alias_classes(graph: Graph, schedule: list[Node]):
             new_class(value, node, position, ARENA)
     for _, value in graph.outputs:
         class_of[value].end = len(schedule)  # copied out (or returned) after the run
+    for cls in classes:
+        cls.read_end = cls.end
     _keep_in_flight_inputs(schedule, class_of)
     return classes, class_of
 
@@ -289,10 +299,10 @@ def _place_in_arenas(graph, schedule, classes, class_of, may_alias, hazards):
     dying: dict[int, list[AliasClass]] = {}
     for cls in classes:
         dying.setdefault(cls.end, []).append(cls)
+    donors: set[AliasClass] = set()  # their memory lives on in the class that took it
     for position, node in enumerate(schedule):
         if is_view(node):
             continue
-        donors: set[AliasClass] = set()
         for value in node.outputs:
             cls = class_of[value]
             if cls.storage != ARENA:
@@ -320,10 +330,12 @@ def _place_in_arenas(graph, schedule, classes, class_of, may_alias, hazards):
 def _in_place_donor(node: Node, cls: AliasClass, position: int, class_of, taken: set,
                     may_alias) -> AliasClass | None:
     """An arena input of ``node`` whose memory ``cls`` can take: same device and type,
-    read by nothing after ``node``, not already taken by another output."""
+    read by nothing after ``node``, not already taken by another output. (An input of a
+    communication node is kept while the node is in flight; when the output takes its
+    memory, the output's own life covers that.)"""
     for value in node.inputs:
         donor = class_of[value]
-        if (donor.storage == ARENA and donor.end == position and donor not in taken
+        if (donor.storage == ARENA and donor.read_end == position and donor not in taken
                 and donor.device == cls.device
                 and all(v.type == cls.root.type and may_alias(node, cls.root, v)
                         for v in node.inputs if class_of[v] is donor)):
