@@ -6,10 +6,11 @@ import argparse
 import os
 import sys
 import time
+import warnings
 
 import numpy as np
 
-from purinec.errors import PurinecError
+from purinec.errors import PurinecError, PurinecWarning
 from purinec.fileio import atomic_write_text
 
 STAGE_HELP = """\
@@ -321,7 +322,7 @@ def cmd_compile(args) -> int:
         program.close()
     graphs = program.ir.name + ("" if program.eval_ir is program.ir
                                 else f" and {program.eval_ir.name}")
-    print(f"compiled {graphs} in {compiled:.2f} s")
+    print(f"compiled {graphs}{_on_devices(program)} in {compiled:.2f} s")
     print(saved)
     return 0
 
@@ -777,6 +778,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _warning_printer(rank: int, default):
+    """``warnings.showwarning`` for the command line: purinec's own warnings as one
+    line (from rank 0 only: every rank compiles the same program), others as usual."""
+    def show(message, category, filename, lineno, file=None, line=None):
+        if not issubclass(category, PurinecWarning):
+            default(message, category, filename, lineno, file, line)
+        elif rank == 0:
+            print(f"purinec: warning: {message}", file=sys.stderr)
+    return show
+
+
 def main(argv: list[str] | None = None) -> int:
     from purinec.runtime import comm
 
@@ -785,8 +797,10 @@ def main(argv: list[str] | None = None) -> int:
     if here.rank > 0:  # under mpiexec every rank runs the command; rank 0 reports
         sys.stdout = open(os.devnull, "w")
     try:
-        # Under mpiexec, a rank that fails prints its error and ends the whole job.
-        return comm.run_guarded(lambda: args.func(args))
+        with warnings.catch_warnings():
+            warnings.showwarning = _warning_printer(here.rank, warnings.showwarning)
+            # Under mpiexec, a rank that fails prints its error and ends the whole job.
+            return comm.run_guarded(lambda: args.func(args))
     except PurinecError as err:
         print(f"purinec: error: {err}", file=sys.stderr)
         return 1

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import MutableMapping
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
-from purinec.errors import ExecutionError, ModelError, PurinecError
+from purinec.errors import ExecutionError, ModelError, PurinecError, PurinecWarning
 from purinec.ir.graph import Graph, Value
 from purinec.ir.init import initial_value
 from purinec.ir.ops import spans_ranks
@@ -602,7 +603,25 @@ def compile(model: Any, target: str = "reference", train: SGD | None = None,
     eval_graph = (build_graph(source, None, target=target,
                               parallel=spread and _pinned_to(graph, spread))
                   if train is not None else None)
-    return Program(graph, eval_graph, target, seed, trace=trace, after=after)
+    program = Program(graph, eval_graph, target, seed, trace=trace, after=after)
+    if spread is not None:
+        _warn_if_idle(spread, program)
+    return program
+
+
+def _warn_if_idle(spread: Parallel, program: Program) -> None:
+    """Say so when the layout leaves some of the devices asked for without work (a
+    pipeline gets at most one stage per layer): they would sit idle, and under mpiexec
+    a rank holding only idle devices merely waits for the others."""
+    used = set(program.devices)
+    idle = [d for d in spread.devices if d not in used]
+    if idle:
+        warnings.warn(PurinecWarning(
+            f"{spread.strategy} parallelism puts {program.eval_ir.name} on {len(used)} of the "
+            f"{len(spread.devices)} devices given; {', '.join(map(str, idle))} "
+            f"{'gets' if len(idle) == 1 else 'get'} no work"
+            + (": the model has too few layers for that many stages"
+               if spread.strategy == "pipeline" else "")), stacklevel=3)
 
 
 def _pinned_to(graph: Graph, spread: Parallel) -> Parallel:

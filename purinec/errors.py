@@ -12,6 +12,11 @@ class PurinecError(Exception):
     """Base class of every error purinec raises on purpose."""
 
 
+class PurinecWarning(UserWarning):
+    """Something purinec did that the caller may not have meant; the work still ran.
+    The command line prints it as ``purinec: warning: ...``."""
+
+
 class IRSyntaxError(PurinecError):
     """Malformed IR text; carries the 1-based line and column."""
 

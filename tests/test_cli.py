@@ -3,6 +3,7 @@
 import argparse
 import json
 import pathlib
+import re
 import subprocess
 import sys
 import types
@@ -369,6 +370,17 @@ def test_train_errors(artifact, tmp_path, capsys, args, fragments):
                         input_shape=(1, 4, 4)).save(tmp_path / "small.purine")
     args = [a.format(artifact=path, tmp=tmp_path) for a in args]
     assert_clean_error(purinec_here(capsys, *args), *fragments)
+
+
+def test_a_pipeline_longer_than_the_model_warns_in_one_line(tmp_path, capsys):
+    result = purinec_here(capsys, "compile", "mlp", "--train", "--batch", "8", "--devices",
+                          "6", "--parallel", "pipeline", "-o", tmp_path / "mlp.purine")
+    assert result.returncode == 0, result.stderr
+    used = re.search(r"on (\d) devices \((\S+)\)", result.stdout)
+    idle = [f"cpu:{i}" for i in range(6) if f"cpu:{i}" not in used[2].split(",")]
+    assert result.stderr == (f"purinec: warning: pipeline parallelism puts mlp on {used[1]} "
+                             f"of the 6 devices given; {', '.join(idle)} get no work: the "
+                             f"model has too few layers for that many stages\n")
 
 
 def test_dump_parallel_stages_explain_each_collective(capsys):

@@ -4,6 +4,7 @@ equal the single-device one, and the dumps say what was inserted and why."""
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import purinec
-from purinec.errors import PurinecError
+from purinec.errors import PurinecError, PurinecWarning
 from purinec.ir.graph import Graph, member_name
 from purinec.ir.parser import parse
 from purinec.ir.types import Device, DistKind, Distribution, DType, TensorType
@@ -445,6 +446,22 @@ def test_a_pipelines_iteration_counter_comes_back_where_it_is_kept(tmp_path):
     assert len(readers | {counting.device}) == 3 and counting.device != counter.device
     _assert_trains_as_one_device(str(model), None, 3, "reference", iterations=3,
                                  strategy="pipeline").close()
+
+
+def test_a_pipeline_longer_than_the_model_says_which_devices_sit_idle():
+    with pytest.warns(PurinecWarning) as warned:
+        program = purinec.compile("mlp", batch=8, devices=6, parallel="pipeline")
+    used = [str(d) for d in program.devices]
+    idle = [f"cpu:{i}" for i in range(6) if f"cpu:{i}" not in used]
+    assert 1 < len(used) < 6
+    assert str(warned[0].message) == (
+        f"pipeline parallelism puts mlp on {len(used)} of the 6 devices given; "
+        f"{', '.join(idle)} {'gets' if len(idle) == 1 else 'get'} no work: the model has "
+        f"too few layers for that many stages")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PurinecWarning)  # every device works: no warning
+        purinec.compile("mlp", batch=8, devices=2, parallel="pipeline")
+        purinec.compile("mlp", batch=8, devices=6, parallel="data")
 
 
 def test_pipeline_micro_batches_are_checked():
