@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -255,6 +256,25 @@ def test_a_rank_failing_outside_a_run_ends_the_job(how, message):
     done = mpirun(2, "fails.py", "-", how)
     assert done.returncode != 0
     assert f"purinec: rank 1: {message}" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_users_script_run_with_python_m_mpi4py_ends_when_a_rank_raises(fail):
+    """What the README tells users whose scripts do not use run_guarded: rank 0 waits
+    in a step's collectives for rank 1, which raises; mpi4py's runner aborts the job."""
+    environ = {k: v for k, v in os.environ.items() if k != comm.FAIL_RANK_VARIABLE}
+    done = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-m", "mpi4py",
+                           str(SCRIPTS / "unguarded.py"), *(["fail"] if fail else [])],
+                          env=environ, capture_output=True, text=True, timeout=TIMEOUT)
+    if not fail:
+        ran(done)
+        # (the ranks' lines may come through the launcher run together)
+        assert sorted(re.findall(r"rank \d: loss \d\.\d{4}", done.stdout)) == [
+            "rank 0: loss 2.3677", "rank 1: loss 2.3677"], done.stdout
+        return
+    assert done.returncode != 0
+    assert "ValueError: a bug in the user's script on rank 1" in done.stderr, done.stderr
+    assert "MPI_Abort" in done.stderr
 
 
 def test_a_killed_rank_ends_the_job_instead_of_hanging():
