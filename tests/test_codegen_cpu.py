@@ -248,6 +248,23 @@ def test_reduce_sum(shape, data, dtype, keepdims, options):
     check("reduce_sum", [x], {"axes": axes, "keepdims": keepdims}, options)
 
 
+@pytest.mark.parametrize("options", OPTIONS)
+def test_a_long_sum_is_vectorized_yet_as_exact_and_keeps_nan_and_inf(options):
+    """reduce_sum lets LLVM reassociate its float64 sums (vector lanes): the result must
+    stay within float32 rounding of the exact sum, and NaN and infinities must still
+    come through (reassoc alone assumes no finite math)."""
+    x = random_array(np.random.default_rng(7), (6, 5, 700), DType.f32)
+    x[2, 1, 333] = np.nan
+    x[4, 3, 5] = np.inf
+    node = one_node("reduce_sum", [x], {"axes": [0, 2]})
+    assert "fastmath={'reassoc'}" in cpu.render(node, options)
+    (got,) = run_kernel(node, [x], options)
+    exact = x.astype(np.float64).sum(axis=(0, 2))
+    assert np.isnan(got[1]) and got[3] == np.inf
+    finite = [0, 2, 4]
+    np.testing.assert_allclose(got[finite], exact[finite], rtol=1e-7)
+
+
 @SETTINGS
 @given(shape=shapes(4), data=st.data(), dtype=st.sampled_from([*FLOATS, DType.i64]),
        options=st.sampled_from(OPTIONS))

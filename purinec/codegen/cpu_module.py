@@ -95,6 +95,9 @@ class KernelModule:
         self.body = SourceBuilder()
         self.blocks: int | None = None  # the split loop's item count, once split
         self.serial = False  # set by renderers whose loops must not be split
+        # Numba fastmath flags for the whole kernel: only a kernel whose float
+        # arithmetic is all sums may ask for "reassoc" (LLVM then vectorizes them).
+        self.fastmath: set[str] = set()
         self._imports: list[str] = []
         self._helpers: list[str] = []
         self._taken: set[str] = {self.function, "np", "njit", "sgemm", "dgemm", "lo", "hi"}
@@ -175,7 +178,9 @@ class KernelModule:
         out.line()
         out.line()
         # error_model="numpy": x / 0 gives inf or nan as in NumPy, with no check per division
-        out.line('@njit(nogil=True, cache=True, error_model="numpy")')
+        flags = ", ".join(map(repr, sorted(self.fastmath)))
+        fastmath = f", fastmath={{{flags}}}" if self.fastmath else ""
+        out.line(f'@njit(nogil=True, cache=True, error_model="numpy"{fastmath})')
         params = (["lo", "hi"] if self.blocks is not None else []) + [p for p, _ in self.params]
         with out.block(f"def {self.function}({', '.join(params)}):"):
             with out.origin(*self.nodes):
