@@ -249,6 +249,19 @@ def test_reduce_sum(shape, data, dtype, keepdims, options):
 
 
 @pytest.mark.parametrize("options", OPTIONS)
+@pytest.mark.parametrize("dtype", [DType.f32, DType.i32])
+@pytest.mark.parametrize("shape, axes", [((9, 70), [0]), ((3, 9, 70), [1]),
+                                         ((2, 3, 4, 70), [1, 2])])
+def test_sums_down_columns_add_whole_rows(shape, axes, dtype, options):
+    """A sum whose innermost axis is kept (a fully connected layer's bias gradient)
+    adds rows into a row of sums; blocked, over the outer axis or over columns."""
+    x = random_array(np.random.default_rng(3), shape, dtype)
+    node = one_node("reduce_sum", [x], {"axes": axes})
+    assert "total[" in cpu.render(node, options)
+    check("reduce_sum", [x], {"axes": axes}, options)
+
+
+@pytest.mark.parametrize("options", OPTIONS)
 def test_a_long_sum_is_vectorized_yet_as_exact_and_keeps_nan_and_inf(options):
     """reduce_sum lets LLVM reassociate its float64 sums (vector lanes): the result must
     stay within float32 rounding of the exact sum, and NaN and infinities must still

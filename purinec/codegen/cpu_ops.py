@@ -160,7 +160,8 @@ def render_concat_split(node: Node, m: KernelModule) -> None:
 def render_reduce_sum(node: Node, m: KernelModule) -> None:
     """Loops over the kept axes outside (each output element written once, so blocks of
     the outermost are independent) and the summed axes inside, accumulating in a
-    scalar."""
+    scalar; a sum down columns (the innermost axis kept) adds whole rows instead
+    (`_sum_rows`)."""
     x, out, b = m.inputs[0], m.outputs[0], m.body
     x_type, out_type = node.inputs[0].type, node.outputs[0].type
     summed = set(node.attrs["axes"])
@@ -177,6 +178,9 @@ def render_reduce_sum(node: Node, m: KernelModule) -> None:
     b.line(f"{view} = {x}.reshape({tuple(e for _, e in groups) or (1,)!r})")
     out_flat = m.fresh(out + "_flat")
     b.line(f"{out_flat} = {out}.reshape(({max(out_type.size, 1)},))")
+    if [s for s, _ in groups] in ([True, False], [False, True, False]):
+        _sum_rows(node, m, view, out_flat, [e for _, e in groups])
+        return
     kept = [k for k, (s, _) in enumerate(groups) if not s]
     sums = [k for k, (s, _) in enumerate(groups) if s]
     out_index = " + ".join(
@@ -206,6 +210,40 @@ def render_reduce_sum(node: Node, m: KernelModule) -> None:
             _sum_innermost(m, node, view, loop_vars, groups[inner][1], acc)
     with b.indent(len(kept)):
         b.line(f"{out_flat}[{out_index}] = {_cast(acc, out_type.dtype)}")
+
+
+def _sum_rows(node: Node, m: KernelModule, view: str, out_flat: str,
+              extents: list[int]) -> None:
+    """A sum over the rows of ``view`` (``[rows, width]``, or ``[outer, rows, width]``
+    with a sum for each outer index): the rows are added into a float64 row in order,
+    a loop along the row that vectorises, where a loop down each column would read one
+    element per cache line. The outer axis is the blocked one; without one, blocks of
+    columns."""
+    b, dtype = m.body, node.inputs[0].type.dtype
+    *outer, rows, width = extents
+    r, j, total = m.fresh("r"), m.fresh("j"), m.fresh("total")
+    at = ""  # the outer index, then ", " (or nothing)
+    if outer:
+        o = m.fresh("o")
+        lo, hi = m.split(outer[0], _prod(extents))
+        b.line(f"{total} = np.empty({width}, {_accumulator(dtype)})")
+        b.line(f"for {o} in range({span_of(lo, hi)}):")
+        at, count, part, out_row = f"{o}, ", str(width), view, m.fresh("out_row")
+        b.line(f"    {out_row} = {out_flat}[{o} * {width}:{o} * {width} + {width}]")
+    else:
+        lo, hi = m.split(width, _prod(extents))
+        count = width if lo == "0" else f"{hi} - {lo}"
+        part, out_row = m.fresh("part"), m.fresh("out_row")
+        b.line(f"{part} = {view}[:, {lo}:{hi}]" if lo != "0" else f"{part} = {view}")
+        b.line(f"{out_row} = {out_flat}[{lo}:{hi}]" if lo != "0" else f"{out_row} = {out_flat}")
+        b.line(f"{total} = np.empty({count}, {_accumulator(dtype)})")
+    with b.indent(1 if outer else 0):
+        with b.block(f"for {j} in range({count}):"):
+            b.line(f"{total}[{j}] = 0")
+        with b.block(f"for {r} in range({rows}):"), b.block(f"for {j} in range({count}):"):
+            b.line(f"{total}[{j}] += {part}[{at}{r}, {j}]")
+        with b.block(f"for {j} in range({count}):"):
+            b.line(f"{out_row}[{j}] = {_cast(f'{total}[{j}]', node.outputs[0].type.dtype)}")
 
 
 def _sum_innermost(m: KernelModule, node: Node, view: str, loop_vars: list[str], extent: int,
