@@ -318,6 +318,9 @@ class TensorStore(MutableMapping):
         view.flags.writeable = False
         return view
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._arrays  # (Mapping's would make a view to find out)
+
     def __setitem__(self, name: str, value) -> None:
         if name not in self._arrays:
             raise PurinecError(f"no {self._kind} named {name!r}; the program has "
