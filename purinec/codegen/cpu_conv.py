@@ -51,35 +51,45 @@ def _gemm(m: KernelModule, node: Node, a: str, b: str, c: str, rows, cols, inner
 
 @renders("matmul")
 def render_matmul(node: Node, m: KernelModule) -> None:
-    emit_matmul(node, m, *m.inputs, m.outputs[0], by_rows=False)
+    emit_matmul(node, m, *m.inputs, m.outputs[0])
 
 
-def emit_matmul(node: Node, m: KernelModule, a: str, bm: str, out: str, by_rows: bool,
-            out_rows_from: str = "0") -> tuple[str, str]:
-    """One GEMM into ``out``; a big one in blocks of rows (or of columns, when there
-    are more of them and ``by_rows`` is not asked). ``out`` holds the output's rows
-    from ``out_rows_from`` on (a block's scratch), else all of them. Returns the bounds
-    of the rows computed."""
+# Products with fewer rows than this are split across threads in blocks of columns when
+# they have more columns than rows (see `emit_matmul`).
+FEW_ROWS = 128
+
+
+def emit_matmul(node: Node, m: KernelModule, a: str, bm: str,
+                out: str | None) -> tuple[str, str, bool]:
+    """One GEMM into ``out``, or with ``out`` None into a scratch ``product`` holding
+    just what this call computes. A big one runs in blocks of rows, or of columns when
+    it has few rows (`FEW_ROWS`) and more columns: a block of a short, wide product then
+    keeps every row, and OpenBLAS runs a [64, 256] block about 20% faster than a
+    [32, 512] one. Returns the block's bounds and whether they count columns."""
     ta, tb = node.attrs["trans_a"], node.attrs["trans_b"]
     a_shape, b_shape = node.inputs[0].type.shape, node.inputs[1].type.shape
     rows, cols = node.outputs[0].type.shape
     inner = a_shape[0] if ta else a_shape[1]
-    if rows == 0 or cols == 0:
-        return "0", str(rows)
     lda, ldb, work = a_shape[1], b_shape[1], rows * cols * inner
-    if by_rows or rows >= cols:  # blocks of rows of op(a) and of the output
-        lo, hi = m.split(rows, work)
+    by_columns = cols > rows and rows < FEW_ROWS
+    lo, hi = m.split(cols if by_columns else rows, work) if rows and cols else ("0", "0")
+    count = (cols if by_columns else rows) if lo == "0" else f"{hi} - {lo}"
+    ldc = cols
+    if out is None:
+        out, ldc = "product", (count if by_columns else cols)
+        shape = f"({rows}, {count})" if by_columns else f"({count}, {cols})"
+        m.body.line(f"product = np.empty({shape}, {dtype_name(node)})")
+    elif lo != "0":
+        out = f"{out}[:, {lo}:{hi}]" if by_columns else f"{out}[{lo}:{hi}]"
+    if rows == 0 or cols == 0:
+        return "0", str(rows), False
+    if by_columns:  # blocks of columns of op(b) and of the output
+        b_block = bm if lo == "0" else (f"{bm}[{lo}:{hi}]" if tb else f"{bm}[:, {lo}:{hi}]")
+        _gemm(m, node, a, b_block, out, rows, count, inner, lda, ldb, ldc, 0, ta, tb)
+    else:  # blocks of rows of op(a) and of the output
         a_block = a if lo == "0" else (f"{a}[:, {lo}:{hi}]" if ta else f"{a}[{lo}:{hi}]")
-        out_block = out if lo == out_rows_from else f"{out}[{lo}:{hi}]"
-        count = rows if lo == "0" else f"{hi} - {lo}"
-        _gemm(m, node, a_block, bm, out_block, count, cols, inner, lda, ldb, cols, 0, ta, tb)
-        return lo, hi
-    lo, hi = m.split(cols, work)  # blocks of columns of op(b) and of the output
-    b_block = bm if lo == "0" else (f"{bm}[{lo}:{hi}]" if tb else f"{bm}[:, {lo}:{hi}]")
-    out_block = out if lo == "0" else f"{out}[:, {lo}:{hi}]"
-    count = cols if lo == "0" else f"{hi} - {lo}"
-    _gemm(m, node, a, b_block, out_block, rows, count, inner, lda, ldb, cols, 0, ta, tb)
-    return "0", str(rows)
+        _gemm(m, node, a_block, bm, out, count, cols, inner, lda, ldb, ldc, 0, ta, tb)
+    return lo, hi, by_columns
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """CPU renderer of fused nodes, the three shapes of group `purinec.passes.fuse` makes.
 
 * epilogue: a ``conv2d`` or ``matmul`` anchor, then elementwise members run on each of
-  its images (or rows) as soon as it is computed; an anchor output nobody outside the
-  node reads lives only in a scratch;
+  its images (or rows; a product computed in blocks of columns: each row's block) as
+  soon as it is computed; an anchor output nobody outside the node reads lives only in
+  a scratch;
 * loop: elementwise and broadcast members whose outputs have one shape, one loop;
 * horizontal: members of several shapes that do not read one another (the solver's
   updates), one loop each.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from purinec.codegen.cpu_conv import emit_conv2d, emit_matmul
 from purinec.codegen.cpu_module import KernelModule, renders
-from purinec.codegen.cpu_ops import dtype_name, span_of
+from purinec.codegen.cpu_ops import span_of
 from purinec.codegen.elementwise import emit_loop
 from purinec.codegen.kernel import CodegenError
 from purinec.ir.graph import Node, Value
@@ -70,20 +71,16 @@ def _render_epilogue(node: Node, m: KernelModule, arrays: dict[Value, str]) -> N
         with m.body.origin(anchor):
             emit_conv2d(anchor, m, *ins, arrays[produced] if exported else None, epilogue)
         return
-    rows, cols = produced.type.shape
     with m.body.origin(anchor):
-        if exported:
-            lo, hi = emit_matmul(anchor, m, *ins, arrays[produced], by_rows=True)
-        else:
-            inner = anchor.inputs[0].type.shape[0 if anchor.attrs["trans_a"] else 1]
-            lo, hi = m.split(rows, rows * cols * inner)
-            count = rows if lo == "0" else f"{hi} - {lo}"
-            m.body.line(f"product = np.empty(({count}, {cols}), {dtype_name(anchor)})")
-            emit_matmul(anchor, m, *ins, "product", by_rows=True, out_rows_from=lo)
+        lo, hi, by_columns = emit_matmul(anchor, m, *ins,
+                                         arrays[produced] if exported else None)
     r = m.fresh("r")
-    with m.body.block(f"for {r} in range({span_of(lo, hi)}):"):
+    rows = produced.type.shape[0]
+    with m.body.block(f"for {r} in range({rows if by_columns else span_of(lo, hi)}):"):
         local = dict(arrays)
         if not exported:
-            local[produced] = f"product[{r}]" if lo == "0" else f"product[{r} - {lo}]"
+            local[produced] = (f"product[{r}]" if by_columns or lo == "0"
+                               else f"product[{r} - {lo}]")
         emit_loop(m, rest, local, outputs, outer=r,
-                  local=frozenset() if exported else frozenset([produced]))
+                  local=frozenset() if exported else frozenset([produced]),
+                  columns=(lo, hi) if by_columns and lo != "0" else None)

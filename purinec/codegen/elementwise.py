@@ -253,7 +253,8 @@ class _Operand:
 
 def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value, str],
               outputs: Sequence[Value], outer: str | None = None,
-              local: frozenset[Value] = frozenset()) -> None:
+              local: frozenset[Value] = frozenset(),
+              columns: tuple[str, str] | None = None) -> None:
     """Write into ``module.body`` one loop nest computing ``outputs`` from ``members``.
 
     ``members`` are elementwise/broadcast nodes in dependency order, each with a scalar
@@ -263,8 +264,9 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
     With ``outer`` (an index expression), the loop covers only ``[outer, ...]``: one
     image or row, as an epilogue inside its producer's loop. Arrays varying along axis
     0 are then indexed at ``outer``, except the ``local`` ones, which hold just that
-    image already (a producer's scratch). Otherwise the outermost loop may become the
-    kernel's blocked loop (`KernelModule.split`).
+    image already (a producer's scratch). With ``columns`` too (``lo, hi``), only that
+    block of a row: a matmul computed in blocks of columns. Otherwise the outermost
+    loop may become the kernel's blocked loop (`KernelModule.split`).
     """
     shape = outputs[0].type.shape
     _check_group(members, outputs, shape)
@@ -296,6 +298,8 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
     bounds = ("0", str(extents[0])) if extents else None
     if extents and not first:
         bounds = module.split(extents[0], _prod(shape))
+    if extents and columns is not None:
+        bounds = columns
     block_start = bounds[0] if bounds and bounds[0] != "0" else None
 
     # Evaluate the members' rules in order; each result becomes a local.
@@ -316,12 +320,18 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
         statements.append((node, ctx.body))
 
     body = module.body
+    # A producer's scratch holds just the block of columns already; others are sliced.
+    blocks_only = {id(op) for (value, _), op in loads.items() if value in local}
     with body.origin(*members):
         for op in list(loads.values()) + stores:
             op.view = module.fresh(op.hint + "_v")
-            dims = tuple(extents[k] for k in op.merged) or (1,)
-            sliced = f"[{block_start}:{bounds[1]}]" if block_start and 0 in op.merged else ""
-            body.line(f"{op.view} = {op.array}.reshape({dims!r}){sliced}")
+            blocked = block_start is not None and 0 in op.merged
+            dims = [str(extents[k]) for k in op.merged] or ["1"]
+            if blocked and id(op) in blocks_only:
+                dims[0], sliced = f"{bounds[1]} - {block_start}", ""
+            else:
+                sliced = f"[{block_start}:{bounds[1]}]" if blocked else ""
+            body.line(f"{op.view} = {op.array}.reshape(({', '.join(dims)},)){sliced}")
         for op in loads.values():
             if not op.merged:  # the same element everywhere: read it once
                 body.line(f"{op.element} = {op.view}[0]")
