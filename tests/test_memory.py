@@ -284,6 +284,25 @@ def test_a_transfer_in_flight_keeps_its_input_memory():
     assert_same(execute(graph, copied(env)), exe(env))
 
 
+def test_an_elementwise_node_does_not_write_over_an_input_in_flight():
+    """Only an in_place node may take an input that its own transfer still reads: a
+    relu reading the same value after a copy has started must not overwrite it."""
+    graph = Graph("in flight, then relu")
+    cpu0, cpu1 = Device("cpu", 0), Device("cpu", 1)
+    x = graph.add_input("x", T44, cpu0)
+    sent = graph.add_node("tanh", [x], device=cpu0).outputs[0]
+    copy = graph.add_node("copy", [sent], device=cpu1)
+    relu = graph.add_node("relu", [sent], device=cpu0)  # the last reader of %sent here
+    later = graph.add_node("matmul", [x, x], device=cpu0)  # the copy is still in flight
+    received = graph.add_node("matmul", [copy.outputs[0], copy.outputs[0]], device=cpu1)
+    graph.set_outputs([("a", relu.outputs[0]), ("b", received.outputs[0]),
+                       ("c", later.outputs[0])])
+    memory = plan_memory(graph)
+    assert memory.class_of[relu.outputs[0]].donor is None
+    env = random_env(graph)
+    assert_same(execute(graph, copied(env)), Executable(graph, reference_kernels(graph))(env))
+
+
 def test_an_unread_transfer_output_is_kept_to_the_end():
     """What a rank sends toward a reduce's root is read by nobody here, but the transfer
     reads it until it completes: no later node may take its memory."""

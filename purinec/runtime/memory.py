@@ -331,11 +331,15 @@ def _in_place_donor(node: Node, cls: AliasClass, position: int, class_of, taken:
                     may_alias) -> AliasClass | None:
     """An arena input of ``node`` whose memory ``cls`` can take: same device and type,
     read by nothing after ``node``, not already taken by another output. (An input of a
-    communication node is kept while the node is in flight; when the output takes its
-    memory, the output's own life covers that.)"""
+    communication node is kept while the node is in flight; when an `in_place` node's
+    own output takes its memory, the output's life covers that. Any other node waits
+    until no transfer reads the input.)"""
+    opdef = REGISTRY.get(node.op)
+    in_place = node.body is None and opdef is not None and opdef.in_place
     for value in node.inputs:
         donor = class_of[value]
-        if (donor.storage == ARENA and donor.read_end == position and donor not in taken
+        last = donor.read_end if in_place else donor.end
+        if (donor.storage == ARENA and last == position and donor not in taken
                 and donor.device == cls.device
                 and all(v.type == cls.root.type and may_alias(node, cls.root, v)
                         for v in node.inputs if class_of[v] is donor)):
