@@ -7,10 +7,10 @@
 """
 
 from purinec.compiler import STAGES, Program, compile, load
-from purinec.errors import ArtifactError, IRSyntaxError, PurinecError
+from purinec.errors import ArtifactError, IRSyntaxError, PurinecError, PurinecWarning
 from purinec.passes.optimizer import SGD
 
 __version__ = "0.1.0"
 
-__all__ = ["compile", "load", "Program", "SGD", "STAGES", "PurinecError", "IRSyntaxError",
-           "ArtifactError", "__version__"]
+__all__ = ["compile", "load", "Program", "SGD", "STAGES", "PurinecError", "PurinecWarning",
+           "IRSyntaxError", "ArtifactError", "__version__"]
