@@ -100,6 +100,7 @@ class KernelModule:
         self.fastmath: set[str] = set()
         self._imports: list[str] = []
         self._helpers: list[str] = []
+        self._constants: list[str] = []
         self._taken: set[str] = {self.function, "np", "njit", "sgemm", "dgemm", "lo", "hi"}
         self._roles = _roles(self.nodes, inputs, outputs)
         self.inputs = [self.fresh(v.name) for v in inputs]
@@ -130,6 +131,13 @@ class KernelModule:
     def import_line(self, line: str) -> None:
         if line not in self._imports:
             self._imports.append(line)
+
+    def constant(self, hint: str, values: Sequence[int]) -> str:
+        """A module-level int64 array of ``values``; returns its name. Numba compiles a
+        global array into the kernel as a constant table."""
+        name = self.fresh(hint)
+        self._constants.append(f"{name} = np.array([{', '.join(map(str, values))}], np.int64)")
+        return name
 
     def helper(self, name: str) -> str:
         """Ask for the module-level helper ``name`` (see `HELPERS`); returns its name."""
@@ -171,6 +179,7 @@ class KernelModule:
         out.line("import numpy as np")
         out.line("from numba import njit")
         out.lines(self._imports)
+        out.lines(self._constants)
         for name in self._helpers:
             out.line()
             out.line()
