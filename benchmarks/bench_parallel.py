@@ -83,17 +83,19 @@ def worker(args) -> None:
     os.sched_setaffinity(0, cores)
     feeds_many, feeds_one = _random_feeds(many), _random_feeds(ones[0])
 
-    def pinned(program, core: int, iterations: int) -> list[float]:
+    def pinned(program, core: int, iterations: int) -> float:
+        """One device's median step on ``core``, after an untimed step."""
         os.sched_setaffinity(0, {core})  # this thread: it runs a one-device program inline
+        program.step(feeds_one)
         times = _timed(program, feeds_one, iterations)
         os.sched_setaffinity(0, cores)
-        return times
+        return float(np.median(times))
 
     def single_device(iterations: int) -> float:
         """Rank 0 times one device on its first core; the other ranks wait."""
-        times = pinned(ones[0], own_cores[0], iterations) if here.rank == 0 else [0.0]
+        median = pinned(ones[0], own_cores[0], iterations) if here.rank == 0 else 0.0
         _together(here)
-        return float(np.median(times[1:]))
+        return median
 
     def side_by_side(iterations: int) -> float:
         """Every device runs its own copy of the one-device program at the same time,
@@ -102,13 +104,12 @@ def worker(args) -> None:
         the slowest device's median: in data parallelism everyone waits for it."""
         medians: list[float] = []
         if here.size > 1:
-            medians = [float(np.median(pinned(ones[0], own_cores[0], iterations)[1:]))]
+            medians = [pinned(ones[0], own_cores[0], iterations)]
             _together(here)
             medians = [m for rank in here.comm.allgather(medians) for m in rank]
         else:
             threads = [threading.Thread(target=lambda i=i: medians.append(
-                float(np.median(pinned(ones[i], own_cores[i], iterations)[1:]))))
-                for i in range(count)]
+                pinned(ones[i], own_cores[i], iterations))) for i in range(count)]
             for thread in threads:
                 thread.start()
             for thread in threads:
@@ -132,8 +133,8 @@ def worker(args) -> None:
     for _ in range(args.repeats):
         # Each turn begins with an untimed step: the first after the other programs'
         # turn runs with cold caches and, over MPI, on ranks that were just asleep.
-        rounds.append({"one_ms": single_device(args.iterations + 1) * 1e3,
-                       "side_by_side_ms": side_by_side(args.iterations + 1) * 1e3,
+        rounds.append({"one_ms": single_device(args.iterations) * 1e3,
+                       "side_by_side_ms": side_by_side(args.iterations) * 1e3,
                        "many_ms": many_devices(args.iterations) * 1e3})
     many.close()
     for one in ones:
