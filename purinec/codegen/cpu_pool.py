@@ -7,8 +7,8 @@ sum (0), so every window has the same constant size and needs no clipping. Max
 pooling always copies, into one scratch per column phase (column modulo the stride), so
 that neighbouring windows read neighbouring entries and a row of windows vectorises.
 The gradient of max pooling recomputes each window's first maximum with selects, not
-branches, and finds where that element lies in constant tables. LRN works one image at a time with its window sums in channel order, as the
-reference adds them.
+branches, and finds where that element lies in constant tables. LRN works one image at
+a time with its window sums in channel order, as the reference adds them.
 """
 
 from __future__ import annotations

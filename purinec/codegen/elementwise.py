@@ -320,24 +320,24 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
         statements.append((node, ctx.body))
 
     body = module.body
-    # A producer's scratch holds just the block of columns already; others are sliced.
-    blocks_only = {id(op) for (value, _), op in loads.items() if value in local}
+    count = (f"{bounds[1]} - {block_start}" if block_start else bounds[1]) if extents else ""
+    operands = [(value, op) for (value, _), op in loads.items()] + list(zip(outputs, stores))
     with body.origin(*members):
-        for op in list(loads.values()) + stores:
+        for value, op in operands:
             op.view = module.fresh(op.hint + "_v")
-            blocked = block_start is not None and 0 in op.merged
             dims = [str(extents[k]) for k in op.merged] or ["1"]
-            if blocked and id(op) in blocks_only:
-                dims[0], sliced = f"{bounds[1]} - {block_start}", ""
-            else:
-                sliced = f"[{block_start}:{bounds[1]}]" if blocked else ""
+            sliced = ""
+            if block_start is not None and 0 in op.merged:
+                if value in local:  # a producer's scratch holds just the block already
+                    dims[0] = count
+                else:
+                    sliced = f"[{block_start}:{bounds[1]}]"
             body.line(f"{op.view} = {op.array}.reshape(({', '.join(dims)},)){sliced}")
         for op in loads.values():
             if not op.merged:  # the same element everywhere: read it once
                 body.line(f"{op.element} = {op.view}[0]")
         for name, expr in ctx.prologue:
             body.line(f"{name} = {expr}")
-    count = (f"{bounds[1]} - {block_start}" if block_start else bounds[1]) if extents else ""
 
     def nest(store_views: dict[int, str]) -> None:
         """The loops, storing output k into ``store_views[k]`` (default: its view)."""

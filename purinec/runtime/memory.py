@@ -58,6 +58,12 @@ def elementwise(node: Node) -> bool:
     return opdef is not None and opdef.fusion is FusionKind.elementwise
 
 
+def in_place(node: Node) -> bool:
+    """Whether ``node``'s op is marked `in_place` in the registry (see `may_alias`)."""
+    opdef = REGISTRY.get(node.op)
+    return node.body is None and opdef is not None and opdef.in_place
+
+
 def may_alias(node: Node, output: Value, input: Value) -> bool:
     """Whether ``node``'s kernel stays correct when ``output`` is written into the memory
     of ``input`` (of the same type). The kernel contract promises that for elementwise
@@ -65,10 +71,9 @@ def may_alias(node: Node, output: Value, input: Value) -> bool:
     then sums a gradient where it lies, with no copy). In a fused node it holds when one
     elementwise member writes ``output`` and no other member reads ``input`` (members of
     a group may run as separate loops)."""
+    if in_place(node):
+        return node.outputs.index(output) == node.inputs.index(input)
     if node.body is None:
-        opdef = REGISTRY.get(node.op)
-        if opdef is not None and opdef.in_place:
-            return node.outputs.index(output) == node.inputs.index(input)
         return elementwise(node)
     writers = [m for m in node.body if output in m.outputs]
     readers = [m for m in node.body if input in m.inputs]
@@ -334,11 +339,10 @@ def _in_place_donor(node: Node, cls: AliasClass, position: int, class_of, taken:
     communication node is kept while the node is in flight; when an `in_place` node's
     own output takes its memory, the output's life covers that. Any other node waits
     until no transfer reads the input.)"""
-    opdef = REGISTRY.get(node.op)
-    in_place = node.body is None and opdef is not None and opdef.in_place
+    own_transfer = in_place(node)
     for value in node.inputs:
         donor = class_of[value]
-        last = donor.read_end if in_place else donor.end
+        last = donor.read_end if own_transfer else donor.end
         if (donor.storage == ARENA and last == position and donor not in taken
                 and donor.device == cls.device
                 and all(v.type == cls.root.type and may_alias(node, cls.root, v)
