@@ -511,11 +511,18 @@ def fused_graph(build) -> tuple[Graph, Node]:
     return graph, node
 
 
-def check_fused(graph: Graph, node: Node, inputs: dict[str, np.ndarray], options) -> None:
+def member_references(node: Node, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every value a node (fused or not) computes, by name, from its members' NumPy
+    references in order."""
     values = {v.name: inputs[v.name] for v in node.inputs}
-    for member in node.body:
+    for member in node.body or [node]:
         results = reference(member, [values[v.name] for v in member.inputs])
         values.update({v.name: r for v, r in zip(member.outputs, results)})
+    return values
+
+
+def check_fused(graph: Graph, node: Node, inputs: dict[str, np.ndarray], options) -> None:
+    values = member_references(node, inputs)
     got = run_kernel(node, [inputs[v.name] for v in node.inputs], options)
     for value, array in zip(node.outputs, got):
         np.testing.assert_allclose(array, values[value.name], rtol=1e-4, atol=1e-4)
@@ -562,10 +569,7 @@ def _sgd_in_place(graph: Graph, node: Node, inputs: dict[str, np.ndarray], optio
                   where: dict[str, str]) -> None:
     """Run ``node`` with each output ``where`` names stored over that input's array (as
     the memory planner does), and check every output against the members' references."""
-    values = dict(inputs)
-    for member in node.body or [node]:
-        results = reference(member, [values[v.name] for v in member.inputs])
-        values.update({v.name: r for v, r in zip(member.outputs, results)})
+    values = member_references(node, inputs)
     arrays = {v.name: inputs[v.name].copy() for v in node.inputs}
     outputs = [arrays[where[v.name]] if v.name in where else
                np.full(v.type.shape, np.nan, v.type.dtype.numpy) for v in node.outputs]
