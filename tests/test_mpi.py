@@ -17,12 +17,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import purinec
 from purinec.errors import PurinecError
 from purinec.ir.graph import Graph
 from purinec.ir.types import DType, Device, TensorType
-from purinec.runtime import comm
+from purinec.runtime import comm, shm
 from purinec.runtime.executor import Executable
 from tests.mpi_scripts.common import assert_output_close, assert_weights_close
 
@@ -120,6 +122,25 @@ def test_kernels_refuse_what_they_cannot_do():
         comm.mpi_kernel(graph.add_node("copy", [b]), comm.world())
 
 
+@given(n=st.integers(0, 5000), itemsize=st.sampled_from([4, 8]), size=st.integers(1, 9))
+def test_shared_memory_chunks_cover_a_buffer_once_each_from_a_cache_line(n, itemsize, size):
+    chunks = [shm._chunk(n, itemsize, rank, size) for rank in range(size)]
+    assert chunks[0][0] == 0 and chunks[-1][1] == n
+    for (_, hi), (lo, _) in zip(chunks, chunks[1:]):
+        assert hi == lo
+    for lo, hi in chunks:
+        assert lo <= hi and lo * itemsize % shm.ALIGNMENT == 0
+
+
+def test_a_shared_memory_allreduce_without_its_window_says_so():
+    graph = Graph("g")
+    x = graph.add_input("x.p0", TensorType((3,), DType.f32))
+    node = graph.add_node("allreduce", [x], attrs={"group": "cpu:0,r1/cpu:0"})
+    kernel = shm.SharedAllreduce(node, shm.SharedGroup(comm=None), fallback=None)
+    with pytest.raises(PurinecError, match="never given its window"):
+        kernel(np.ones(3, np.float32), np.ones(3, np.float32))
+
+
 def test_without_a_launcher_mpi_is_never_started():
     env = {k: v for k, v in os.environ.items() if k not in comm.LAUNCHER_VARIABLES}
     code = ("import sys; from purinec.runtime import comm; w = comm.world(); "
@@ -171,7 +192,7 @@ def check_gather(inputs: list[np.ndarray], outputs: list[np.ndarray], axis: int)
         np.testing.assert_array_equal(out, whole)
 
 
-def check_collectives(outdir: Path, size: int) -> None:
+def check_collectives(outdir: Path, size: int, ends: bool = True) -> None:
     """What tests/mpi_scripts/collectives.py computed on ``size`` ranks (its groups: two
     devices a rank, ranks interleaved; the first device of each rank; each rank's own
     two devices; and the first and last rank; a parameter server's reduce of a bucket
@@ -206,23 +227,55 @@ def check_collectives(outdir: Path, size: int) -> None:
                     r_in[f"ps{t}.p{r}"] + r_in[f"ps{t}.p{r + size}"]).tobytes()
         assert ([out.tobytes() for out in member_outs("ps_all")] ==
                 [outputs[-1]["ps_sum0"].tobytes()] * 2 * size)
-        if size >= 3:
-            ends = [ranks[0][0]["ends.p0"], ranks[-1][0]["ends.p1"]]
-            check_sum(ends, member_outs("ends_out"))
+        if ends and size >= 3:
+            check_sum([ranks[0][0]["ends.p0"], ranks[-1][0]["ends.p1"]],
+                      member_outs("ends_out"))
             assert not any(k.startswith("ends") for k in outputs[1])
     for r in range(size):
         _, aliased = load(outdir / f"rank{r}.aliased.npz")
         np.testing.assert_array_equal(aliased["x"], size * (size + 1) / 2)
+        np.testing.assert_array_equal(aliased["y"], size * (size + 1) / 2)
 
 
-def test_collectives_on_two_ranks(tmp_path):
-    ran(mpirun(2, "collectives.py", tmp_path))
+def kernels_over_all_ranks(outdir: Path, size: int) -> set[str]:
+    """The kinds of kernel the allreduces and allgathers over every rank got, on any
+    rank."""
+    kinds = [json.loads((outdir / f"rank{r}.kernels.json").read_text()) for r in range(size)]
+    return {kind for ranks in kinds for name, kind in ranks.items()
+            if name.startswith(("bucket_out", "one_out", "gather_out", "rows_out"))}
+
+
+SHARED = {"SharedAllreduce in shared memory", "SharedAllgather in shared memory"}
+
+
+@pytest.mark.parametrize("shared", ["1", "0"])
+def test_collectives_on_two_ranks(tmp_path, shared):
+    """Allreduces and allgathers over ranks of one machine work in shared memory,
+    unless turned off."""
+    ran(mpirun(2, "collectives.py", tmp_path, **{shm.SWITCH_VARIABLE: shared}))
     check_collectives(tmp_path, 2)
+    expected = SHARED if shared == "1" else {"_Allreduce", "_Allgather"}
+    assert kernels_over_all_ranks(tmp_path, 2) == expected
+
+
+def test_collectives_fall_back_to_mpi_when_a_rank_finds_no_room_in_shared_memory(tmp_path):
+    ran(mpirun(2, "collectives.py", tmp_path, "no-room"))
+    check_collectives(tmp_path, 2)
+    assert kernels_over_all_ranks(tmp_path, 2) == {"SharedAllreduce", "SharedAllgather"}
 
 
 def test_collectives_on_three_ranks_with_a_subgroup(tmp_path):
     ran(mpirun(3, "collectives.py", tmp_path))
     check_collectives(tmp_path, 3)
+    # Ranks 0 and 2 reduce over two groups of ranks, and their arenas can lie in one
+    # shared window only, so every collective over ranks goes through MPI.
+    assert kernels_over_all_ranks(tmp_path, 3) == {"_Allreduce", "_Allgather"}
+
+
+def test_collectives_on_three_ranks_in_shared_memory(tmp_path):
+    ran(mpirun(3, "collectives.py", tmp_path, "no-ends"))
+    check_collectives(tmp_path, 3, ends=False)
+    assert kernels_over_all_ranks(tmp_path, 3) == SHARED
 
 
 def test_compute_overlaps_a_pending_allreduce(tmp_path):

@@ -12,6 +12,7 @@ from typing import Callable
 
 import numpy as np
 
+from purinec.errors import PurinecError
 from purinec.ir.graph import Node
 
 # Ops whose kernels live here rather than in a code generator.
@@ -97,3 +98,46 @@ def sum_in_order(*arrays: np.ndarray) -> None:
 def copy_to_all(x: np.ndarray, *ys: np.ndarray) -> None:
     for y in ys:
         np.copyto(y, x)
+
+
+def summands(node: Node, members: int) -> int:
+    """How many tensors each member gives a sum (an allreduce's or reduce's bucket),
+    checked against the node's inputs."""
+    per = node.attrs["tensors"]
+    if len(node.inputs) != members * per:
+        raise PurinecError(f"node {node!r}: {len(node.inputs)} inputs, but its group has "
+                           f"{members} member(s) on this rank with {per} tensor(s) each")
+    if any(value.type.dtype.numpy == np.bool_ for value in node.inputs[:per]):
+        raise PurinecError(f"node {node!r}: cannot sum bool tensors")
+    return per
+
+
+class Packing:
+    """A bucket's tensors packed together, one contiguous buffer per dtype: `pack` adds
+    up each tensor's pieces from this rank's members (in group order) into its segment,
+    `unpack` copies the segments out to every member's outputs. ``allocate(size, dtype)``
+    makes each buffer (shared memory, for `purinec.runtime.shm`)."""
+
+    def __init__(self, node: Node, members: int,
+                 allocate: Callable[[int, np.dtype], np.ndarray] = np.empty):
+        per = node.attrs["tensors"]
+        sizes: dict[np.dtype, int] = {}
+        spans = []  # for each tensor: its dtype's buffer and its place in it
+        for value in node.inputs[:per]:
+            t = value.type
+            start = sizes.get(t.dtype.numpy, 0)
+            sizes[t.dtype.numpy] = start + t.size
+            spans.append((t.dtype.numpy, start, start + t.size))
+        self.buffers = {dtype: allocate(size, dtype) for dtype, size in sizes.items()}
+        self.segments = [self.buffers[dtype][start:stop] for dtype, start, stop in spans]
+        self.members, self.per = members, per
+
+    def pack(self, inputs) -> None:
+        for t, segment in enumerate(self.segments):
+            np.copyto(segment, inputs[t].reshape(-1))
+            for m in range(1, self.members):
+                np.add(segment, inputs[m * self.per + t].reshape(-1), out=segment)
+
+    def unpack(self, outputs) -> None:
+        for i, out in enumerate(outputs):
+            np.copyto(out.reshape(-1), self.segments[i % self.per])

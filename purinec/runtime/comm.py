@@ -14,7 +14,8 @@ executor's comm queue polls it; see `purinec.runtime.executor`). Results are bit
 identical on every rank when every rank receives the same reduced bytes: MPI advises
 but does not promise it, MPICH's algorithms do it, and tests/test_mpi.py checks it.
 A group that lives wholly on this rank needs no MPI: its kernel finishes at once and
-returns None.
+returns None. Allreduces and allgathers over ranks of one machine get the kernels of
+`purinec.runtime.shm` instead where it can share the ranks' memory.
 
 A group of some of the ranks gets its own communicator. Creating one is collective over
 its ranks, so `comm_kernels` creates them when kernels are built, every rank in the same
@@ -37,7 +38,8 @@ import numpy as np
 from purinec.errors import ExecutionError, PurinecError
 from purinec.ir.graph import Node
 from purinec.ir.types import Device
-from purinec.runtime.collectives import copy_to_all, sum_in_order
+from purinec.runtime import shm
+from purinec.runtime.collectives import Packing, copy_to_all, sum_in_order, summands
 
 # What MPI launchers set in each process they start: MPICH's Hydra (PMI_RANK, PMI_SIZE,
 # MPI_LOCALRANKID) and Open MPI (OMPI_COMM_WORLD_RANK).
@@ -109,7 +111,9 @@ def comm_kernels(nodes: Iterable[Node], world: World) -> dict[Node, Callable]:
     those whose group spans ranks). Their communicators are created first, in sorted
     order, which no two ranks can disagree on; creating them node by node instead
     (`mpi_kernel` alone) could deadlock if two ranks met shared groups in different
-    orders."""
+    orders. Allreduces and allgathers over ranks of one machine work in shared memory
+    where `purinec.runtime.shm` can arrange it (its `SharedGroup`, likewise agreed in
+    sorted order), with MPI's kernel as the fallback."""
     nodes = list(nodes)
     kernels = {node: _point_to_point(node, world) for node in nodes
                if node.op in POINT_TO_POINT}
@@ -119,7 +123,15 @@ def comm_kernels(nodes: Iterable[Node], world: World) -> dict[Node, Callable]:
         if len(ranks) > 1 and world.rank in ranks:  # (mpi_kernel refuses the others)
             _check_world(ranks, world, f"node {nodes[0]!r}")
             world.group_comm(ranks)
-    return {**kernels, **{node: mpi_kernel(node, world) for node in nodes}}
+    shareable = {_ranks(_group(node)) for node in nodes if node.op in shm.SHAREABLE}
+    shared = shm.shared_groups(
+        sorted(ranks for ranks in shareable if len(ranks) > 1 and world.rank in ranks), world)
+    for node in nodes:
+        kernels[node] = mpi_kernel(node, world)
+        ranks = _ranks(_group(node))
+        if node.op in shm.SHAREABLE and ranks in shared:
+            kernels[node] = shm.shared_kernel(node, kernels[node], shared[ranks])
+    return kernels
 
 
 POINT_TO_POINT = ("send", "recv")
@@ -228,47 +240,6 @@ class _Pending:
         self.done = True
 
 
-def _summands(node: Node, members: int) -> int:
-    """How many tensors each member gives a sum (an allreduce's or reduce's bucket),
-    checked against the node's inputs."""
-    per = node.attrs["tensors"]
-    if len(node.inputs) != members * per:
-        raise PurinecError(f"node {node!r}: {len(node.inputs)} inputs, but its group has "
-                           f"{members} member(s) on this rank with {per} tensor(s) each")
-    if any(value.type.dtype.numpy == np.bool_ for value in node.inputs[:per]):
-        raise PurinecError(f"node {node!r}: cannot sum bool tensors")
-    return per
-
-
-class _Packing:
-    """A bucket's tensors packed together, one contiguous buffer per dtype: `pack` adds
-    up each tensor's pieces from this rank's members (in group order) into its segment,
-    `unpack` copies the segments out to every member's outputs."""
-
-    def __init__(self, node: Node, members: int):
-        per = node.attrs["tensors"]
-        sizes: dict[np.dtype, int] = {}
-        spans = []  # for each tensor: its dtype's buffer and its place in it
-        for value in node.inputs[:per]:
-            t = value.type
-            start = sizes.get(t.dtype.numpy, 0)
-            sizes[t.dtype.numpy] = start + t.size
-            spans.append((t.dtype.numpy, start, start + t.size))
-        self.buffers = {dtype: np.empty(size, dtype) for dtype, size in sizes.items()}
-        self.segments = [self.buffers[dtype][start:stop] for dtype, start, stop in spans]
-        self.members, self.per = members, per
-
-    def pack(self, inputs) -> None:
-        for t, segment in enumerate(self.segments):
-            np.copyto(segment, inputs[t].reshape(-1))
-            for m in range(1, self.members):
-                np.add(segment, inputs[m * self.per + t].reshape(-1), out=segment)
-
-    def unpack(self, outputs) -> None:
-        for i, out in enumerate(outputs):
-            np.copyto(out.reshape(-1), self.segments[i % self.per])
-
-
 class _Allreduce:
     """Sum each of the ``tensors`` tensors over the members: locally first, then one
     in-place ``Iallreduce`` per dtype of the bucket, all its tensors packed together.
@@ -276,10 +247,10 @@ class _Allreduce:
     is reduced straight into its output."""
 
     def __init__(self, node: Node, members: int, comm):
-        per = _summands(node, members)
+        per = summands(node, members)
         self.direct = comm is not None and members == per == 1
         if not self.direct:
-            self.packing = _Packing(node, members)
+            self.packing = Packing(node, members)
         self.count, self.comm = members * per, comm
 
     def __call__(self, *arrays: np.ndarray) -> _Pending | None:
@@ -340,24 +311,29 @@ class _Allgather:
 
     def __call__(self, *arrays: np.ndarray) -> _Pending | None:
         inputs, outputs = arrays[:len(self.local)], arrays[len(self.local):]
-        start = 0
-        for k, piece in zip(self.local, inputs):
-            np.copyto(self._rows(self.sent, start, k), np.moveaxis(piece, self.axis, 0))
-            start += piece.nbytes
+        self.pack(inputs)
         if self.comm is None:
-            self._unpack(outputs)
+            self.unpack(outputs)
             return None
         MPI = _mpi()
         request = self.comm.Iallgatherv([self.sent, MPI.BYTE],
                                         [self.received, self.counts, MPI.BYTE])
-        return _Pending([request], lambda: self._unpack(outputs))
+        return _Pending([request], lambda: self.unpack(outputs))
+
+    def pack(self, inputs) -> None:
+        """This rank's pieces into ``sent``, axis first, in group order."""
+        start = 0
+        for k, piece in zip(self.local, inputs):
+            np.copyto(self._rows(self.sent, start, k), np.moveaxis(piece, self.axis, 0))
+            start += piece.nbytes
 
     def _rows(self, buffer: np.ndarray, start: int, k: int) -> np.ndarray:
         """Member ``k``'s piece in ``buffer`` from byte ``start``, axis first."""
         stop = start + self.sizes[k] * self.row_items * self.dtype.itemsize
         return buffer[start:stop].view(self.dtype).reshape((self.sizes[k], *self.rest))
 
-    def _unpack(self, outputs) -> None:
+    def unpack(self, outputs) -> None:
+        """Every output from the gathered bytes in ``received``."""
         for out in outputs:
             moved = np.moveaxis(out, self.axis, 0)
             for k, (row, size) in enumerate(zip(self.first_rows, self.sizes)):
@@ -372,8 +348,8 @@ class _Reduce:
     this rank sent on the others."""
 
     def __init__(self, node: Node, ranks, local: list[int], comm, rank: int):
-        self.per = _summands(node, len(local))
-        self.packing = _Packing(node, len(local)) if self.per > 1 else None
+        self.per = summands(node, len(local))
+        self.packing = Packing(node, len(local)) if self.per > 1 else None
         root = Device.parse(node.attrs["root"]).rank
         self.root, self.at_root, self.comm = ranks.index(root), root == rank, comm
 

@@ -78,8 +78,7 @@ class Plan:
                  may_alias: Callable[[Node, Value, Value], bool] = may_alias):
         self.graph = graph
         self.memory: MemoryPlan = plan_memory(graph, schedule, may_alias)
-        self.arenas = {device: _aligned_bytes(n)
-                       for device, n in self.memory.arena_bytes.items()}
+        self.arenas = _arena_allocator(kernels)(self.memory.arena_bytes)
         self._static = self._arena_views()
         self.tasks = self._make_tasks(kernels)
         self._link()
@@ -241,7 +240,21 @@ class Plan:
         return "\n".join(lines) + "\n" + self.memory.summary()
 
 
-def _aligned_bytes(nbytes: int) -> np.ndarray:
+def _arena_allocator(kernels: Mapping[Node, Callable]) -> Callable:
+    """What allocates the arenas: a kernel's ``arena_allocator`` if one has it (those of
+    `purinec.runtime.shm` need the arenas in memory other ranks can see; it maps each
+    device to its arena's bytes), else fresh memory."""
+    allocators = {getattr(fn, "arena_allocator", None) for fn in kernels.values()}
+    allocators.discard(None)
+    if len(allocators) > 1:
+        raise PurinecError("kernels of one graph ask for their arenas in "
+                           f"{len(allocators)} different places")
+    if allocators:
+        return allocators.pop()
+    return lambda sizes: {device: aligned_bytes(n) for device, n in sizes.items()}
+
+
+def aligned_bytes(nbytes: int) -> np.ndarray:
     """A byte array whose first byte is ALIGNMENT-aligned."""
     raw = np.empty(nbytes + ALIGNMENT, np.uint8)
     shift = -raw.ctypes.data % ALIGNMENT

@@ -1,11 +1,17 @@
 """Each rank runs a graph of allreduce and allgather nodes over every rank (two devices a
-rank), over this rank's two devices only, and (with 3 ranks or more) over the first and
-last rank, and a parameter server's reduce (of a bucket) and broadcast over every rank;
-saves its
-inputs and outputs of each call to OUTDIR/rank<R>.call<C>.npz."""
+rank), over this rank's two devices only, and (with 3 ranks or more, unless an option
+says "no-ends") over the first and last rank, and a parameter server's reduce (of a
+bucket) and broadcast over every rank; saves its inputs and outputs of each call to
+OUTDIR/rank<R>.call<C>.npz, and the kind of kernel each collective got (with " in
+shared memory" where it shares the ranks' memory) to OUTDIR/rank<R>.kernels.json.
+Option "no-room": rank 1 finds no room for shared memory.
+
+    collectives.py OUTDIR [no-ends] [no-room]
+"""
 
 from __future__ import annotations
 
+import json
 import sys
 
 import numpy as np
@@ -13,13 +19,13 @@ from common import add_collective, executable, group_text, random_env, save
 
 from purinec.ir.graph import Graph
 from purinec.ir.types import DType, Device, TensorType
-from purinec.runtime import comm
+from purinec.runtime import comm, shm
 
 CALLS = 2
 BUCKET = [((5, 4), DType.f32), ((7,), DType.f64), ((3, 2, 2), DType.f32)]
 
 
-def build(world: comm.World) -> Graph:
+def build(world: comm.World, ends: bool = True) -> Graph:
     rank, size = world.rank, world.size
     both = [Device("cpu", i, r) for i in range(2) for r in range(size)]  # ranks interleaved
     firsts = [Device("cpu", 0, r) for r in range(size)]
@@ -45,7 +51,7 @@ def build(world: comm.World) -> Graph:
     reduce("bucket", both, BUCKET)
     reduce("one", firsts, [((1000,), DType.f64)])
     reduce("local", mine, [((6,), DType.f32)])
-    if size >= 3 and rank in (0, size - 1):
+    if ends and size >= 3 and rank in (0, size - 1):
         reduce("ends", [firsts[0], firsts[-1]], [((4, 4), DType.f32)])
     # Pieces of unequal extents: k + 1 on axis 1 for member k; r + 2 rows for rank r.
     sizes = [k + 1 for k in range(len(both))]
@@ -79,8 +85,17 @@ def build(world: comm.World) -> Graph:
 
 def main() -> int:
     world = comm.world()
-    graph = build(world)
+    options = sys.argv[2:]
+    if "no-room" in options and world.rank == 1:
+        shm._room = lambda machine_bytes: False
+    graph = build(world, ends="no-ends" not in options)
     exe = executable(graph, world)
+    kinds = {task.node.name: type(task.fn).__name__ + (
+                 " in shared memory" if getattr(task.fn, "group", None) and task.fn.group.shared
+                 else "")
+             for task in exe.plan.tasks if task.node.op in comm.COLLECTIVES}
+    with open(f"{sys.argv[1]}/rank{world.rank}.kernels.json", "w") as file:
+        json.dump(kinds, file)
     for call in range(CALLS):
         env = random_env(graph, np.random.default_rng([call, world.rank]))
         outputs = exe({k: v.copy() for k, v in env.items()})
@@ -92,7 +107,12 @@ def main() -> int:
              node.inputs[0].name.startswith("one.")]
     x = np.full(one.inputs[0].type.shape, world.rank + 1.0)
     comm.mpi_kernel(one, world)(x, x).wait()
-    save(f"{sys.argv[1]}/rank{world.rank}.aliased.npz", {}, {"x": x})
+    # The same through the executable's kernel, which may reduce in shared memory, where
+    # this x (the caller's array) is not: it is staged through the kernel's buffers.
+    [ran] = [task.fn for task in exe.plan.tasks if task.node is one]
+    y = np.full(one.inputs[0].type.shape, world.rank + 1.0)
+    ran(y, y).wait()
+    save(f"{sys.argv[1]}/rank{world.rank}.aliased.npz", {}, {"x": x, "y": y})
     return 0
 
 
