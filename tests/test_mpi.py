@@ -296,6 +296,22 @@ def test_compute_overlaps_a_pending_allreduce(tmp_path):
     assert any(reduce["start"] <= i["start"] and i["end"] <= reduce["end"] for i in compute)
 
 
+def test_a_rank_with_nothing_else_to_do_sums_for_a_busy_one(tmp_path):
+    """In shared memory, rank 0 (late, then idle) sums the whole allreduce while rank 1,
+    which posted first, is busy in a long kernel: rank 0's result is complete long
+    before rank 1 looks again."""
+    ran(mpirun(2, "busy_peer.py", tmp_path, **{shm.SWITCH_VARIABLE: "1"}))
+    runs = [load(tmp_path / f"rank{r}.npz") for r in range(2)]
+    total = np.tanh(runs[0][0]["a"]) + np.tanh(runs[1][0]["a"])
+    for inputs, outputs in runs:
+        np.testing.assert_allclose(outputs["y"], 2 * total, rtol=1e-6)
+    assert runs[0][1]["y"].tobytes() == runs[1][1]["y"].tobytes()
+    traces = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    [reduced] = [i for i in traces[0] if i["queue"] == "comm"]
+    [busy] = [i for i in traces[1] if i["node"] == "q"]
+    assert reduced["end"] < busy["end"] - 0.5, (reduced, busy)
+
+
 def test_a_failing_rank_ends_the_whole_job(tmp_path):
     done = mpirun(2, "collectives.py", tmp_path, **{comm.FAIL_RANK_VARIABLE: "1"})
     assert done.returncode != 0

@@ -119,7 +119,12 @@ class SharedGroup:
         if len(set(counts)) > 1:
             raise PurinecError(f"ranks disagree on the collectives they share: "
                                f"{', '.join(map(str, counts))} kernels")
-        starts, top = {}, len(self.kernels) * ALIGNMENT
+        size = self.comm.size
+        claims, top = {}, len(self.kernels) * ALIGNMENT
+        for kernel in self.kernels:
+            claims[kernel], top = top, top + _aligned(8 * kernel.claim_words(size))
+        control = top
+        starts = {}
         for kernel in self.kernels:
             starts[kernel], top = top, top + _aligned(kernel.staging_bytes)
         for device in sorted(arena_bytes):
@@ -136,11 +141,12 @@ class SharedGroup:
             info.Free()
         _WINDOWS.append(self.window)
         self.window.Lock_all(MPI.MODE_NOCHECK)  # a passive epoch: Win.Sync is then a fence
-        self.segments = [_aligned_segment(self.window, r) for r in range(self.comm.size)]
+        self.segments, self.shifts = zip(*[_aligned_segment(self.window, r)
+                                           for r in range(size)])
         mine = self.segments[self.comm.rank]
-        mine[:len(self.kernels) * ALIGNMENT] = 0  # no step is ready or done yet
+        mine[:control] = 0  # no step is ready, done or claimed yet
         for k, kernel in enumerate(self.kernels):
-            kernel.bind(k, mine[starts[kernel]:starts[kernel] + kernel.staging_bytes])
+            kernel.bind(k, claims[kernel], mine[starts[kernel]:starts[kernel] + kernel.staging_bytes])
         self.window.Sync()
         self.comm.Barrier()  # every rank's control lines are zero before any is read
         return {device: mine[starts[device]:starts[device] + arena_bytes[device]]
@@ -172,18 +178,19 @@ def _room(machine_bytes: int) -> bool:
     return machine_bytes < stat.f_bavail * stat.f_frsize
 
 
-def _aligned_segment(window, rank: int) -> np.ndarray:
+def _aligned_segment(window, rank: int) -> tuple[np.ndarray, int]:
     """Rank ``rank``'s segment of ``window`` as bytes, from its first ALIGNMENT-aligned
-    byte (the segment has ALIGNMENT bytes to spare)."""
+    byte (the segment has ALIGNMENT bytes to spare), and how far into the segment that
+    byte is."""
     memory, _ = window.Shared_query(rank)
     raw = np.frombuffer(memory, np.uint8)
     shift = -raw.ctypes.data % ALIGNMENT
-    return raw[shift:shift + raw.nbytes - ALIGNMENT]
+    return raw[shift:shift + raw.nbytes - ALIGNMENT], shift
 
 
 class _SharedCollective:
     """What a collective over a `SharedGroup` does in every case (see the module's
-    docstring); `_stage` (the buffers to publish) and `_work` (this rank's part) are
+    docstring); `_stage` (the buffers to publish) and `_advance` (this rank's part) are
     the op's."""
 
     asynchronous = True
@@ -199,13 +206,21 @@ class _SharedCollective:
         self._views: tuple[tuple, list] = ((), [])
         group.kernels.append(self)
 
-    def bind(self, k: int, staging: np.ndarray) -> None:
-        """Kernel ``k`` of the group's window, with ``staging`` bytes in this rank's
-        segment."""
+    def claim_words(self, size: int) -> int:
+        """How many int64 words of rank 0's segment the ranks share, over ``size`` ranks
+        (see `SharedAllreduce`)."""
+        return 0
+
+    def bind(self, k: int, claims: int, staging: np.ndarray) -> None:
+        """Kernel ``k`` of the group's window, its shared words from byte ``claims`` of
+        rank 0's segment, and ``staging`` bytes in this rank's segment."""
         segments, rank = self.group.segments, self.group.comm.rank
         self.controls = [s[k * ALIGNMENT:(k + 1) * ALIGNMENT].view(np.int64) for s in segments]
         self.mine = self.controls[rank]
         self.peers = [c for q, c in enumerate(self.controls) if q != rank]
+        words = self.claim_words(len(segments))
+        self.claims = segments[0][claims:claims + 8 * words].view(np.int64)
+        self.claims_disp = self.group.shifts[0] + claims  # for MPI's atomics
         self._bind_staging(staging)
 
     def __call__(self, *arrays: np.ndarray):
@@ -248,7 +263,9 @@ class _SharedCollective:
         the arrays change: the plan's arena views stay the same objects."""
         raise NotImplementedError
 
-    def _work(self, buffers: list[np.ndarray]) -> None:
+    def _advance(self, pending: "_SharedPending", idle: bool) -> bool:
+        """Once every rank is ready: do this rank's part (more of it when ``idle``);
+        whether the operation is complete."""
         raise NotImplementedError
 
 
@@ -269,32 +286,35 @@ class _SharedPending:
                  finish: Callable[[], None]):
         self.kernel, self.buffers, self.finish = kernel, buffers, finish
         self.step = kernel.step
-        self.worked = self.done = False
+        self.ready = self.done = False
+        self.untried: list[int] | None = None  # chunks this rank may still claim
 
     def test(self) -> bool:
+        return self._check(idle=False)
+
+    def help(self) -> bool:
+        return self._check(idle=True)
+
+    def wait(self) -> None:
+        while not self.help():
+            time.sleep(0)
+
+    def _check(self, idle: bool) -> bool:
         if self.done:
             return True
-        kernel, step = self.kernel, self.step
-        if not self.worked:
+        kernel = self.kernel
+        if not self.ready:
             for control in kernel.peers:
-                if control[READY] < step:
+                if control[READY] < self.step:
                     return False
             kernel.group.fence()  # the peers' data after their flags
-            kernel._work(self.buffers)
-            kernel.group.fence()
-            kernel.mine[DONE] = step
-            self.worked = True
-        for control in kernel.peers:
-            if control[DONE] < step:
-                return False
-        kernel.group.fence()
+            self.ready = True
+        if not kernel._advance(self, idle):
+            return False
+        kernel.group.fence()  # the others' writes before reading the result
         self.finish()
         self.done = True
         return True
-
-    def wait(self) -> None:
-        while not self.test():
-            time.sleep(0)
 
 
 def _nothing() -> None:
@@ -305,7 +325,16 @@ class SharedAllreduce(_SharedCollective):
     """The sum over the members (see the module's docstring). One tensor of one member
     whose output lies in the window (the planner's arena) is summed where it lies;
     anything else is packed into the kernel's staging buffers first (this rank's
-    members' pieces added up in group order) and unpacked after."""
+    members' pieces added up in group order) and unpacked after.
+
+    Each buffer is cut into one chunk per rank, and whoever claims a chunk sums it
+    (every rank's copy of it, in rank order, then the sum stored into all of them): a
+    rank claims its own chunks when it first finds everyone ready, and, when it has
+    nothing else to do (`help`), any chunk still unclaimed, so a rank busy in a long
+    kernel does not hold up the others. A claim is an atomic compare-and-swap of the
+    chunk's word in rank 0's segment from the last step to this one; a rank that has
+    summed a chunk adds one to a counter beside them, and the operation is complete on
+    every rank when the counter reaches step x chunks."""
 
     def __init__(self, node: Node, group: SharedGroup, fallback: Callable):
         per = node.attrs["tensors"]
@@ -317,6 +346,13 @@ class SharedAllreduce(_SharedCollective):
                          sum(_aligned(v.type.nbytes) for v in node.inputs[:per]))
         self.members, self.count = members, len(node.inputs)
         self.single = members == per == 1
+        self.buffer_count = len({v.type.dtype for v in node.inputs[:per]})
+        # MPI's atomics take and give their operands in arrays.
+        self._compare, self._swap, self._result = (np.zeros(1, np.int64) for _ in range(3))
+        self._one = np.ones(1, np.int64)
+
+    def claim_words(self, size: int) -> int:
+        return self.buffer_count * size + 1  # a claim per chunk, then the counter
 
     def _bind_staging(self, staging: np.ndarray) -> None:
         top = 0
@@ -339,19 +375,52 @@ class SharedAllreduce(_SharedCollective):
                 functools.partial(self.packing.pack, inputs),
                 functools.partial(self.packing.unpack, outputs))
 
-    def _work(self, buffers: list[np.ndarray]) -> None:
-        rank, size = self.group.comm.rank, self.group.comm.size
-        views = self.views([buffer.nbytes for buffer in buffers])
-        for buffer, copies in zip(buffers, views):
-            lo, hi = _chunk(buffer.size, buffer.itemsize, rank, size)
-            if lo == hi:
-                continue
-            copies = [copy.view(buffer.dtype)[lo:hi] for copy in copies]
-            total = copies[0]
-            for other in copies[1:]:
-                np.add(total, other, out=total)
-            for other in copies[1:]:
-                np.copyto(other, total)
+    def _advance(self, pending: "_SharedPending", idle: bool) -> bool:
+        size, rank = self.group.comm.size, self.group.comm.rank
+        chunks = self.buffer_count * size
+        if pending.untried is None:  # chunk c is chunk c % size of buffer c // size
+            own = [i * size + rank for i in range(self.buffer_count)]
+            pending.untried = own + [c for c in range(chunks) if c not in own]
+        tries = pending.untried if idle else pending.untried[:self.buffer_count]
+        for c in list(tries):
+            pending.untried.remove(c)
+            if self._claim(c, pending.step):
+                self._sum_chunk(pending.buffers, c // size, c % size)
+                self.group.fence()
+                self._count_summed()
+        return self.claims[chunks] >= pending.step * chunks
+
+    def _claim(self, chunk: int, step: int) -> bool:
+        self._compare[0], self._swap[0] = step - 1, step
+        window = self.group.window
+        window.Compare_and_swap(self._swap, self._compare, self._result, 0,
+                                target_disp=self.claims_disp + 8 * chunk)
+        window.Flush(0)
+        return self._result[0] == step - 1
+
+    def _count_summed(self) -> None:
+        from mpi4py import MPI
+
+        chunks = len(self.claims) - 1
+        window = self.group.window
+        window.Fetch_and_op(self._one, self._result, 0,
+                            target_disp=self.claims_disp + 8 * chunks, op=MPI.SUM)
+        window.Flush(0)
+
+    def _sum_chunk(self, buffers: list[np.ndarray], i: int, r: int) -> None:
+        """Chunk ``r`` of buffer ``i``: every rank's copy summed in rank order, and the
+        sum stored into each."""
+        buffer = buffers[i]
+        lo, hi = _chunk(buffer.size, buffer.itemsize, r, self.group.comm.size)
+        if lo == hi:
+            return
+        views = self.views([b.nbytes for b in buffers])[i]
+        copies = [copy.view(buffer.dtype)[lo:hi] for copy in views]
+        total = copies[0]
+        for other in copies[1:]:
+            np.add(total, other, out=total)
+        for other in copies[1:]:
+            np.copyto(other, total)
 
 
 class SharedAllgather(_SharedCollective):
@@ -371,12 +440,19 @@ class SharedAllgather(_SharedCollective):
         return ([self.layout.sent], functools.partial(self.layout.pack, arrays[:count]),
                 functools.partial(self.layout.unpack, arrays[count:]))
 
-    def _work(self, buffers: list[np.ndarray]) -> None:
-        blocks, starts = self.layout.counts
-        received = self.layout.received
-        [sent] = self.views([max(blocks)])
-        for nbytes, start, block in zip(blocks, starts, sent):
-            np.copyto(received[start:start + nbytes], block[:nbytes])
+    def _advance(self, pending: "_SharedPending", idle: bool) -> bool:
+        """Every rank's block copied into this rank's result (once), then complete
+        when every rank has done the same: none reads this rank's block any more."""
+        if pending.untried is None:
+            blocks, starts = self.layout.counts
+            received = self.layout.received
+            [sent] = self.views([max(blocks)])
+            for nbytes, start, block in zip(blocks, starts, sent):
+                np.copyto(received[start:start + nbytes], block[:nbytes])
+            self.group.fence()
+            self.mine[DONE] = pending.step
+            pending.untried = []
+        return all(control[DONE] >= pending.step for control in self.peers)
 
 
 def _chunk(n: int, itemsize: int, rank: int, size: int) -> tuple[int, int]:
