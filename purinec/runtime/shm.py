@@ -11,16 +11,19 @@ they lie, and a collective is one pass over memory:
 1. post: a rank writes where its buffers lie (byte offsets in its own segment) into its
    control line for the kernel, fences (``Win.Sync``) and sets ``ready`` to the call's
    step number;
-2. the first test that finds every rank ready does this rank's part: for an allreduce,
-   sum chunk r of each buffer over the ranks, in rank order, and store the sum into
-   every rank's copy of that chunk (chunks are disjoint, so no two ranks write the same
-   bytes, and every rank ends with the same bytes, as replicas must); for an allgather,
-   copy every rank's block into this rank's result. Fence, ``done`` := step;
-3. the operation is complete when every rank is done: no rank will touch this rank's
-   buffers again, so the memory planner may reuse them.
+2. once every rank is ready, the work: an allreduce's buffers are cut into one chunk
+   per rank, and whoever claims a chunk (an atomic compare-and-swap) sums every rank's
+   copy of it in rank order and stores the sum into all of them, so every rank ends
+   with the same bytes, as replicas must. A rank claims its own chunks at its first
+   test after everyone is ready, and any chunk left when it has nothing else to do
+   (`Pending.help`), so a rank busy in a long kernel holds nobody up. An allgather's
+   rank copies every rank's block into its own result, then sets ``done``;
+3. the operation is complete when every chunk is summed (a counter beside the claims)
+   or every rank is done: no rank will touch this rank's buffers again, so the memory
+   planner may reuse them.
 
-Each kernel counts its calls, the same on every rank, so steps only grow and a flag
-never needs resetting. A buffer outside the window (a caller's array) is staged through
+Each kernel counts its calls, the same on every rank, so steps only grow and neither a
+flag nor a claim ever needs resetting. A buffer outside the window (a caller's array) is staged through
 the kernel's buffers, which are in it.
 
 The window is allocated when the plan places the arenas (`SharedGroup.allocate`), which
