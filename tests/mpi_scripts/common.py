@@ -3,13 +3,17 @@ physical graph with collectives, running it, saving what each rank saw."""
 
 from __future__ import annotations
 
+import json
+import time
+
 import numpy as np
 
 from purinec.ir.graph import Graph, Node, Value
-from purinec.ir.types import Device
+from purinec.ir.types import DType, Device, TensorType
 from purinec.runtime import comm
 from purinec.runtime.executor import Executable
-from purinec.runtime.plan import reference_kernels
+from purinec.runtime.plan import reference_kernel, reference_kernels
+from purinec.runtime.trace import Trace
 
 
 def group_text(group: list[Device]) -> str:
@@ -39,6 +43,46 @@ def executable(graph: Graph, world: comm.World, kernels: dict | None = None,
                                      world))
     chosen.update(kernels or {})
     return Executable(graph, chosen, **options)
+
+
+def allreduced_tanh(world: comm.World, name: str) -> tuple[Graph, Value, Node, Node]:
+    """A graph on cpu:0 of this rank: input ``a`` [64, 256], p = tanh(a), and s, the
+    allreduce of p over cpu:0 of every rank. Returns the graph, a, p's node and s's."""
+    rank = world.rank
+    group = [Device("cpu", 0, r) for r in range(world.size)]
+    graph = Graph(f"{name}_r{rank}")
+    a = graph.add_input("a", TensorType((64, 256), DType.f32), group[rank])
+    p = graph.add_node("tanh", [a], names=[f"p.p{rank}"])
+    return graph, a, p, add_collective(graph, "allreduce", p.outputs, group, {"tensors": 1}, "s")
+
+
+def slow(node: Node, seconds: float):
+    """``node``'s reference kernel, taking at least ``seconds``."""
+    fn = reference_kernel(node)
+
+    def kernel(*arrays):
+        time.sleep(seconds)
+        fn(*arrays)
+    return kernel
+
+
+def run_traced_once(graph: Graph, world: comm.World, kernels: dict, outdir: str) -> None:
+    """Run ``graph`` once (reference kernels but ``kernels``), every rank starting
+    together, on inputs seeded by the rank; save its inputs and outputs to
+    OUTDIR/rank<R>.npz and its trace's intervals (queue, op, node, start and end, on the
+    monotonic clock, which every process of the machine shares) to OUTDIR/rank<R>.json."""
+    trace = Trace()
+    exe = executable(graph, world, kernels, trace=trace)
+    env = random_env(graph, np.random.default_rng(world.rank))
+    world.comm.Barrier()
+    outputs = exe(env)
+    exe.close()
+    save(f"{outdir}/rank{world.rank}.npz", env, outputs)
+    intervals = [{"queue": lane.queue.kind, "op": task.node.op, "node": task.node.name,
+                  "start": start, "end": end}
+                 for task, lane, start, end, _ in trace.records]
+    with open(f"{outdir}/rank{world.rank}.json", "w") as file:
+        json.dump(intervals, file)
 
 
 def random_env(graph: Graph, rng: np.random.Generator) -> dict[str, np.ndarray]:
