@@ -366,6 +366,14 @@ def test_training_over_two_ranks_equals_one_device(tmp_path, model, batch, per_r
     check_same_training(tmp_path, 2)
 
 
+@pytest.mark.parametrize("strategy", ["data", "hybrid"])
+def test_training_over_two_ranks_with_mpis_collectives_equals_one_device(tmp_path, strategy):
+    """As above with shared memory turned off: every collective goes through MPI."""
+    ran(mpirun(2, "train_equal.py", "lenet", 12, "cpu", tmp_path, 1, strategy,
+               **{shm.SWITCH_VARIABLE: "0"}))
+    check_same_training(tmp_path, 2)
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_random_small_networks_train_over_ranks_as_on_one_device(tmp_path, ranks):
     """Odd sizes (see tests/mpi_scripts/common.random_net), every strategy twice, on one
