@@ -242,26 +242,26 @@ def kernels_over_all_ranks(outdir: Path, size: int) -> set[str]:
     rank."""
     kinds = [json.loads((outdir / f"rank{r}.kernels.json").read_text()) for r in range(size)]
     return {kind for ranks in kinds for name, kind in ranks.items()
-            if name.startswith(("bucket_out", "one_out", "gather_out", "rows_out"))}
+            if name.startswith(("bucket_out", "one_out", "gather_out", "rows_out", "ps_"))}
 
 
-SHARED = {"SharedAllreduce in shared memory", "SharedAllgather in shared memory"}
+SHARED = {f"Shared{op} in shared memory" for op in ("Allreduce", "Allgather", "Reduce",
+                                                  "Broadcast")}
 
 
 @pytest.mark.parametrize("shared", ["1", "0"])
 def test_collectives_on_two_ranks(tmp_path, shared):
-    """Allreduces and allgathers over ranks of one machine work in shared memory,
-    unless turned off."""
+    """Collectives over ranks of one machine work in shared memory, unless turned off."""
     ran(mpirun(2, "collectives.py", tmp_path, **{shm.SWITCH_VARIABLE: shared}))
     check_collectives(tmp_path, 2)
-    expected = SHARED if shared == "1" else {"_Allreduce", "_Allgather"}
+    expected = SHARED if shared == "1" else {"_Allreduce", "_Allgather", "_Reduce", "_Broadcast"}
     assert kernels_over_all_ranks(tmp_path, 2) == expected
 
 
 def test_collectives_fall_back_to_mpi_when_a_rank_finds_no_room_in_shared_memory(tmp_path):
     ran(mpirun(2, "collectives.py", tmp_path, "no-room"))
     check_collectives(tmp_path, 2)
-    assert kernels_over_all_ranks(tmp_path, 2) == {"SharedAllreduce", "SharedAllgather"}
+    assert kernels_over_all_ranks(tmp_path, 2) == {kind.split()[0] for kind in SHARED}
 
 
 def test_collectives_on_three_ranks_with_a_subgroup(tmp_path):
@@ -269,7 +269,8 @@ def test_collectives_on_three_ranks_with_a_subgroup(tmp_path):
     check_collectives(tmp_path, 3)
     # Ranks 0 and 2 reduce over two groups of ranks, and their arenas can lie in one
     # shared window only, so every collective over ranks goes through MPI.
-    assert kernels_over_all_ranks(tmp_path, 3) == {"_Allreduce", "_Allgather"}
+    assert kernels_over_all_ranks(tmp_path, 3) == {"_Allreduce", "_Allgather", "_Reduce",
+                                                   "_Broadcast"}
 
 
 def test_collectives_on_three_ranks_in_shared_memory(tmp_path):

@@ -402,9 +402,9 @@ class _OneThread:
     device), counted on the calling thread. Ready compute tasks run in schedule order;
     comm tasks are posted in plan order as soon as they are ready, and what is pending
     is tested between tasks every BUSY_POLL seconds (which also moves MPI along); with
-    nothing to run, it helps and waits on what is pending (`_idle`). A thread of its own for the communication
-    would cost a wake-up (tens of microseconds) at every hand-off, and share the rank's
-    one core anyway."""
+    nothing to run, it helps and waits on what is pending (`_idle`). A thread of its own
+    for the communication would cost a wake-up (tens of microseconds) at every hand-off,
+    and share the rank's one core anyway."""
 
     def __init__(self, executor: CountingExecutor, trace: Trace | None):
         self.executor, self.trace = executor, trace

@@ -1,4 +1,4 @@
-"""Allreduce and allgather through shared memory, for a group of ranks on one machine.
+"""Collectives through shared memory, for a group of ranks on one machine.
 
 MPI's collectives between processes of one machine copy the data through MPICH's
 shared-memory queues and sum it inside MPI calls, a piece per call: on lenet over two
@@ -11,29 +11,31 @@ they lie, and a collective is one pass over memory:
 1. post: a rank writes where its buffers lie (byte offsets in its own segment) into its
    control line for the kernel, fences (``Win.Sync``) and sets ``ready`` to the call's
    step number;
-2. once every rank is ready, the work: an allreduce's buffers are cut into one chunk
-   per rank, and whoever claims a chunk (an atomic compare-and-swap) sums every rank's
-   copy of it in rank order and stores the sum into all of them, so every rank ends
-   with the same bytes, as replicas must. A rank claims its own chunks at its first
-   test after everyone is ready, and any chunk left when it has nothing else to do
-   (`Pending.help`), so a rank busy in a long kernel holds nobody up. An allgather's
-   rank copies every rank's block into its own result, then sets ``done``;
-3. the operation is complete when every chunk is summed (a counter beside the claims)
-   or every rank is done: no rank will touch this rank's buffers again, so the memory
-   planner may reuse them.
+2. once every rank is ready, the work, cut into items that whoever claims them (an
+   atomic compare-and-swap) does: an allreduce's buffers in one chunk per rank, whose
+   claimer sums every rank's copy in rank order and stores the sum into all of them,
+   so every rank ends with the same bytes, as replicas must; a parameter server's
+   reduce likewise, adding into the root's copy only; its broadcast, a copy of the
+   root's tensor into each other rank's buffer. A rank claims its own items at its
+   first test after everyone is ready, and any item left when it has nothing else to
+   do (`Pending.help`), so a rank busy in a long kernel holds nobody up. An
+   allgather's rank copies every rank's block into its own result, then sets ``done``;
+3. the operation is complete when every item is done (a counter beside the claims),
+   or for an allgather every rank is done: no rank will touch this rank's buffers
+   again, so the memory planner may reuse them.
 
 Each kernel counts its calls, the same on every rank, so steps only grow and neither a
-flag nor a claim ever needs resetting. A buffer outside the window (a caller's array) is staged through
-the kernel's buffers, which are in it.
+flag nor a claim ever needs resetting. A buffer outside the window (a caller's array)
+is staged through the kernel's buffers, which are in it.
 
 The window is allocated when the plan places the arenas (`SharedGroup.allocate`), which
 is collective over the group's ranks; it is never freed (``MPI_Win_free`` is collective
 too, and ranks drop programs at different times): its memory goes when the process
 exits. A group shares memory only when every one of its ranks agrees, when kernels are
 built, that the group is on one machine and is the only group of ranks the graph's
-allreduces and allgathers span (a rank's arenas can lie in one window only), and, when
-the arenas are placed, that the machine's /dev/shm (where MPICH puts windows) has room;
-otherwise its kernels are MPI's. ``PURINEC_SHARED_MEMORY=0`` turns this off.
+collectives span (a rank's arenas can lie in one window only), and, when the arenas
+are placed, that the machine's /dev/shm (where MPICH puts windows) has room; otherwise
+its kernels are MPI's. ``PURINEC_SHARED_MEMORY=0`` turns this off.
 """
 
 from __future__ import annotations
@@ -48,14 +50,14 @@ import numpy as np
 from purinec.errors import PurinecError
 from purinec.ir.graph import Node
 from purinec.ir.types import Device
-from purinec.runtime.collectives import Packing, summands
+from purinec.runtime.collectives import Packing, copy_to_all, sum_in_order, summands
 from purinec.runtime.plan import aligned_bytes
 
 if TYPE_CHECKING:
     from purinec.runtime.comm import World
 
 SWITCH_VARIABLE = "PURINEC_SHARED_MEMORY"
-SHAREABLE = ("allreduce", "allgather")
+SHAREABLE = ("allreduce", "allgather", "reduce", "broadcast")
 # Where MPICH creates the files behind shared windows.
 SHARED_MEMORY_DIR = "/dev/shm"
 
@@ -90,9 +92,9 @@ def shared_groups(spans: Sequence[tuple[int, ...]], world: "World") -> dict:
 def shared_kernel(node: Node, mpi_kernel: Callable, group: "SharedGroup") -> Callable:
     """The kernel of a SHAREABLE node over ``group``; ``mpi_kernel`` (comm.py's) runs
     it if the group's memory cannot be shared after all."""
-    if node.op == "allreduce":
-        return SharedAllreduce(node, group, mpi_kernel)
-    return SharedAllgather(node, group, mpi_kernel)
+    kinds = {"allreduce": SharedAllreduce, "allgather": SharedAllgather,
+             "reduce": SharedReduce, "broadcast": SharedBroadcast}
+    return kinds[node.op](node, group, mpi_kernel)
 
 
 def _aligned(nbytes: int) -> int:
@@ -149,7 +151,8 @@ class SharedGroup:
         mine = self.segments[self.comm.rank]
         mine[:control] = 0  # no step is ready, done or claimed yet
         for k, kernel in enumerate(self.kernels):
-            kernel.bind(k, claims[kernel], mine[starts[kernel]:starts[kernel] + kernel.staging_bytes])
+            staging = mine[starts[kernel]:starts[kernel] + kernel.staging_bytes]
+            kernel.bind(k, claims[kernel], staging)
         self.window.Sync()
         self.comm.Barrier()  # every rank's control lines are zero before any is read
         return {device: mine[starts[device]:starts[device] + arena_bytes[device]]
@@ -218,7 +221,8 @@ class _SharedCollective:
         """Kernel ``k`` of the group's window, its shared words from byte ``claims`` of
         rank 0's segment, and ``staging`` bytes in this rank's segment."""
         segments, rank = self.group.segments, self.group.comm.rank
-        self.controls = [s[k * ALIGNMENT:(k + 1) * ALIGNMENT].view(np.int64) for s in segments]
+        self.controls = [segment[k * ALIGNMENT:(k + 1) * ALIGNMENT].view(np.int64)
+                         for segment in segments]
         self.mine = self.controls[rank]
         self.peers = [c for q, c in enumerate(self.controls) if q != rank]
         words = self.claim_words(len(segments))
@@ -277,7 +281,8 @@ class _Staged:
     offsets in this rank's segment."""
 
     def __init__(self, arrays, buffers, prepare, finish, group: SharedGroup):
-        self.arrays, self.buffers, self.prepare, self.finish = arrays, buffers, prepare, finish
+        self.arrays, self.buffers = arrays, buffers
+        self.prepare, self.finish = prepare, finish
         self.offsets = [group.offset(buffer) for buffer in buffers]
 
 
@@ -290,7 +295,7 @@ class _SharedPending:
         self.kernel, self.buffers, self.finish = kernel, buffers, finish
         self.step = kernel.step
         self.ready = self.done = False
-        self.untried: list[int] | None = None  # chunks this rank may still claim
+        self.untried: list[int] | None = None  # items this rank may still claim
 
     def test(self) -> bool:
         return self._check(idle=False)
@@ -324,38 +329,94 @@ def _nothing() -> None:
     pass
 
 
-class SharedAllreduce(_SharedCollective):
-    """The sum over the members (see the module's docstring). One tensor of one member
-    whose output lies in the window (the planner's arena) is summed where it lies;
-    anything else is packed into the kernel's staging buffers first (this rank's
-    members' pieces added up in group order) and unpacked after.
+class _ClaimedWork(_SharedCollective):
+    """A collective whose work, once every rank is ready, is cut into items any rank may
+    do (`_items`, `_do`): a rank claims its own items (`_owned`) when it first finds
+    everyone ready, and, when it has nothing else to do (`help`), any item still
+    unclaimed, so a rank busy in a long kernel does not hold up the others. A claim is
+    an atomic compare-and-swap of the item's word in rank 0's segment from the last
+    step to this one; a rank that has done an item adds one to a counter beside them,
+    and the operation is complete on every rank when the counter reaches step x
+    items."""
 
-    Each buffer is cut into one chunk per rank, and whoever claims a chunk sums it
-    (every rank's copy of it, in rank order, then the sum stored into all of them): a
-    rank claims its own chunks when it first finds everyone ready, and, when it has
-    nothing else to do (`help`), any chunk still unclaimed, so a rank busy in a long
-    kernel does not hold up the others. A claim is an atomic compare-and-swap of the
-    chunk's word in rank 0's segment from the last step to this one; a rank that has
-    summed a chunk adds one to a counter beside them, and the operation is complete on
-    every rank when the counter reaches step x chunks."""
-
-    def __init__(self, node: Node, group: SharedGroup, fallback: Callable):
-        per = node.attrs["tensors"]
-        members = len(node.inputs) // per
-        summands(node, members)
-        if len({v.type.dtype for v in node.inputs[:per]}) > MAX_BUFFERS:
-            raise PurinecError(f"node {node!r}: a bucket of more than {MAX_BUFFERS} dtypes")
-        super().__init__(node, group, fallback,
-                         sum(_aligned(v.type.nbytes) for v in node.inputs[:per]))
-        self.members, self.count = members, len(node.inputs)
-        self.single = members == per == 1
-        self.buffer_count = len({v.type.dtype for v in node.inputs[:per]})
+    def __init__(self, node: Node, group: SharedGroup, fallback: Callable,
+                 staging_bytes: int):
+        super().__init__(node, group, fallback, staging_bytes)
         # MPI's atomics take and give their operands in arrays.
         self._compare, self._swap, self._result = (np.zeros(1, np.int64) for _ in range(3))
         self._one = np.ones(1, np.int64)
 
     def claim_words(self, size: int) -> int:
-        return self.buffer_count * size + 1  # a claim per chunk, then the counter
+        return self._items(size) + 1  # a claim per item, then the counter
+
+    def _items(self, size: int) -> int:
+        raise NotImplementedError
+
+    def _owned(self, size: int, rank: int) -> list[int]:
+        raise NotImplementedError
+
+    def _do(self, item: int, buffers: list[np.ndarray]) -> None:
+        raise NotImplementedError
+
+    def _advance(self, pending: "_SharedPending", idle: bool) -> bool:
+        size, rank = self.group.comm.size, self.group.comm.rank
+        items = self._items(size)
+        if pending.untried is None:
+            own = self._owned(size, rank)
+            pending.untried = [item for item in range(items) if item not in own]
+            self._try(own, pending)
+        if idle and pending.untried:
+            tries, pending.untried = pending.untried, []
+            self._try(tries, pending)
+        return self.claims[items] >= pending.step * items
+
+    def _try(self, items: list[int], pending: "_SharedPending") -> None:
+        for item in items:
+            if self._claim(item, pending.step):
+                self._do(item, pending.buffers)
+                self.group.fence()
+                self._count_done()
+
+    def _claim(self, item: int, step: int) -> bool:
+        self._compare[0], self._swap[0] = step - 1, step
+        window = self.group.window
+        window.Compare_and_swap(self._swap, self._compare, self._result, 0,
+                                target_disp=self.claims_disp + 8 * item)
+        window.Flush(0)
+        return self._result[0] == step - 1
+
+    def _count_done(self) -> None:
+        from mpi4py import MPI
+
+        window = self.group.window
+        window.Fetch_and_op(self._one, self._result, 0,
+                            target_disp=self.claims_disp + 8 * (len(self.claims) - 1),
+                            op=MPI.SUM)
+        window.Flush(0)
+
+
+class _Sum(_ClaimedWork):
+    """A sum over the members (an allreduce's or a reduce's): this rank's members' pieces
+    of each tensor added up in group order, packed into the kernel's staging buffers
+    (one per dtype of the bucket; one tensor whose output lies in the window, the
+    planner's arena, is summed where it lies instead), and each buffer cut into one
+    chunk per rank, which is an item: `_combine` says what a chunk's claimer does with
+    every rank's copy of it."""
+
+    def __init__(self, node: Node, group: SharedGroup, fallback: Callable, members: int):
+        per = summands(node, members)
+        dtypes = {v.type.dtype for v in node.inputs[:per]}
+        if len(dtypes) > MAX_BUFFERS:
+            raise PurinecError(f"node {node!r}: a bucket of more than {MAX_BUFFERS} dtypes")
+        super().__init__(node, group, fallback,
+                         sum(_aligned(v.type.nbytes) for v in node.inputs[:per]))
+        self.members, self.per, self.buffer_count = members, per, len(dtypes)
+
+    def _items(self, size: int) -> int:
+        return self.buffer_count * size  # item c: chunk c % size of buffer c // size
+
+    def _owned(self, size: int, rank: int) -> list[int]:
+        return [i * size + rank for i in range(self.buffer_count)]
 
     def _bind_staging(self, staging: np.ndarray) -> None:
         top = 0
@@ -368,62 +429,109 @@ class SharedAllreduce(_SharedCollective):
 
         self.packing = Packing(self.node, self.members, allocate)
 
-    def _stage(self, arrays):
-        inputs, outputs = arrays[:self.count], arrays[self.count:]
-        if self.single and self.group.offset(outputs[0]) is not None:
-            x, y = inputs[0], outputs[0]
-            same = x.ctypes.data == y.ctypes.data
-            return [y.reshape(-1)], _nothing if same else functools.partial(np.copyto, y, x), _nothing
+    def _packed(self, inputs, outputs):
         return (list(self.packing.buffers.values()),
                 functools.partial(self.packing.pack, inputs),
                 functools.partial(self.packing.unpack, outputs))
 
-    def _advance(self, pending: "_SharedPending", idle: bool) -> bool:
-        size, rank = self.group.comm.size, self.group.comm.rank
-        chunks = self.buffer_count * size
-        if pending.untried is None:  # chunk c is chunk c % size of buffer c // size
-            own = [i * size + rank for i in range(self.buffer_count)]
-            pending.untried = own + [c for c in range(chunks) if c not in own]
-        tries = pending.untried if idle else pending.untried[:self.buffer_count]
-        for c in list(tries):
-            pending.untried.remove(c)
-            if self._claim(c, pending.step):
-                self._sum_chunk(pending.buffers, c // size, c % size)
-                self.group.fence()
-                self._count_summed()
-        return self.claims[chunks] >= pending.step * chunks
-
-    def _claim(self, chunk: int, step: int) -> bool:
-        self._compare[0], self._swap[0] = step - 1, step
-        window = self.group.window
-        window.Compare_and_swap(self._swap, self._compare, self._result, 0,
-                                target_disp=self.claims_disp + 8 * chunk)
-        window.Flush(0)
-        return self._result[0] == step - 1
-
-    def _count_summed(self) -> None:
-        from mpi4py import MPI
-
-        chunks = len(self.claims) - 1
-        window = self.group.window
-        window.Fetch_and_op(self._one, self._result, 0,
-                            target_disp=self.claims_disp + 8 * chunks, op=MPI.SUM)
-        window.Flush(0)
-
-    def _sum_chunk(self, buffers: list[np.ndarray], i: int, r: int) -> None:
-        """Chunk ``r`` of buffer ``i``: every rank's copy summed in rank order, and the
-        sum stored into each."""
+    def _do(self, item: int, buffers: list[np.ndarray]) -> None:
+        size = self.group.comm.size
+        i, r = divmod(item, size)
         buffer = buffers[i]
-        lo, hi = _chunk(buffer.size, buffer.itemsize, r, self.group.comm.size)
-        if lo == hi:
-            return
-        views = self.views([b.nbytes for b in buffers])[i]
-        copies = [copy.view(buffer.dtype)[lo:hi] for copy in views]
+        lo, hi = _chunk(buffer.size, buffer.itemsize, r, size)
+        if lo < hi:
+            views = self.views([b.nbytes for b in buffers])[i]
+            self._combine([copy.view(buffer.dtype)[lo:hi] for copy in views])
+
+    def _combine(self, copies: list[np.ndarray]) -> None:
+        raise NotImplementedError
+
+
+class SharedAllreduce(_Sum):
+    """The sum over the members, into every rank's copy (see `_Sum`, `_ClaimedWork`):
+    a chunk's claimer adds every rank's copy in rank order and stores the sum into all
+    of them, so every rank gets the same bytes."""
+
+    def __init__(self, node: Node, group: SharedGroup, fallback: Callable):
+        super().__init__(node, group, fallback, len(node.inputs) // node.attrs["tensors"])
+        self.count = len(node.inputs)
+
+    def _stage(self, arrays):
+        inputs, outputs = arrays[:self.count], arrays[self.count:]
+        if self.count == 1 and self.group.offset(outputs[0]) is not None:
+            x, y = inputs[0], outputs[0]
+            same = x.ctypes.data == y.ctypes.data
+            prepare = _nothing if same else functools.partial(np.copyto, y, x)
+            return [y.reshape(-1)], prepare, _nothing
+        return self._packed(inputs, outputs)
+
+    def _combine(self, copies: list[np.ndarray]) -> None:
         total = copies[0]
         for other in copies[1:]:
             np.add(total, other, out=total)
         for other in copies[1:]:
             np.copyto(other, total)
+
+
+class SharedReduce(_Sum):
+    """A parameter server's reduce (see `_Sum`, `_ClaimedWork`): a chunk's claimer adds
+    the other ranks' copies (in rank order) into the root's. The root's outputs are the
+    sums; another rank's, what it gave (its copy, which nobody writes)."""
+
+    def __init__(self, node: Node, group: SharedGroup, fallback):
+        super().__init__(node, group, fallback, len(node.inputs) // node.attrs["tensors"])
+        self.root = fallback.root  # the root's rank in the group's communicator
+
+    def _stage(self, arrays):
+        inputs, outputs = arrays[:-self.per], arrays[-self.per:]
+        if self.per == 1 and self.group.offset(outputs[0]) is not None:
+            return ([outputs[0].reshape(-1)], functools.partial(sum_in_order, *arrays),
+                    _nothing)
+        return self._packed(inputs, outputs)
+
+    def _combine(self, copies: list[np.ndarray]) -> None:
+        total = copies[self.root]
+        for q, other in enumerate(copies):
+            if q != self.root:
+                np.add(total, other, out=total)
+
+
+class SharedBroadcast(_ClaimedWork):
+    """A parameter server's broadcast (see `_ClaimedWork`): the root's tensor, in its
+    first output (or the staging buffer), and an item per other rank: copy it into that
+    rank's first output (or staging buffer), from which the rank copies it to its other
+    members."""
+
+    def __init__(self, node: Node, group: SharedGroup, fallback):
+        out = node.outputs[0].type
+        super().__init__(node, group, fallback, out.nbytes)
+        self.root, self.at_root = fallback.root, fallback.at_root
+        self.shape, self.dtype = out.shape, out.dtype.numpy
+
+    def _items(self, size: int) -> int:
+        return size
+
+    def _owned(self, size: int, rank: int) -> list[int]:
+        return [rank]
+
+    def _bind_staging(self, staging: np.ndarray) -> None:
+        self.staged = staging.view(self.dtype).reshape(self.shape)
+
+    def _stage(self, arrays):
+        outputs = arrays[1:] if self.at_root else arrays
+        shared = self.group.offset(outputs[0]) is not None
+        first = outputs[0] if shared else self.staged
+        if self.at_root:
+            targets = outputs if shared else (first, *outputs)
+            prepare = functools.partial(copy_to_all, arrays[0], *targets)
+            return [first.reshape(-1)], prepare, _nothing
+        others = outputs[1:] if shared else outputs  # those the received tensor goes to
+        return [first.reshape(-1)], _nothing, functools.partial(copy_to_all, first, *others)
+
+    def _do(self, item: int, buffers: list[np.ndarray]) -> None:
+        if item != self.root:
+            [copies] = self.views([buffers[0].nbytes])
+            np.copyto(copies[item], copies[self.root])
 
 
 class SharedAllgather(_SharedCollective):
