@@ -232,6 +232,12 @@ def check_collectives(outdir: Path, size: int, ends: bool = True) -> None:
                       member_outs("ends_out"))
             assert not any(k.startswith("ends") for k in outputs[1])
     for r in range(size):
+        flags, again = load(outdir / f"rank{r}.after_close.npz")
+        assert flags["released"] or not flags["shared"]
+        _, first = load(outdir / f"rank{r}.call0.npz")
+        assert again.keys() == first.keys()
+        for name in first:
+            assert again[name].tobytes() == first[name].tobytes(), name
         _, aliased = load(outdir / f"rank{r}.aliased.npz")
         np.testing.assert_array_equal(aliased["x"], size * (size + 1) / 2)
         np.testing.assert_array_equal(aliased["y"], size * (size + 1) / 2)

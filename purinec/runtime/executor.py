@@ -162,8 +162,11 @@ class Executable:
             self._busy.release()
 
     def close(self) -> None:
-        """Stop the worker threads now (they also stop when the executable is dropped)."""
+        """Stop the worker threads now (they also stop when the executable is dropped)
+        and give back the memory the plan can (`Plan.release`); a later call still
+        works."""
         self.executor.close()
+        self.plan.release()
 
 
 class CountingExecutor:

@@ -78,7 +78,8 @@ class Plan:
                  may_alias: Callable[[Node, Value, Value], bool] = may_alias):
         self.graph = graph
         self.memory: MemoryPlan = plan_memory(graph, schedule, may_alias)
-        self.arenas = _arena_allocator(kernels)(self.memory.arena_bytes)
+        self._arena_source = _arena_source(kernels)
+        self.arenas = self._arena_source.allocate(self.memory.arena_bytes)
         self._static = self._arena_views()
         self.tasks = self._make_tasks(kernels)
         self._link()
@@ -229,6 +230,12 @@ class Plan:
                 for args, position in slots:
                     args[position] = None
 
+    def release(self) -> None:
+        """Give the arenas' memory back where their allocator can (shared memory, which
+        is otherwise kept until the process exits); what a call writes there is scratch,
+        so later calls still work."""
+        self._arena_source.release()
+
     # -- reporting --------------------------------------------------------------------
 
     def summary(self) -> str:
@@ -240,18 +247,29 @@ class Plan:
         return "\n".join(lines) + "\n" + self.memory.summary()
 
 
-def _arena_allocator(kernels: Mapping[Node, Callable]) -> Callable:
-    """What allocates the arenas: a kernel's ``arena_allocator`` if one has it (those of
-    `purinec.runtime.shm` need the arenas in memory other ranks can see; it maps each
-    device to its arena's bytes), else fresh memory."""
-    allocators = {getattr(fn, "arena_allocator", None) for fn in kernels.values()}
-    allocators.discard(None)
-    if len(allocators) > 1:
+class _FreshArenas:
+    """Arenas in the process's own memory, freed with the plan."""
+
+    @staticmethod
+    def allocate(sizes: Mapping) -> dict:
+        return {device: aligned_bytes(n) for device, n in sizes.items()}
+
+    @staticmethod
+    def release() -> None:
+        pass
+
+
+def _arena_source(kernels: Mapping[Node, Callable]):
+    """What allocates the arenas (``allocate(sizes)``: each device's bytes) and gives
+    their memory back (``release()``): a kernel's ``arena_allocator`` if one has it
+    (those of `purinec.runtime.shm` need the arenas where other ranks can see them),
+    else fresh memory."""
+    sources = {getattr(fn, "arena_allocator", None) for fn in kernels.values()}
+    sources.discard(None)
+    if len(sources) > 1:
         raise PurinecError("kernels of one graph ask for their arenas in "
-                           f"{len(allocators)} different places")
-    if allocators:
-        return allocators.pop()
-    return lambda sizes: {device: aligned_bytes(n) for device, n in sizes.items()}
+                           f"{len(sources)} different places")
+    return sources.pop() if sources else _FreshArenas
 
 
 def aligned_bytes(nbytes: int) -> np.ndarray:

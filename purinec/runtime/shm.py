@@ -30,8 +30,9 @@ is staged through the kernel's buffers, which are in it.
 
 The window is allocated when the plan places the arenas (`SharedGroup.allocate`), which
 is collective over the group's ranks; it is never freed (``MPI_Win_free`` is collective
-too, and ranks drop programs at different times): its memory goes when the process
-exits. A group shares memory only when every one of its ranks agrees, when kernels are
+too, and ranks drop programs at different times), but closing the program gives the
+pages of its arenas back (`SharedGroup.release`, each rank on its own), and the rest
+goes when the process exits. A group shares memory only when every one of its ranks agrees, when kernels are
 built, that the group is on one machine and is the only group of ranks the graph's
 collectives span (a rank's arenas can lie in one window only), and, when the arenas
 are placed, that the machine's /dev/shm (where MPICH puts windows) has room; otherwise
@@ -40,7 +41,9 @@ its kernels are MPI's. ``PURINEC_SHARED_MEMORY=0`` turns this off.
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import mmap
 import os
 import time
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -101,6 +104,10 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
 
+def _paged(nbytes: int) -> int:
+    return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
 class SharedGroup:
     """The ranks of one group on one machine and the kernels that work over them; once
     the plan has called `allocate`, ``shared`` says whether they share memory."""
@@ -128,12 +135,15 @@ class SharedGroup:
         claims, top = {}, len(self.kernels) * ALIGNMENT
         for kernel in self.kernels:
             claims[kernel], top = top, top + _aligned(8 * kernel.claim_words(size))
-        control = top
+        # The rest (scratch, which `release` gives back) on whole pages of its own.
+        control = top = _paged(top)
         starts = {}
         for kernel in self.kernels:
             starts[kernel], top = top, top + _aligned(kernel.staging_bytes)
         for device in sorted(arena_bytes):
             starts[device], top = top, top + _aligned(arena_bytes[device])
+        top = _paged(top)
+        self._scratch = (control, top)
         top += ALIGNMENT  # room to align the segment's start
         self.shared = self.comm.allreduce(_room(self.comm.allreduce(top)), op=MPI.LAND)
         if not self.shared:
@@ -158,6 +168,23 @@ class SharedGroup:
         return {device: mine[starts[device]:starts[device] + arena_bytes[device]]
                 for device in arena_bytes}
 
+    def release(self) -> None:
+        """Give the pages of this rank's staging buffers and arenas back to the system
+        (``MADV_REMOVE``: they read as zeros when next touched). Not collective: once a
+        call has returned here, no rank touches these buffers until the next one, and
+        what a call leaves there is scratch. The control lines stay, with their steps."""
+        if not self.shared or not hasattr(mmap, "MADV_REMOVE"):
+            return
+        base = self.segments[self.comm.rank].ctypes.data
+        start = _paged(base + self._scratch[0])  # whole pages only, rounding inwards
+        stop = (base + self._scratch[1]) // mmap.PAGESIZE * mmap.PAGESIZE
+        if stop <= start:
+            return
+        if _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start),
+                           mmap.MADV_REMOVE) != 0:
+            raise PurinecError(f"could not give back shared memory: "
+                               f"{os.strerror(ctypes.get_errno())}")
+
     def offset(self, array: np.ndarray) -> int | None:
         """Where ``array`` (contiguous) lies in this rank's segment, in bytes; None when
         it lies elsewhere."""
@@ -171,6 +198,11 @@ class SharedGroup:
 
 # Every window made, kept until the process exits (see the module's docstring).
 _WINDOWS: list = []
+
+
+@functools.cache
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _room(machine_bytes: int) -> bool:
@@ -205,7 +237,7 @@ class _SharedCollective:
                  staging_bytes: int):
         self.node, self.group, self.fallback = node, group, fallback
         self.staging_bytes = staging_bytes
-        self.arena_allocator = group.allocate
+        self.arena_allocator = group
         self.step = 0
         self.controls: list[np.ndarray] | None = None
         self._staged = _Staged((), [], _nothing, _nothing, group)
