@@ -121,7 +121,8 @@ class SharedGroup:
         """Each device's arena of ``arena_bytes`` bytes: in a shared window (collective
         over the group's ranks), to which the kernels are then bound, when every rank
         agrees there is room; else private memory, and the kernels use MPI. This rank's
-        segment: the kernels' control lines, their staging buffers, the arenas."""
+        segment: the kernels' control lines and claims, then, on pages of their own, the
+        kernels' staging buffers and the arenas."""
         from mpi4py import MPI
 
         if self.shared is not None:
@@ -246,7 +247,7 @@ class _SharedCollective:
 
     def claim_words(self, size: int) -> int:
         """How many int64 words of rank 0's segment the ranks share, over ``size`` ranks
-        (see `SharedAllreduce`)."""
+        (see `_ClaimedWork`)."""
         return 0
 
     def bind(self, k: int, claims: int, staging: np.ndarray) -> None:
