@@ -14,7 +14,7 @@ executor's comm queue polls it; see `purinec.runtime.executor`). Results are bit
 identical on every rank when every rank receives the same reduced bytes: MPI advises
 but does not promise it, MPICH's algorithms do it, and tests/test_mpi.py checks it.
 A group that lives wholly on this rank needs no MPI: its kernel finishes at once and
-returns None. Allreduces and allgathers over ranks of one machine get the kernels of
+returns None. Collectives over ranks of one machine get the kernels of
 `purinec.runtime.shm` instead where it can share the ranks' memory.
 
 A group of some of the ranks gets its own communicator. Creating one is collective over
@@ -111,8 +111,8 @@ def comm_kernels(nodes: Iterable[Node], world: World) -> dict[Node, Callable]:
     those whose group spans ranks). Their communicators are created first, in sorted
     order, which no two ranks can disagree on; creating them node by node instead
     (`mpi_kernel` alone) could deadlock if two ranks met shared groups in different
-    orders. Allreduces and allgathers over ranks of one machine work in shared memory
-    where `purinec.runtime.shm` can arrange it (its `SharedGroup`, likewise agreed in
+    orders. Collectives over ranks of one machine work in shared memory where
+    `purinec.runtime.shm` can arrange it (its `SharedGroup`, likewise agreed in
     sorted order), with MPI's kernel as the fallback."""
     nodes = list(nodes)
     kernels = {node: _point_to_point(node, world) for node in nodes

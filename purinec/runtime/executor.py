@@ -68,9 +68,10 @@ PENDING_POLL_MAX = 2e-4
 # workers nudge MPI's progress between their tasks (`Pending.nudge`), and a compute
 # worker about to go idle wakes the comm worker at once (WAKE). The one-thread loop
 # likewise tests pending operations between busy tasks only this often: each test
-# after a kernel runs with cold caches (5-50 us of Python), and an operation in shared
-# memory needs no help from a busy rank (`Pending.help`: an idle one does the work);
-# lenet over 2 ranks measured 2-3% faster than testing after every task.
+# after a kernel runs with cold caches (tens of microseconds of Python), and an
+# operation in shared memory needs no help from a busy rank (`Pending.help`: an idle
+# one does the work); lenet over 2 ranks measured 2-5% faster than testing after every
+# task.
 BUSY_POLL = 2e-3
 WAKE = -2  # put in the comm inbox: poll now, and quickly until compute is busy again
 
