@@ -76,11 +76,14 @@ def _add_solver_args(p: argparse.ArgumentParser, lr: float) -> None:
 
 
 def _on_devices(program) -> str:
-    """`` on N devices (...)`` for a program on several devices, else nothing."""
+    """`` on N devices (...)`` for a program on several devices, with how this rank
+    exchanges data with the others when it does; else nothing."""
     devices = program.devices
     if len(devices) == 1:
         return ""
-    return f" on {len(devices)} devices ({','.join(map(str, devices))})"
+    how = program.communication
+    between = "" if how is None else f"; ranks exchange through {how}"
+    return f" on {len(devices)} devices ({','.join(map(str, devices))}{between})"
 
 
 def _sgd(args):

@@ -465,6 +465,18 @@ class Program:
         return sorted(layout_devices(self.ir))
 
     @property
+    def communication(self) -> str | None:
+        """How this rank exchanges data with other ranks: "shared memory" (ranks of one
+        machine), "MPI", "shared memory and MPI", or None when it does not."""
+        from purinec.runtime import comm
+
+        kernels = []
+        for run in {id(r): r for r in (self._run_main, self._run_eval)}.values():
+            plan = getattr(getattr(run, "physical", run), "plan", None)
+            kernels += [task.fn for task in plan.tasks] if plan is not None else []
+        return comm.describe(kernels)
+
+    @property
     def trainable(self) -> bool:
         return any(name in self.params for name, _ in self.ir.outputs)
 

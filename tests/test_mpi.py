@@ -244,11 +244,15 @@ def check_collectives(outdir: Path, size: int, ends: bool = True) -> None:
 
 
 def kernels_over_all_ranks(outdir: Path, size: int) -> set[str]:
-    """The kinds of kernel the allreduces and allgathers over every rank got, on any
-    rank."""
-    kinds = [json.loads((outdir / f"rank{r}.kernels.json").read_text()) for r in range(size)]
-    return {kind for ranks in kinds for name, kind in ranks.items()
-            if name.startswith(("bucket_out", "one_out", "gather_out", "rows_out", "ps_"))}
+    """The kinds of kernel the collectives over every rank got, on any rank; checks
+    that every rank describes its communication as they say."""
+    saved = [json.loads((outdir / f"rank{r}.kernels.json").read_text()) for r in range(size)]
+    kinds = {kind for ranks in saved for name, kind in ranks["kinds"].items()
+             if name.startswith(("bucket_out", "one_out", "gather_out", "rows_out", "ps_"))}
+    shared = any(kind.endswith("in shared memory") for kind in kinds)
+    for ranks in saved:
+        assert ranks["communication"] == ("shared memory" if shared else "MPI")
+    return kinds
 
 
 SHARED = {f"Shared{op} in shared memory" for op in ("Allreduce", "Allgather", "Reduce",
@@ -476,7 +480,7 @@ def test_purinec_train_under_mpiexec(tmp_path):
                            "--quiet", "--checkpoint", str(checkpoint)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     ran(done)
-    assert "on 2 devices (cpu:0,r1/cpu:0)" in done.stdout
+    assert "on 2 devices (cpu:0,r1/cpu:0; ranks exchange through shared memory)" in done.stdout
     assert done.stdout.count("epoch   2") == 1  # rank 0 reports, the others are quiet
     accuracy = float(done.stdout.split("test accuracy")[-1].splitlines()[0])
     assert accuracy > 0.8

@@ -134,6 +134,19 @@ def comm_kernels(nodes: Iterable[Node], world: World) -> dict[Node, Callable]:
     return kernels
 
 
+def describe(kernels: Iterable[Callable]) -> str | None:
+    """How ``kernels`` exchange data with other ranks: "shared memory", "MPI", both
+    ("shared memory and MPI"), or None when none does."""
+    ways = set()
+    for fn in kernels:
+        group = getattr(fn, "group", None)
+        if isinstance(group, shm.SharedGroup) and group.shared:
+            ways.add("shared memory")
+        elif getattr(fn, "asynchronous", False):
+            ways.add("MPI")
+    return " and ".join(sorted(ways, reverse=True)) or None
+
+
 POINT_TO_POINT = ("send", "recv")
 
 

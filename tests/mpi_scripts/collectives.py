@@ -3,7 +3,8 @@ rank), over this rank's two devices only, and (with 3 ranks or more, unless an o
 says "no-ends") over the first and last rank, and a parameter server's reduce (of a
 bucket) and broadcast over every rank; saves its inputs and outputs of each call to
 OUTDIR/rank<R>.call<C>.npz, and the kind of kernel each collective got (with " in
-shared memory" where it shares the ranks' memory) to OUTDIR/rank<R>.kernels.json.
+shared memory" where it shares the ranks' memory) and `comm.describe`'s summary to
+OUTDIR/rank<R>.kernels.json.
 Option "no-room": rank 1 finds no room for shared memory.
 
     collectives.py OUTDIR [no-ends] [no-room]
@@ -95,7 +96,8 @@ def main() -> int:
                  else "")
              for task in exe.plan.tasks if task.node.op in comm.COLLECTIVES}
     with open(f"{sys.argv[1]}/rank{world.rank}.kernels.json", "w") as file:
-        json.dump(kinds, file)
+        json.dump({"kinds": kinds,
+                   "communication": comm.describe(t.fn for t in exe.plan.tasks)}, file)
     for call in range(CALLS):
         env = random_env(graph, np.random.default_rng([call, world.rank]))
         outputs = exe({k: v.copy() for k, v in env.items()})
