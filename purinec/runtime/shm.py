@@ -329,6 +329,7 @@ class _SharedPending:
         self.step = kernel.step
         self.ready = self.done = False
         self.untried: list[int] | None = None  # items this rank may still claim
+        # (`_ClaimedWork`: None until this rank has tried its own)
 
     def test(self) -> bool:
         return self._check(idle=False)
@@ -587,7 +588,7 @@ class SharedAllgather(_SharedCollective):
     def _advance(self, pending: "_SharedPending", idle: bool) -> bool:
         """Every rank's block copied into this rank's result (once), then complete
         when every rank has done the same: none reads this rank's block any more."""
-        if pending.untried is None:
+        if self.mine[DONE] < pending.step:
             blocks, starts = self.layout.counts
             received = self.layout.received
             [sent] = self.views([max(blocks)])
@@ -595,7 +596,6 @@ class SharedAllgather(_SharedCollective):
                 np.copyto(received[start:start + nbytes], block[:nbytes])
             self.group.fence()
             self.mine[DONE] = pending.step
-            pending.untried = []
         return all(control[DONE] >= pending.step for control in self.peers)
 
 
