@@ -136,7 +136,8 @@ def test_a_shared_memory_allreduce_without_its_window_says_so():
     graph = Graph("g")
     x = graph.add_input("x.p0", TensorType((3,), DType.f32))
     node = graph.add_node("allreduce", [x], attrs={"group": "cpu:0,r1/cpu:0"})
-    kernel = shm.SharedAllreduce(node, shm.SharedGroup(comm=None), fallback=None)
+    kernel = shm.SharedAllreduce(node, shm.SharedGroup(comm=None, ranks=(0, 1)),
+                                 fallback=None)
     with pytest.raises(PurinecError, match="never given its window"):
         kernel(np.ones(3, np.float32), np.ones(3, np.float32))
 
@@ -274,13 +275,18 @@ def test_collectives_fall_back_to_mpi_when_a_rank_finds_no_room_in_shared_memory
     assert kernels_over_all_ranks(tmp_path, 2) == {kind.split()[0] for kind in SHARED}
 
 
-def test_collectives_on_three_ranks_with_a_subgroup(tmp_path):
-    ran(mpirun(3, "collectives.py", tmp_path))
+@pytest.mark.parametrize("shared", ["1", "0"])
+def test_collectives_on_three_ranks_with_a_subgroup(tmp_path, shared):
+    """Ranks 0 and 2 also reduce over a group of their own: their arenas lie in the
+    first group's window, and that group's kernels stage their buffers in theirs."""
+    ran(mpirun(3, "collectives.py", tmp_path, **{shm.SWITCH_VARIABLE: shared}))
     check_collectives(tmp_path, 3)
-    # Ranks 0 and 2 reduce over two groups of ranks, and their arenas can lie in one
-    # shared window only, so every collective over ranks goes through MPI.
-    assert kernels_over_all_ranks(tmp_path, 3) == {"_Allreduce", "_Allgather", "_Reduce",
-                                                   "_Broadcast"}
+    expected = SHARED if shared == "1" else {"_Allreduce", "_Allgather", "_Reduce",
+                                             "_Broadcast"}
+    assert kernels_over_all_ranks(tmp_path, 3) == expected
+    if shared == "1":
+        saved = json.loads((tmp_path / "rank0.kernels.json").read_text())
+        assert saved["kinds"]["ends_out.p0"] == "SharedAllreduce in shared memory"
 
 
 def test_collectives_on_three_ranks_in_shared_memory(tmp_path):

@@ -259,17 +259,36 @@ class _FreshArenas:
         pass
 
 
+class _Sources:
+    """Several kernels' allocators (`purinec.runtime.shm`: groups of ranks that share
+    memory), each asked in its ``order`` (allocating may be collective, so every rank
+    asks in the same order): the first for the arenas, the others for none, which still
+    gives them the memory their kernels need."""
+
+    def __init__(self, sources):
+        self.sources = sorted(sources, key=lambda source: source.order)
+
+    def allocate(self, sizes: Mapping) -> dict:
+        arenas = self.sources[0].allocate(sizes)
+        for other in self.sources[1:]:
+            other.allocate({})
+        return arenas
+
+    def release(self) -> None:
+        for source in self.sources:
+            source.release()
+
+
 def _arena_source(kernels: Mapping[Node, Callable]):
     """What allocates the arenas (``allocate(sizes)``: each device's bytes) and gives
-    their memory back (``release()``): a kernel's ``arena_allocator`` if one has it
-    (those of `purinec.runtime.shm` need the arenas where other ranks can see them),
+    their memory back (``release()``): the kernels' ``arena_allocator`` where they have
+    one (those of `purinec.runtime.shm` need the arenas where other ranks can see them),
     else fresh memory."""
     sources = {getattr(fn, "arena_allocator", None) for fn in kernels.values()}
     sources.discard(None)
-    if len(sources) > 1:
-        raise PurinecError("kernels of one graph ask for their arenas in "
-                           f"{len(sources)} different places")
-    return sources.pop() if sources else _FreshArenas
+    if not sources:
+        return _FreshArenas
+    return sources.pop() if len(sources) == 1 else _Sources(sources)
 
 
 def aligned_bytes(nbytes: int) -> np.ndarray:

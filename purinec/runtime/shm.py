@@ -32,11 +32,12 @@ The window is allocated when the plan places the arenas (`SharedGroup.allocate`)
 is collective over the group's ranks; it is never freed (``MPI_Win_free`` is collective
 too, and ranks drop programs at different times), but closing the program gives the
 pages of its arenas back (`SharedGroup.release`, each rank on its own), and the rest
-goes when the process exits. A group shares memory only when every one of its ranks agrees, when kernels are
-built, that the group is on one machine and is the only group of ranks the graph's
-collectives span (a rank's arenas can lie in one window only), and, when the arenas
+goes when the process exits. A group shares memory only when every one of its ranks
+agrees, when kernels are built, that the group is on one machine, and, when the arenas
 are placed, that the machine's /dev/shm (where MPICH puts windows) has room; otherwise
-its kernels are MPI's. ``PURINEC_SHARED_MEMORY=0`` turns this off.
+its kernels are MPI's. ``PURINEC_SHARED_MEMORY=0`` turns this off. A rank whose
+collectives span several groups of ranks has a window for each; its arenas lie in the
+first (`SharedGroup.order`), and the other groups' kernels stage their buffers.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def shared_groups(spans: Sequence[tuple[int, ...]], world: "World") -> dict:
         return {}  # (and a world of one never imports MPI)
     from mpi4py import MPI
 
-    wanted = len(spans) == 1 and os.environ.get(SWITCH_VARIABLE, "1") != "0"
+    wanted = os.environ.get(SWITCH_VARIABLE, "1") != "0"
     groups = {}
     for ranks in sorted(spans):
         comm = world.group_comm(ranks)
@@ -88,7 +89,7 @@ def shared_groups(spans: Sequence[tuple[int, ...]], world: "World") -> dict:
         one_machine = machine.Get_size() == comm.Get_size()
         machine.Free()
         if comm.allreduce(wanted and one_machine, op=MPI.LAND):
-            groups[ranks] = SharedGroup(comm)
+            groups[ranks] = SharedGroup(comm, ranks)
     return groups
 
 
@@ -110,10 +111,12 @@ def _paged(nbytes: int) -> int:
 
 class SharedGroup:
     """The ranks of one group on one machine and the kernels that work over them; once
-    the plan has called `allocate`, ``shared`` says whether they share memory."""
+    the plan has called `allocate`, ``shared`` says whether they share memory. A plan
+    whose kernels work over several groups allocates in ``order`` (the same on every
+    rank, as allocating is collective), its arenas in the first group's window."""
 
-    def __init__(self, comm):
-        self.comm = comm
+    def __init__(self, comm, ranks: tuple[int, ...]):
+        self.comm, self.order = comm, ranks
         self.kernels: list[_SharedCollective] = []
         self.shared: bool | None = None  # not known until `allocate`
 
