@@ -464,6 +464,10 @@ class Program:
         """Every device the program runs on (on every rank)."""
         return sorted(layout_devices(self.ir))
 
+    def _runs(self) -> list:
+        """The executables of the training and inference graphs (one, when the same)."""
+        return list({id(r): r for r in (self._run_main, self._run_eval)}.values())
+
     @property
     def communication(self) -> str | None:
         """How this rank exchanges data with other ranks: "shared memory" (ranks of one
@@ -471,7 +475,7 @@ class Program:
         from purinec.runtime import comm
 
         kernels = []
-        for run in {id(r): r for r in (self._run_main, self._run_eval)}.values():
+        for run in self._runs():
             plan = getattr(getattr(run, "physical", run), "plan", None)
             kernels += [task.fn for task in plan.tasks] if plan is not None else []
         return comm.describe(kernels)
@@ -550,7 +554,7 @@ class Program:
 
     def close(self) -> None:
         """Release what the target holds (worker threads; a trace is written out)."""
-        for run in {id(r): r for r in (self._run_main, self._run_eval)}.values():
+        for run in self._runs():
             close = getattr(run, "close", None)
             if close is not None:
                 close()

@@ -247,7 +247,7 @@ class Plan:
         return "\n".join(lines) + "\n" + self.memory.summary()
 
 
-class _FreshArenas:
+class FreshArenas:
     """Arenas in the process's own memory, freed with the plan."""
 
     @staticmethod
@@ -287,7 +287,7 @@ def _arena_source(kernels: Mapping[Node, Callable]):
     sources = {getattr(fn, "arena_allocator", None) for fn in kernels.values()}
     sources.discard(None)
     if not sources:
-        return _FreshArenas
+        return FreshArenas
     return sources.pop() if len(sources) == 1 else _Sources(sources)
 
 

@@ -55,7 +55,8 @@ from purinec.errors import PurinecError
 from purinec.ir.graph import Node
 from purinec.ir.types import Device
 from purinec.runtime.collectives import Packing, copy_to_all, sum_in_order, summands
-from purinec.runtime.plan import aligned_bytes
+from purinec.runtime.memory import ALIGNMENT, aligned
+from purinec.runtime.plan import FreshArenas
 
 if TYPE_CHECKING:
     from purinec.runtime.comm import World
@@ -65,7 +66,8 @@ SHAREABLE = ("allreduce", "allgather", "reduce", "broadcast")
 # Where MPICH creates the files behind shared windows.
 SHARED_MEMORY_DIR = "/dev/shm"
 
-ALIGNMENT = 64  # a cache line: ranks writing neighbouring chunks never share one
+# ALIGNMENT (the arenas' 64 bytes) is a cache line: ranks writing neighbouring chunks
+# never share one.
 # Each kernel has one control line per rank, int64 words: ready, done, then the byte
 # offset of each of its buffers (one per dtype of a bucket) in the rank's segment.
 READY, DONE, OFFSETS = 0, 1, 2
@@ -101,10 +103,6 @@ def shared_kernel(node: Node, mpi_kernel: Callable, group: "SharedGroup") -> Cal
     return kinds[node.op](node, group, mpi_kernel)
 
 
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGNMENT) * ALIGNMENT
-
-
 def _paged(nbytes: int) -> int:
     return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
 
@@ -138,20 +136,20 @@ class SharedGroup:
         size = self.comm.size
         claims, top = {}, len(self.kernels) * ALIGNMENT
         for kernel in self.kernels:
-            claims[kernel], top = top, top + _aligned(8 * kernel.claim_words(size))
+            claims[kernel], top = top, top + aligned(8 * kernel.claim_words(size))
         # The rest (scratch, which `release` gives back) on whole pages of its own.
         control = top = _paged(top)
         starts = {}
         for kernel in self.kernels:
-            starts[kernel], top = top, top + _aligned(kernel.staging_bytes)
+            starts[kernel], top = top, top + aligned(kernel.staging_bytes)
         for device in sorted(arena_bytes):
-            starts[device], top = top, top + _aligned(arena_bytes[device])
+            starts[device], top = top, top + aligned(arena_bytes[device])
         top = _paged(top)
         self._scratch = (control, top)
         top += ALIGNMENT  # room to align the segment's start
         self.shared = self.comm.allreduce(_room(self.comm.allreduce(top)), op=MPI.LAND)
         if not self.shared:
-            return {device: aligned_bytes(n) for device, n in arena_bytes.items()}
+            return FreshArenas.allocate(arena_bytes)
         info = MPI.Info.Create()
         info.Set("alloc_shared_noncontig", "true")  # each rank's segment on its own pages
         try:
@@ -440,13 +438,14 @@ class _Sum(_ClaimedWork):
     chunk per rank, which is an item: `_combine` says what a chunk's claimer does with
     every rank's copy of it."""
 
-    def __init__(self, node: Node, group: SharedGroup, fallback: Callable, members: int):
+    def __init__(self, node: Node, group: SharedGroup, fallback: Callable):
+        members = len(node.inputs) // node.attrs["tensors"]
         per = summands(node, members)
         dtypes = {v.type.dtype for v in node.inputs[:per]}
         if len(dtypes) > MAX_BUFFERS:
             raise PurinecError(f"node {node!r}: a bucket of more than {MAX_BUFFERS} dtypes")
         super().__init__(node, group, fallback,
-                         sum(_aligned(v.type.nbytes) for v in node.inputs[:per]))
+                         sum(aligned(v.type.nbytes) for v in node.inputs[:per]))
         self.members, self.per, self.buffer_count = members, per, len(dtypes)
 
     def _items(self, size: int) -> int:
@@ -461,7 +460,7 @@ class _Sum(_ClaimedWork):
         def allocate(size: int, dtype) -> np.ndarray:
             nonlocal top
             start, nbytes = top, size * np.dtype(dtype).itemsize
-            top += _aligned(nbytes)
+            top += aligned(nbytes)
             return staging[start:start + nbytes].view(dtype)
 
         self.packing = Packing(self.node, self.members, allocate)
@@ -490,7 +489,7 @@ class SharedAllreduce(_Sum):
     of them, so every rank gets the same bytes."""
 
     def __init__(self, node: Node, group: SharedGroup, fallback: Callable):
-        super().__init__(node, group, fallback, len(node.inputs) // node.attrs["tensors"])
+        super().__init__(node, group, fallback)
         self.count = len(node.inputs)
 
     def _stage(self, arrays):
@@ -516,7 +515,7 @@ class SharedReduce(_Sum):
     sums; another rank's, what it gave (its copy, which nobody writes)."""
 
     def __init__(self, node: Node, group: SharedGroup, fallback):
-        super().__init__(node, group, fallback, len(node.inputs) // node.attrs["tensors"])
+        super().__init__(node, group, fallback)
         self.root = fallback.root  # the root's rank in the group's communicator
 
     def _stage(self, arrays):

@@ -92,12 +92,11 @@ def main() -> int:
     graph = build(world, ends="no-ends" not in options)
     exe = executable(graph, world)
     kinds = {task.node.name: type(task.fn).__name__ + (
-                 " in shared memory" if getattr(task.fn, "group", None) and task.fn.group.shared
-                 else "")
+                 " in shared memory" if comm.describe([task.fn]) == "shared memory" else "")
              for task in exe.plan.tasks if task.node.op in comm.COLLECTIVES}
+    communication = comm.describe(task.fn for task in exe.plan.tasks)
     with open(f"{sys.argv[1]}/rank{world.rank}.kernels.json", "w") as file:
-        json.dump({"kinds": kinds,
-                   "communication": comm.describe(t.fn for t in exe.plan.tasks)}, file)
+        json.dump({"kinds": kinds, "communication": communication}, file)
     for call in range(CALLS):
         env = random_env(graph, np.random.default_rng([call, world.rank]))
         outputs = exe({k: v.copy() for k, v in env.items()})
@@ -105,8 +104,7 @@ def main() -> int:
     exe.close()
     # Closing gave the shared arenas' pages back (they read as zeros), and the
     # executable still runs, as call 0 did.
-    shared = any(getattr(task.fn, "group", None) and task.fn.group.shared
-                 for task in exe.plan.tasks)
+    shared = communication == "shared memory"
     released = all(not arena.any() for arena in exe.plan.arenas.values())
     env = random_env(graph, np.random.default_rng([0, world.rank]))
     outputs = exe({k: v.copy() for k, v in env.items()})
