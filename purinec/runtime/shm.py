@@ -9,8 +9,8 @@ memory arenas (and the kernels' staging buffers) in one MPI-3 shared window
 they lie, and a collective is one pass over memory:
 
 1. post: a rank writes where its buffers lie (byte offsets in its own segment) into its
-   control line for the kernel, fences (``Win.Sync``) and sets ``ready`` to the call's
-   step number;
+   control line for the kernel (when they change), fences and sets ``ready`` to the
+   call's step number;
 2. once every rank is ready, the work, cut into items that whoever claims them (an
    atomic compare-and-swap) does: an allreduce's buffers in one chunk per rank, whose
    claimer sums every rank's copy in rank order and stores the sum into all of them,
@@ -25,8 +25,10 @@ they lie, and a collective is one pass over memory:
    again, so the memory planner may reuse them.
 
 Each kernel counts its calls, the same on every rank, so steps only grow and neither a
-flag nor a claim ever needs resetting. A buffer outside the window (a caller's array)
-is staged through the kernel's buffers, which are in it.
+flag nor a claim ever needs resetting. MPI allocates and maps the memory; the ranks
+synchronise through it with the CPU's own atomics and fences (`purinec.runtime.atomics`),
+not MPI's one-sided calls, which cost ten to twenty times as much. A buffer outside the
+window (a caller's array) is staged through the kernel's buffers, which are in it.
 
 The window is allocated when the plan places the arenas (`SharedGroup.allocate`), which
 is collective over the group's ranks; it is never freed (``MPI_Win_free`` is collective
@@ -54,6 +56,7 @@ import numpy as np
 from purinec.errors import PurinecError
 from purinec.ir.graph import Node
 from purinec.ir.types import Device
+from purinec.runtime.atomics import compare_and_swap, fence, fetch_add
 from purinec.runtime.collectives import Packing, copy_to_all, sum_in_order, summands
 from purinec.runtime.memory import ALIGNMENT, aligned
 from purinec.runtime.plan import FreshArenas
@@ -157,15 +160,13 @@ class SharedGroup:
         finally:
             info.Free()
         _WINDOWS.append(self.window)
-        self.window.Lock_all(MPI.MODE_NOCHECK)  # a passive epoch: Win.Sync is then a fence
-        self.segments, self.shifts = zip(*[_aligned_segment(self.window, r)
-                                           for r in range(size)])
+        self.segments = [_aligned_segment(self.window, r) for r in range(size)]
         mine = self.segments[self.comm.rank]
         mine[:control] = 0  # no step is ready, done or claimed yet
         for k, kernel in enumerate(self.kernels):
             staging = mine[starts[kernel]:starts[kernel] + kernel.staging_bytes]
             kernel.bind(k, claims[kernel], staging)
-        self.window.Sync()
+        fence()
         self.comm.Barrier()  # every rank's control lines are zero before any is read
         return {device: mine[starts[device]:starts[device] + arena_bytes[device]]
                 for device in arena_bytes}
@@ -194,10 +195,6 @@ class SharedGroup:
         start = array.ctypes.data - mine.ctypes.data
         return start if 0 <= start and start + array.nbytes <= mine.nbytes else None
 
-    def fence(self) -> None:
-        self.window.Sync()
-
-
 # Every window made, kept until the process exits (see the module's docstring).
 _WINDOWS: list = []
 
@@ -218,14 +215,13 @@ def _room(machine_bytes: int) -> bool:
     return machine_bytes < stat.f_bavail * stat.f_frsize
 
 
-def _aligned_segment(window, rank: int) -> tuple[np.ndarray, int]:
+def _aligned_segment(window, rank: int) -> np.ndarray:
     """Rank ``rank``'s segment of ``window`` as bytes, from its first ALIGNMENT-aligned
-    byte (the segment has ALIGNMENT bytes to spare), and how far into the segment that
-    byte is."""
+    byte (the segment has ALIGNMENT bytes to spare)."""
     memory, _ = window.Shared_query(rank)
     raw = np.frombuffer(memory, np.uint8)
     shift = -raw.ctypes.data % ALIGNMENT
-    return raw[shift:shift + raw.nbytes - ALIGNMENT], shift
+    return raw[shift:shift + raw.nbytes - ALIGNMENT]
 
 
 class _SharedCollective:
@@ -261,7 +257,6 @@ class _SharedCollective:
         self.peers = [c for q, c in enumerate(self.controls) if q != rank]
         words = self.claim_words(len(segments))
         self.claims = segments[0][claims:claims + 8 * words].view(np.int64)
-        self.claims_disp = self.group.shifts[0] + claims  # for MPI's atomics
         self._bind_staging(staging)
 
     def __call__(self, *arrays: np.ndarray):
@@ -275,10 +270,10 @@ class _SharedCollective:
         if len(arrays) != len(staged.arrays) or any(
                 a is not b for a, b in zip(arrays, staged.arrays)):
             staged = self._staged = _Staged(arrays, *self._stage(arrays), self.group)
+            self.mine[OFFSETS:OFFSETS + len(staged.offsets)] = staged.offsets
         staged.prepare()
         self.step += 1
-        self.mine[OFFSETS:OFFSETS + len(staged.offsets)] = staged.offsets
-        self.group.fence()  # the data and its offsets before the flag
+        fence()  # the data and its offsets before the flag
         self.mine[READY] = self.step
         return _SharedPending(self, staged.buffers, staged.finish)
 
@@ -350,11 +345,11 @@ class _SharedPending:
             for control in kernel.peers:
                 if control[READY] < self.step:
                     return False
-            kernel.group.fence()  # the peers' data after their flags
+            fence()  # the peers' data after their flags
             self.ready = True
         if not kernel._advance(self, idle):
             return False
-        kernel.group.fence()  # the others' writes before reading the result
+        fence()  # the others' writes before reading the result
         self.finish()
         self.done = True
         return True
@@ -373,13 +368,6 @@ class _ClaimedWork(_SharedCollective):
     step to this one; a rank that has done an item adds one to a counter beside them,
     and the operation is complete on every rank when the counter reaches step x
     items."""
-
-    def __init__(self, node: Node, group: SharedGroup, fallback: Callable,
-                 staging_bytes: int):
-        super().__init__(node, group, fallback, staging_bytes)
-        # MPI's atomics take and give their operands in arrays.
-        self._compare, self._swap, self._result = (np.zeros(1, np.int64) for _ in range(3))
-        self._one = np.ones(1, np.int64)
 
     def claim_words(self, size: int) -> int:
         return self._items(size) + 1  # a claim per item, then the counter
@@ -406,28 +394,11 @@ class _ClaimedWork(_SharedCollective):
         return self.claims[items] >= pending.step * items
 
     def _try(self, items: list[int], pending: "_SharedPending") -> None:
+        step, counter = pending.step, len(self.claims) - 1
         for item in items:
-            if self._claim(item, pending.step):
+            if compare_and_swap(self.claims, item, step - 1, step) == step - 1:
                 self._do(item, pending.buffers)
-                self.group.fence()
-                self._count_done()
-
-    def _claim(self, item: int, step: int) -> bool:
-        self._compare[0], self._swap[0] = step - 1, step
-        window = self.group.window
-        window.Compare_and_swap(self._swap, self._compare, self._result, 0,
-                                target_disp=self.claims_disp + 8 * item)
-        window.Flush(0)
-        return self._result[0] == step - 1
-
-    def _count_done(self) -> None:
-        from mpi4py import MPI
-
-        window = self.group.window
-        window.Fetch_and_op(self._one, self._result, 0,
-                            target_disp=self.claims_disp + 8 * (len(self.claims) - 1),
-                            op=MPI.SUM)
-        window.Flush(0)
+                fetch_add(self.claims, counter, 1)  # (after the item's stores)
 
 
 class _Sum(_ClaimedWork):
@@ -596,7 +567,7 @@ class SharedAllgather(_SharedCollective):
             [sent] = self.views([max(blocks)])
             for nbytes, start, block in zip(blocks, starts, sent):
                 np.copyto(received[start:start + nbytes], block[:nbytes])
-            self.group.fence()
+            fence()
             self.mine[DONE] = pending.step
         return all(control[DONE] >= pending.step for control in self.peers)
 
