@@ -8,6 +8,7 @@ Groups that span ranks get MPI kernels from `purinec.runtime.comm` instead.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import numpy as np
@@ -100,6 +101,18 @@ def copy_to_all(x: np.ndarray, *ys: np.ndarray) -> None:
         np.copyto(y, x)
 
 
+class Copies:
+    """(destination, source) array pairs, made once and copied at every call: for small
+    tensors, making the views costs more than the copies."""
+
+    def __init__(self, pairs: list[tuple[np.ndarray, np.ndarray]]):
+        self.pairs = pairs
+
+    def __call__(self) -> None:
+        for destination, source in self.pairs:
+            np.copyto(destination, source)
+
+
 def summands(node: Node, members: int) -> int:
     """How many tensors each member gives a sum (an allreduce's or reduce's bucket),
     checked against the node's inputs."""
@@ -113,10 +126,11 @@ def summands(node: Node, members: int) -> int:
 
 
 class Packing:
-    """A bucket's tensors packed together, one contiguous buffer per dtype: `pack` adds
-    up each tensor's pieces from this rank's members (in group order) into its segment,
-    `unpack` copies the segments out to every member's outputs. ``allocate(size, dtype)``
-    makes each buffer (shared memory, for `purinec.runtime.shm`)."""
+    """A bucket's tensors packed together, one contiguous buffer per dtype (a segment
+    per tensor), with what packs given arrays into it and unpacks it (`packer`,
+    `unpacker`: made once for the arrays of a plan, used at every call).
+    ``allocate(size, dtype)`` makes each buffer (shared memory, for
+    `purinec.runtime.shm`)."""
 
     def __init__(self, node: Node, members: int,
                  allocate: Callable[[int, np.dtype], np.ndarray] = np.empty):
@@ -132,12 +146,24 @@ class Packing:
         self.segments = [self.buffers[dtype][start:stop] for dtype, start, stop in spans]
         self.members, self.per = members, per
 
-    def pack(self, inputs) -> None:
-        for t, segment in enumerate(self.segments):
-            np.copyto(segment, inputs[t].reshape(-1))
-            for m in range(1, self.members):
-                np.add(segment, inputs[m * self.per + t].reshape(-1), out=segment)
+    def packer(self, inputs) -> Callable[[], None]:
+        """What adds up each tensor's pieces from this rank's members (``inputs``, in
+        group order) into its segment."""
+        def into(t: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            return self.segments[t].reshape(x.shape), x
 
-    def unpack(self, outputs) -> None:
-        for i, out in enumerate(outputs):
-            np.copyto(out.reshape(-1), self.segments[i % self.per])
+        copies = Copies([into(t, inputs[t]) for t in range(self.per)])
+        adds = [into(t, inputs[m * self.per + t])
+                for t in range(self.per) for m in range(1, self.members)]
+        return functools.partial(_copy_then_add, copies, adds) if adds else copies
+
+    def unpacker(self, outputs) -> Copies:
+        """What copies the segments out to every member's outputs."""
+        return Copies([(out, self.segments[i % self.per].reshape(out.shape))
+                       for i, out in enumerate(outputs)])
+
+
+def _copy_then_add(copies: Copies, adds: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    copies()
+    for total, x in adds:
+        np.add(total, x, out=total)

@@ -24,7 +24,6 @@ its ranks, so `comm_kernels` creates them when kernels are built, every rank in 
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import threading
@@ -39,7 +38,7 @@ from purinec.errors import ExecutionError, PurinecError
 from purinec.ir.graph import Node
 from purinec.ir.types import Device
 from purinec.runtime import shm
-from purinec.runtime.collectives import Packing, copy_to_all, sum_in_order, summands
+from purinec.runtime.collectives import Copies, Packing, copy_to_all, sum_in_order, summands
 
 # What MPI launchers set in each process they start: MPICH's Hydra (PMI_RANK, PMI_SIZE,
 # MPI_LOCALRANKID) and Open MPI (OMPI_COMM_WORLD_RANK).
@@ -270,14 +269,14 @@ class _Allreduce:
         if self.direct:
             return self._reduce_into(*arrays)
         inputs, outputs = arrays[:self.count], arrays[self.count:]
-        self.packing.pack(inputs)
+        self.packing.packer(inputs)()
         if self.comm is None:
-            self.packing.unpack(outputs)
+            self.packing.unpacker(outputs)()
             return None
         MPI = _mpi()
         requests = [self.comm.Iallreduce(MPI.IN_PLACE, buffer, MPI.SUM)
                     for buffer in self.packing.buffers.values()]
-        return _Pending(requests, lambda: self.packing.unpack(outputs))
+        return _Pending(requests, self.packing.unpacker(outputs))
 
     def _reduce_into(self, x: np.ndarray, y: np.ndarray) -> _Pending:
         """In place when the memory planner put the output over the input (it does when
@@ -324,33 +323,34 @@ class _Allgather:
 
     def __call__(self, *arrays: np.ndarray) -> _Pending | None:
         inputs, outputs = arrays[:len(self.local)], arrays[len(self.local):]
-        self.pack(inputs)
+        self.packer(inputs)()
         if self.comm is None:
-            self.unpack(outputs)
+            self.unpacker(outputs)()
             return None
         MPI = _mpi()
         request = self.comm.Iallgatherv([self.sent, MPI.BYTE],
                                         [self.received, self.counts, MPI.BYTE])
-        return _Pending([request], lambda: self.unpack(outputs))
+        return _Pending([request], self.unpacker(outputs))
 
-    def pack(self, inputs) -> None:
-        """This rank's pieces into ``sent``, axis first, in group order."""
-        start = 0
+    def packer(self, inputs) -> Copies:
+        """What puts this rank's pieces into ``sent``, axis first, in group order."""
+        pairs, start = [], 0
         for k, piece in zip(self.local, inputs):
-            np.copyto(self._rows(self.sent, start, k), np.moveaxis(piece, self.axis, 0))
+            pairs.append((self._rows(self.sent, start, k), np.moveaxis(piece, self.axis, 0)))
             start += piece.nbytes
+        return Copies(pairs)
 
     def _rows(self, buffer: np.ndarray, start: int, k: int) -> np.ndarray:
         """Member ``k``'s piece in ``buffer`` from byte ``start``, axis first."""
         stop = start + self.sizes[k] * self.row_items * self.dtype.itemsize
         return buffer[start:stop].view(self.dtype).reshape((self.sizes[k], *self.rest))
 
-    def unpack(self, outputs) -> None:
-        """Every output from the gathered bytes in ``received``."""
-        for out in outputs:
-            moved = np.moveaxis(out, self.axis, 0)
-            for k, (row, size) in enumerate(zip(self.first_rows, self.sizes)):
-                moved[row:row + size] = self._rows(self.received, self.offsets[k], k)
+    def unpacker(self, outputs) -> Copies:
+        """What fills every output from the gathered bytes in ``received``."""
+        return Copies([(np.moveaxis(out, self.axis, 0)[row:row + size],
+                        self._rows(self.received, self.offsets[k], k))
+                       for out in outputs
+                       for k, (row, size) in enumerate(zip(self.first_rows, self.sizes))])
 
 
 class _Reduce:
@@ -372,9 +372,9 @@ class _Reduce:
             sum_in_order(*arrays)
             buffers, finish = outputs, lambda: None
         else:
-            self.packing.pack(inputs)
+            self.packing.packer(inputs)()
             buffers = list(self.packing.buffers.values())
-            finish = functools.partial(self.packing.unpack, outputs)
+            finish = self.packing.unpacker(outputs)
         if self.comm is None:
             finish()
             return None

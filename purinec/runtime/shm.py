@@ -438,8 +438,7 @@ class _Sum(_ClaimedWork):
 
     def _packed(self, inputs, outputs):
         return (list(self.packing.buffers.values()),
-                functools.partial(self.packing.pack, inputs),
-                functools.partial(self.packing.unpack, outputs))
+                self.packing.packer(inputs), self.packing.unpacker(outputs))
 
     def _do(self, item: int, buffers: list[np.ndarray]) -> None:
         size = self.group.comm.size
@@ -555,8 +554,8 @@ class SharedAllgather(_SharedCollective):
 
     def _stage(self, arrays):
         count = len(self.layout.local)
-        return ([self.layout.sent], functools.partial(self.layout.pack, arrays[:count]),
-                functools.partial(self.layout.unpack, arrays[count:]))
+        return ([self.layout.sent], self.layout.packer(arrays[:count]),
+                self.layout.unpacker(arrays[count:]))
 
     def _advance(self, pending: "_SharedPending", idle: bool) -> bool:
         """Every rank's block copied into this rank's result (once), then complete
