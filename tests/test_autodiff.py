@@ -424,6 +424,16 @@ def test_small_network_float32():
         np.testing.assert_allclose(value, out64[name], rtol=1e-4, atol=1e-5)
 
 
+def test_parameter_gradients_come_before_the_sweep_goes_on():
+    """Where a rule builds a parameter's gradient and another input's, the parameter's
+    comes first in the graph (so parallel training can send it early); the gradients
+    still match finite differences (test_small_network)."""
+    forward = _small_network(np.float64).g
+    backward = autodiff(forward).nodes[len(forward.nodes):]
+    matmul_grads = [n.outputs[0].name for n in backward if n.op == "matmul"]
+    assert len(matmul_grads) == 2 and matmul_grads[0] == "grad.w2"  # then grad of h
+
+
 def test_differentiating_twice_is_an_error():
     dg = autodiff(_small_network(np.float64).g)
     with pytest.raises(AutodiffError, match="already has output"):

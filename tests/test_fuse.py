@@ -425,7 +425,7 @@ def test_lenet_kernel_counts():
     kernels = [n.attrs["kernel"] for n in fused_nodes(after)]
     assert kernels == ["fused_conv2d_bias_add", "fused_conv2d_bias_add_1",
                        "fused_matmul_bias_add_relu", "fused_matmul_bias_add",
-                       "fused_matmul_relu_grad", "fused_matmul_sgd", "fused_matmul_sgd_1",
+                       "fused_matmul_sgd", "fused_matmul_relu_grad", "fused_matmul_sgd_1",
                        "fused_sgd_x6"]
     for conv in kernels_of(after, "conv2d"):  # lenet pools right after the bias
         assert [m.op for m in conv.body] == ["conv2d", "bias_add"]

@@ -12,7 +12,9 @@ pass and one output ``grad.<input>`` per ``wrt`` input. The algorithm:
    active output is on the path, so its op must be differentiable; its rule in
    `GRADIENT_RULES` gets the summed gradients of its outputs (None where an output has
    none) and returns one gradient per input (None where not needed). Backward nodes
-   are placed on the forward node's device and carry its source ``loc``.
+   are placed on the forward node's device and carry its source ``loc``; those that
+   compute a graph input's (a parameter's) gradient come before the rest of what the
+   rule built, so parallel training can send that gradient while the sweep goes on.
 4. **Accumulation.** The partial gradients a value collects from its users are summed
    with ``add`` nodes when the sweep reaches the value's producer (all users come later
    in topological order, so by then all partials are in). The final gradient of value
@@ -131,6 +133,9 @@ def _backward(g: Graph, active: set[Value], partials: dict[Value, list[Value]],
         rule = _rule_for(node, needs)
         before = len(g.nodes)
         in_grads = rule(g, node, out_grads, needs)
+        _final_gradients_first(g.nodes, before, [
+            gx for v, need, gx in zip(node.inputs, needs, in_grads)
+            if need and v.producer is None])
         created = {v for n in g.nodes[before:] for v in n.outputs}
         for v, need, gx in zip(node.inputs, needs, in_grads):
             if need:
@@ -142,6 +147,22 @@ def _backward(g: Graph, active: set[Value], partials: dict[Value, list[Value]],
     for v in list(partials):
         _finish(g, v, partials, owner, grads)
     return grads
+
+
+def _final_gradients_first(nodes: list[Node], start: int, final: list[Value]) -> None:
+    """Reorder the nodes a rule added (``nodes[start:]``) so that those computing the
+    ``final`` gradients (of graph inputs: parameters; nothing adds to them later) come
+    first, each part in its own order: a layer's weight gradient is then ready, and its
+    allreduce or update can start, before the data gradient that continues the sweep."""
+    needed = set(final)
+    first = []
+    for node in reversed(nodes[start:]):
+        if any(v in needed for v in node.outputs):
+            first.append(node)
+            needed.update(node.inputs)
+    if first:
+        chosen = set(first)
+        nodes[start:] = first[::-1] + [n for n in nodes[start:] if n not in chosen]
 
 
 def _rule_for(node: Node, needs: list[bool]) -> Rule:
