@@ -381,17 +381,21 @@ class _ClaimedWork(_SharedCollective):
     def _do(self, item: int, buffers: list[np.ndarray]) -> None:
         raise NotImplementedError
 
+    def bind(self, k: int, claims: int, staging: np.ndarray) -> None:
+        super().bind(k, claims, staging)
+        size, rank = len(self.controls), self.group.comm.rank
+        self.items = self._items(size)
+        self.own_items = self._owned(size, rank)
+        self.other_items = [i for i in range(self.items) if i not in self.own_items]
+
     def _advance(self, pending: "_SharedPending", idle: bool) -> bool:
-        size, rank = self.group.comm.size, self.group.comm.rank
-        items = self._items(size)
         if pending.untried is None:
-            own = self._owned(size, rank)
-            pending.untried = [item for item in range(items) if item not in own]
-            self._try(own, pending)
+            pending.untried = self.other_items
+            self._try(self.own_items, pending)
         if idle and pending.untried:
             tries, pending.untried = pending.untried, []
             self._try(tries, pending)
-        return self.claims[items] >= pending.step * items
+        return self.claims[self.items] >= pending.step * self.items
 
     def _try(self, items: list[int], pending: "_SharedPending") -> None:
         step, counter = pending.step, len(self.claims) - 1
@@ -418,6 +422,7 @@ class _Sum(_ClaimedWork):
         super().__init__(node, group, fallback,
                          sum(aligned(v.type.nbytes) for v in node.inputs[:per]))
         self.members, self.per, self.buffer_count = members, per, len(dtypes)
+        self._chunked: tuple[list | None, list] = (None, [])
 
     def _items(self, size: int) -> int:
         return self.buffer_count * size  # item c: chunk c % size of buffer c // size
@@ -441,13 +446,23 @@ class _Sum(_ClaimedWork):
                 self.packing.packer(inputs), self.packing.unpacker(outputs))
 
     def _do(self, item: int, buffers: list[np.ndarray]) -> None:
-        size = self.group.comm.size
-        i, r = divmod(item, size)
-        buffer = buffers[i]
-        lo, hi = _chunk(buffer.size, buffer.itemsize, r, size)
-        if lo < hi:
-            views = self.views([b.nbytes for b in buffers])[i]
-            self._combine([copy.view(buffer.dtype)[lo:hi] for copy in views])
+        copies = self._chunks(buffers)[item]
+        if copies:
+            self._combine(copies)
+
+    def _chunks(self, buffers: list[np.ndarray]) -> list[list[np.ndarray]]:
+        """Each item's chunk in every rank's copy (none where the chunk is empty), made
+        again only when some rank's buffers have moved (`views`)."""
+        views = self.views([b.nbytes for b in buffers])
+        if views is not self._chunked[0]:
+            size, chunks = len(self.controls), []
+            for item in range(self.items):
+                i, r = divmod(item, size)
+                lo, hi = _chunk(buffers[i].size, buffers[i].itemsize, r, size)
+                chunks.append([copy.view(buffers[i].dtype)[lo:hi] for copy in views[i]]
+                              if lo < hi else [])
+            self._chunked = (views, chunks)
+        return self._chunked[1]
 
     def _combine(self, copies: list[np.ndarray]) -> None:
         raise NotImplementedError
