@@ -28,9 +28,13 @@ some compute lane was busy through ("hidden") says how well the allreduces overl
 backward pass, and "exposed" is the communication time per iteration during which no
 compute lane was busy. (A collective's time in the trace runs until the runtime sees it
 complete, which it checks rarely while compute is busy: that lengthens hidden time,
-never exposed time.) "imbalance" is the busiest device's compute time over the least
-busy one's: the devices do the same work, so above about 1.05 the machine slowed one of
-its cores (other tenants), and the others waited for it at every allreduce.
+never exposed time.) Over MPI, "waiting" is the part of the exposed time before every
+rank had posted the collective at hand (from every rank's trace: the processes of a
+machine share perf_counter's clock), when no way of communicating could have finished
+it: a peer had not reached it yet. It measures jitter between the ranks, not the cost
+of communicating. "imbalance" is the busiest device's compute time over the least busy
+one's: the devices do the same work, so above about 1.05 the machine slowed one of its
+cores (other tenants), and the others waited for it at every allreduce.
 """
 
 from __future__ import annotations
@@ -142,17 +146,64 @@ def worker(args) -> None:
     stats = overlap(trace.events())
     busy = [ms for lane, ms in stats["busy_ms"].items()
             if stats["lane_kind"][lane] == COMPUTE_KIND]
+    waiting = None  # of the exposed time, that before every rank had posted (MPI)
     if here.size > 1:
         busy = [ms for rank in here.comm.gather(busy, root=0) or [] for ms in rank]
+        cut = Trace()
+        cut.origin, cut.calls = trace.origin, trace.calls
+        cut.records = until_all_posted(trace.records, here.comm.allgather(
+            posts(trace.records)))
+        if cut.records is not None:
+            cut_stats = overlap(cut.events())
+            waiting = cut_stats["comm_ms"] - cut_stats["hidden_ms"]
     if here.rank == 0:
         iterations = args.iterations * args.repeats
         Path(args.out).write_text(json.dumps({
             "rounds": rounds,
             "comm_ms_per_iteration": stats["comm_ms"] / iterations,
             "exposed_ms_per_iteration": (stats["comm_ms"] - stats["hidden_ms"]) / iterations,
+            "exposed_waiting_ms_per_iteration": (None if waiting is None
+                                                 else waiting / iterations),
             "hidden_fraction": stats["hidden_fraction"],
             "compute_ms_per_device": [ms / iterations for ms in busy],
             "compute_imbalance": max(busy) / min(busy)}))
+
+
+def _is_comm(task) -> bool:
+    return task.queue.kind == "comm"
+
+
+def posts(records) -> dict[int, list[float]]:
+    """When this rank posted each call's collectives (trace records; perf_counter
+    seconds, which every process of a machine shares), in the order it posted them."""
+    times: dict[int, list[float]] = {}
+    for task, _, start, _, call in records:
+        if _is_comm(task):
+            times.setdefault(call, []).append(start)
+    return {call: sorted(starts) for call, starts in times.items()}
+
+
+def until_all_posted(records, everyone: list[dict[int, list[float]]]) -> list | None:
+    """``records`` with each collective cut short where the last rank posted it (and
+    dropped where that was before this rank did): what stays exposed of them is time
+    this rank waited for a peer to reach the collective. Ranks of a data-parallel
+    program post the same collectives in the same order; where they did not (``everyone``:
+    every rank's `posts`), None."""
+    counts = {tuple((call, len(starts)) for call, starts in sorted(p.items()))
+              for p in everyone}
+    if len(counts) != 1:
+        return None
+    ours = {call: {start: i for i, start in enumerate(starts)}
+            for call, starts in posts(records).items()}
+    cut = []
+    for task, lane, start, end, call in records:
+        if _is_comm(task):
+            i = ours[call][start]
+            end = min(end, max(p[call][i] for p in everyone))
+            if end <= start:
+                continue
+        cut.append((task, lane, start, end, call))
+    return cut
 
 
 def _random_feeds(program) -> dict[str, np.ndarray]:
@@ -239,7 +290,7 @@ def main(argv=None) -> int:
     results = {}
     print(f"{'model':12} {'mode':8} {'1 device ms':>12} {f'{args.ranks} devices ms':>14} "
           f"{'efficiency (range)':>19} {'no-comm (range)':>17} {'comm ms':>8} "
-          f"{'hidden':>7} {'exposed ms':>10} {'imbalance':>9}")
+          f"{'hidden':>7} {'exposed ms':>10} {'waiting ms':>10} {'imbalance':>9}")
     for model in args.models.split(","):
         for mode in args.mode.split(","):
             results[f"{model}/{mode}"] = summary = measure(model, mode, args)
@@ -248,10 +299,15 @@ def main(argv=None) -> int:
                   f"{_ratio(summary, 'no_comm_efficiency'):>17} "
                   f"{summary['comm_ms_per_iteration']:8.2f} {summary['hidden_fraction']:7.0%} "
                   f"{summary['exposed_ms_per_iteration']:10.2f} "
+                  f"{_maybe(summary['exposed_waiting_ms_per_iteration']):>10} "
                   f"{summary['compute_imbalance']:9.2f}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
+
+
+def _maybe(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms:.2f}"
 
 
 def _ratio(summary: dict, key: str) -> str:

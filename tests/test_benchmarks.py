@@ -172,6 +172,26 @@ def test_weak_scaling_benchmark_alternates_rounds_and_reports_each(tmp_path, cap
     assert summary["compute_imbalance"] >= 1
 
 
+def test_waiting_is_the_exposed_time_before_every_rank_posted():
+    from types import SimpleNamespace
+
+    from benchmarks.bench_parallel import posts, until_all_posted
+
+    comm, compute = (SimpleNamespace(queue=SimpleNamespace(kind=k)) for k in ("comm", "compute"))
+    # This rank: call 0 posts a collective at 1.0 (done at 3.0) and another at 4.0 (done
+    # at 5.0); call 1 posts one at 10.0 (done at 11.0). Compute in between.
+    ours = [(compute, "c", 0.0, 1.0, 0), (comm, "q", 1.0, 3.0, 0),
+            (compute, "c", 1.1, 1.5, 0), (comm, "q", 4.0, 5.0, 0),
+            (comm, "q", 10.0, 11.0, 1)]
+    assert posts(ours) == {0: [1.0, 4.0], 1: [10.0]}
+    peer = {0: [2.5, 3.5], 1: [10.5]}  # later, earlier, later
+    cut = until_all_posted(ours, [posts(ours), peer])
+    assert [(r[2], r[3]) for r in cut] == [(0.0, 1.0), (1.0, 2.5), (1.1, 1.5), (10.0, 10.5)]
+    assert cut[0][0] is compute and cut[1][0] is comm
+    # Ranks that posted different collectives cannot be matched.
+    assert until_all_posted(ours, [posts(ours), {0: [2.5], 1: [10.5]}]) is None
+
+
 def test_the_check_flags_a_wrong_loss_or_update_but_not_float32_rounding():
     check = CheckData.compute("mlp", 4)
     final = {k: v.copy() for k, v in check.final.items()}
