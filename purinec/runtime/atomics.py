@@ -2,9 +2,9 @@
 share (`purinec.runtime.shm`'s windows), as Numba-compiled functions.
 
 MPI's one-sided atomics on a shared window (``Compare_and_swap``, ``Fetch_and_op``,
-each with a ``Flush``) and its ``Win.Sync`` fence cost 10-20 microseconds each inside a
-training step (cold caches, mpi4py's argument handling), ten to twenty times a claim
-per step on lenet; these cost well under one. The shared window's memory is coherent
+each with a ``Flush``) cost 10-20 microseconds each inside a training step (cold
+caches, mpi4py's argument handling), and a lenet step over two ranks makes about
+fifteen; these cost well under one. The shared window's memory is coherent
 cache memory, so one instruction on the word does the same, and every process that
 touches the words does so through these or through aligned 64-bit loads and stores,
 which x86-64 and AArch64 perform whole: a rank that reads a flag or counter with a

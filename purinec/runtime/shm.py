@@ -195,6 +195,7 @@ class SharedGroup:
         start = array.ctypes.data - mine.ctypes.data
         return start if 0 <= start and start + array.nbytes <= mine.nbytes else None
 
+
 # Every window made, kept until the process exits (see the module's docstring).
 _WINDOWS: list = []
 
