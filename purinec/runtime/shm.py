@@ -399,11 +399,11 @@ class _ClaimedWork(_SharedCollective):
         return self.claims[self.items] >= pending.step * self.items
 
     def _try(self, items: list[int], pending: "_SharedPending") -> None:
-        step, counter = pending.step, len(self.claims) - 1
+        step = pending.step
         for item in items:
             if compare_and_swap(self.claims, item, step - 1, step) == step - 1:
                 self._do(item, pending.buffers)
-                fetch_add(self.claims, counter, 1)  # (after the item's stores)
+                fetch_add(self.claims, self.items, 1)  # the counter (after the stores)
 
 
 class _Sum(_ClaimedWork):
