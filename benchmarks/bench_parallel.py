@@ -11,15 +11,18 @@ share each). Weak-scaling efficiency is t(1) / t(N): 1.0 means N devices do N ti
 work in the same time.
 
 Devices that share a machine slow each other down even when they exchange nothing
-(memory bandwidth, caches, the host's other tenants), so a third program bounds what
-any communication scheme could reach: "no-comm" is t(1) over the time N copies of the
-one-device program take when every device runs its own at once, exchanging nothing
-(the slowest device's median: in data parallelism everyone waits for it).
+(memory bandwidth, caches, the host's other tenants), and a synchronous step waits for
+the slowest device every time, so a third program bounds what any communication scheme
+could reach: "lockstep" is t(1) over the time N copies of the one-device program take
+when every device runs its own at once and they meet at a barrier after every step,
+exchanging nothing else. On a shared host one core is often slowed by 10-20% for a few
+hundred milliseconds at a time; the others then wait for it at every step, here as in
+the N-device program.
 
 Timings on a shared machine drift by 15-20% over minutes, so the programs live in the
 same processes and take turns: each of `--repeats` rounds times `--iterations` steps on
 one device (on rank 0, while the other ranks wait without spinning), then the N copies
-side by side, then N devices, each turn after one untimed step. A round's ratios
+in lockstep, then N devices, each turn after one untimed step. A round's ratios
 compare medians taken a second or two apart, so the drift mostly cancels; the table
 shows the median over the rounds and their range.
 
@@ -32,9 +35,11 @@ never exposed time.) Over MPI, "waiting" is the part of the exposed time before 
 rank had posted the collective at hand (from every rank's trace: the processes of a
 machine share perf_counter's clock), when no way of communicating could have finished
 it: a peer had not reached it yet. It measures jitter between the ranks, not the cost
-of communicating. "imbalance" is the busiest device's compute time over the least busy
-one's: the devices do the same work, so above about 1.05 the machine slowed one of its
-cores (other tenants), and the others waited for it at every allreduce.
+of communicating; "once posted" is the hidden share of the communication time after
+every rank had posted (each collective from the moment the last rank posted it), when
+communicating could make progress. "imbalance" is the busiest device's compute time
+over the least busy one's, over the whole run: the devices do the same work, so above
+about 1.05 the machine slowed one of its cores (other tenants) for much of the run.
 """
 
 from __future__ import annotations
@@ -87,11 +92,12 @@ def worker(args) -> None:
     os.sched_setaffinity(0, cores)
     feeds_many, feeds_one = _random_feeds(many), _random_feeds(ones[0])
 
-    def pinned(program, core: int, iterations: int) -> float:
-        """One device's median step on ``core``, after an untimed step."""
+    def pinned(program, core: int, iterations: int, barrier=None) -> float:
+        """One device's median step on ``core`` (each step followed by ``barrier``,
+        when given), after an untimed step."""
         os.sched_setaffinity(0, {core})  # this thread: it runs a one-device program inline
         program.step(feeds_one)
-        times = _timed(program, feeds_one, iterations)
+        times = _timed(program, feeds_one, iterations, barrier)
         os.sched_setaffinity(0, cores)
         return float(np.median(times))
 
@@ -101,19 +107,22 @@ def worker(args) -> None:
         _together(here)
         return median
 
-    def side_by_side(iterations: int) -> float:
+    def lockstep(iterations: int) -> float:
         """Every device runs its own copy of the one-device program at the same time,
-        exchanging nothing: what N devices would take if communication were free, which
-        shows how much the machine slows a core when its neighbours work too. Returns
-        the slowest device's median: in data parallelism everyone waits for it."""
+        and they meet at a barrier after every step, exchanging nothing else: what N
+        devices would take if communication were free. It shows how much the machine
+        slows a core when its neighbours work too, and what waiting for the slowest
+        device at every step costs. Returns the slowest device's median."""
         medians: list[float] = []
         if here.size > 1:
-            medians = [pinned(ones[0], own_cores[0], iterations)]
+            medians = [pinned(ones[0], own_cores[0], iterations, here.comm.Barrier)]
             _together(here)
             medians = [m for rank in here.comm.allgather(medians) for m in rank]
         else:
+            barrier = threading.Barrier(count).wait
             threads = [threading.Thread(target=lambda i=i: medians.append(
-                pinned(ones[i], own_cores[i], iterations))) for i in range(count)]
+                pinned(ones[i], own_cores[i], iterations, barrier)))
+                for i in range(count)]
             for thread in threads:
                 thread.start()
             for thread in threads:
@@ -130,7 +139,7 @@ def worker(args) -> None:
         return float(np.median(times))
 
     single_device(args.warmup)
-    side_by_side(args.warmup)
+    lockstep(args.warmup)
     many_devices(args.warmup)  # (starts the workers, with every core)
     trace.clear()
     rounds = []
@@ -138,7 +147,7 @@ def worker(args) -> None:
         # Each turn begins with an untimed step: the first after the other programs'
         # turn runs with cold caches and, over MPI, on ranks that were just asleep.
         rounds.append({"one_ms": single_device(args.iterations) * 1e3,
-                       "side_by_side_ms": side_by_side(args.iterations) * 1e3,
+                       "lockstep_ms": lockstep(args.iterations) * 1e3,
                        "many_ms": many_devices(args.iterations) * 1e3})
     many.close()
     for one in ones:
@@ -147,15 +156,15 @@ def worker(args) -> None:
     busy = [ms for lane, ms in stats["busy_ms"].items()
             if stats["lane_kind"][lane] == COMPUTE_KIND]
     waiting = None  # of the exposed time, that before every rank had posted (MPI)
+    hidden_once_posted = None  # the hidden share of the time after it
     if here.size > 1:
         busy = [ms for rank in here.comm.gather(busy, root=0) or [] for ms in rank]
-        cut = Trace()
-        cut.origin, cut.calls = trace.origin, trace.calls
-        cut.records = until_all_posted(trace.records, here.comm.allgather(
+        halves = split_at_all_posted(trace.records, here.comm.allgather(
             posts(trace.records)))
-        if cut.records is not None:
-            cut_stats = overlap(cut.events())
-            waiting = cut_stats["comm_ms"] - cut_stats["hidden_ms"]
+        if halves is not None:
+            before, after = (overlap(_events(records, trace)) for records in halves)
+            waiting = before["comm_ms"] - before["hidden_ms"]
+            hidden_once_posted = after["hidden_fraction"]
     if here.rank == 0:
         iterations = args.iterations * args.repeats
         Path(args.out).write_text(json.dumps({
@@ -165,6 +174,7 @@ def worker(args) -> None:
             "exposed_waiting_ms_per_iteration": (None if waiting is None
                                                  else waiting / iterations),
             "hidden_fraction": stats["hidden_fraction"],
+            "hidden_once_posted_fraction": hidden_once_posted,
             "compute_ms_per_device": [ms / iterations for ms in busy],
             "compute_imbalance": max(busy) / min(busy)}))
 
@@ -183,27 +193,42 @@ def posts(records) -> dict[int, list[float]]:
     return {call: sorted(starts) for call, starts in times.items()}
 
 
-def until_all_posted(records, everyone: list[dict[int, list[float]]]) -> list | None:
-    """``records`` with each collective cut short where the last rank posted it (and
-    dropped where that was before this rank did): what stays exposed of them is time
-    this rank waited for a peer to reach the collective. Ranks of a data-parallel
-    program post the same collectives in the same order; where they did not (``everyone``:
-    every rank's `posts`), None."""
+def split_at_all_posted(records, everyone: list[dict[int, list[float]]]
+                        ) -> tuple[list, list] | None:
+    """``records`` twice, each collective cut where the last rank posted it: before,
+    its part until then (dropped where that was before this rank posted it), when this
+    rank could only wait for a peer to reach it; after, its part from then on (dropped
+    where it was complete by then), when communicating could make progress. Compute
+    records stay in both. Ranks of a data-parallel program post the same collectives
+    in the same order; where they did not (``everyone``: every rank's `posts`), None."""
     counts = {tuple((call, len(starts)) for call, starts in sorted(p.items()))
               for p in everyone}
     if len(counts) != 1:
         return None
     ours = {call: {start: i for i, start in enumerate(starts)}
             for call, starts in posts(records).items()}
-    cut = []
-    for task, lane, start, end, call in records:
-        if _is_comm(task):
-            i = ours[call][start]
-            end = min(end, max(p[call][i] for p in everyone))
-            if end <= start:
-                continue
-        cut.append((task, lane, start, end, call))
-    return cut
+    before, after = [], []
+    for record in records:
+        task, lane, start, end, call = record
+        if not _is_comm(task):
+            before.append(record)
+            after.append(record)
+            continue
+        last_post = max(p[call][ours[call][start]] for p in everyone)
+        if min(end, last_post) > start:
+            before.append((task, lane, start, min(end, last_post), call))
+        if end > max(start, last_post):
+            after.append((task, lane, max(start, last_post), end, call))
+    return before, after
+
+
+def _events(records, trace) -> list[dict]:
+    """Chrome trace events of ``records`` (a cut of ``trace``'s)."""
+    from purinec.runtime.trace import Trace
+
+    cut = Trace()
+    cut.origin, cut.calls, cut.records = trace.origin, trace.calls, records
+    return cut.events()
 
 
 def _random_feeds(program) -> dict[str, np.ndarray]:
@@ -214,11 +239,14 @@ def _random_feeds(program) -> dict[str, np.ndarray]:
             for v in program.ir.inputs_with_role("data")}
 
 
-def _timed(program, feeds, iterations: int) -> list[float]:
+def _timed(program, feeds, iterations: int, barrier=None) -> list[float]:
+    """Each step's time (with ``barrier()`` after the step, when given)."""
     times = []
     for _ in range(iterations):
         start = time.perf_counter()
         program.step(feeds)
+        if barrier is not None:
+            barrier()
         times.append(time.perf_counter() - start)
     return times
 
@@ -254,15 +282,15 @@ def summarize(result: dict) -> dict:
     """Medians over the rounds; each round's ratios from its own medians."""
     rounds = result["rounds"]
     efficiencies = [r["one_ms"] / r["many_ms"] for r in rounds]
-    ceilings = [r["one_ms"] / r["side_by_side_ms"] for r in rounds]
+    ceilings = [r["one_ms"] / r["lockstep_ms"] for r in rounds]
     return {
         **result,
         **{key: float(np.median([r[key] for r in rounds]))
-           for key in ("one_ms", "side_by_side_ms", "many_ms")},
+           for key in ("one_ms", "lockstep_ms", "many_ms")},
         "efficiency": float(np.median(efficiencies)),
         "efficiency_range": (min(efficiencies), max(efficiencies)),
-        "no_comm_efficiency": float(np.median(ceilings)),
-        "no_comm_efficiency_range": (min(ceilings), max(ceilings)),
+        "lockstep_efficiency": float(np.median(ceilings)),
+        "lockstep_efficiency_range": (min(ceilings), max(ceilings)),
     }
 
 
@@ -276,7 +304,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=5,
                         help="untimed iterations of each program first (5)")
     parser.add_argument("--repeats", type=int, default=8,
-                        help="rounds, each timing one device, N side by side, then N "
+                        help="rounds, each timing one device, N in lockstep, then N "
                              "devices (8)")
     parser.add_argument("--mode", default="mpi,threads",
                         help="mpi: one process per device; threads: devices of one process")
@@ -289,25 +317,27 @@ def main(argv=None) -> int:
         return 0
     results = {}
     print(f"{'model':12} {'mode':8} {'1 device ms':>12} {f'{args.ranks} devices ms':>14} "
-          f"{'efficiency (range)':>19} {'no-comm (range)':>17} {'comm ms':>8} "
-          f"{'hidden':>7} {'exposed ms':>10} {'waiting ms':>10} {'imbalance':>9}")
+          f"{'efficiency (range)':>19} {'lockstep (range)':>17} {'comm ms':>8} "
+          f"{'hidden':>7} {'exposed ms':>10} {'waiting ms':>10} {'once posted':>11} "
+          f"{'imbalance':>9}")
     for model in args.models.split(","):
         for mode in args.mode.split(","):
             results[f"{model}/{mode}"] = summary = measure(model, mode, args)
             print(f"{model:12} {mode:8} {summary['one_ms']:12.2f} {summary['many_ms']:14.2f} "
                   f"{_ratio(summary, 'efficiency'):>19} "
-                  f"{_ratio(summary, 'no_comm_efficiency'):>17} "
+                  f"{_ratio(summary, 'lockstep_efficiency'):>17} "
                   f"{summary['comm_ms_per_iteration']:8.2f} {summary['hidden_fraction']:7.0%} "
                   f"{summary['exposed_ms_per_iteration']:10.2f} "
-                  f"{_maybe(summary['exposed_waiting_ms_per_iteration']):>10} "
+                  f"{_maybe(summary['exposed_waiting_ms_per_iteration'], '.2f'):>10} "
+                  f"{_maybe(summary['hidden_once_posted_fraction'], '.0%'):>11} "
                   f"{summary['compute_imbalance']:9.2f}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
 
 
-def _maybe(ms: float | None) -> str:
-    return "-" if ms is None else f"{ms:.2f}"
+def _maybe(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def _ratio(summary: dict, key: str) -> str:

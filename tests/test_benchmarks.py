@@ -161,9 +161,9 @@ def test_weak_scaling_benchmark_alternates_rounds_and_reports_each(tmp_path, cap
     assert status == 0 and "lenet        threads" in printed, printed
     summary = json.loads(out.read_text())["lenet/threads"]
     rounds = summary["rounds"]
-    assert len(rounds) == 3 and all(r["one_ms"] > 0 and r["side_by_side_ms"] > 0 and
+    assert len(rounds) == 3 and all(r["one_ms"] > 0 and r["lockstep_ms"] > 0 and
                                     r["many_ms"] > 0 for r in rounds)
-    for key, time in (("efficiency", "many_ms"), ("no_comm_efficiency", "side_by_side_ms")):
+    for key, time in (("efficiency", "many_ms"), ("lockstep_efficiency", "lockstep_ms")):
         ratios = [r["one_ms"] / r[time] for r in rounds]
         assert summary[key] == pytest.approx(np.median(ratios))
         assert summary[f"{key}_range"] == [min(ratios), max(ratios)]
@@ -172,10 +172,10 @@ def test_weak_scaling_benchmark_alternates_rounds_and_reports_each(tmp_path, cap
     assert summary["compute_imbalance"] >= 1
 
 
-def test_waiting_is_the_exposed_time_before_every_rank_posted():
+def test_collectives_split_where_the_last_rank_posted_them():
     from types import SimpleNamespace
 
-    from benchmarks.bench_parallel import posts, until_all_posted
+    from benchmarks.bench_parallel import posts, split_at_all_posted
 
     comm, compute = (SimpleNamespace(queue=SimpleNamespace(kind=k)) for k in ("comm", "compute"))
     # This rank: call 0 posts a collective at 1.0 (done at 3.0) and another at 4.0 (done
@@ -185,11 +185,17 @@ def test_waiting_is_the_exposed_time_before_every_rank_posted():
             (comm, "q", 10.0, 11.0, 1)]
     assert posts(ours) == {0: [1.0, 4.0], 1: [10.0]}
     peer = {0: [2.5, 3.5], 1: [10.5]}  # later, earlier, later
-    cut = until_all_posted(ours, [posts(ours), peer])
-    assert [(r[2], r[3]) for r in cut] == [(0.0, 1.0), (1.0, 2.5), (1.1, 1.5), (10.0, 10.5)]
-    assert cut[0][0] is compute and cut[1][0] is comm
+    before, after = split_at_all_posted(ours, [posts(ours), peer])
+    assert [(r[2], r[3]) for r in before] == [(0.0, 1.0), (1.0, 2.5), (1.1, 1.5), (10.0, 10.5)]
+    assert [(r[2], r[3]) for r in after] == [(0.0, 1.0), (2.5, 3.0), (1.1, 1.5), (4.0, 5.0),
+                                             (10.5, 11.0)]
+    assert before[0][0] is compute and before[1][0] is comm and after[1][0] is comm
+    # A collective complete before the last rank posted it (impossible, but a clock
+    # could say so) has no part after.
+    before, after = split_at_all_posted(ours, [posts(ours), {0: [3.5, 3.5], 1: [12.0]}])
+    assert [(r[2], r[3]) for r in after if r[0] is comm] == [(4.0, 5.0)]
     # Ranks that posted different collectives cannot be matched.
-    assert until_all_posted(ours, [posts(ours), {0: [2.5], 1: [10.5]}]) is None
+    assert split_at_all_posted(ours, [posts(ours), {0: [2.5], 1: [10.5]}]) is None
 
 
 def test_the_check_flags_a_wrong_loss_or_update_but_not_float32_rounding():
