@@ -25,6 +25,7 @@ from purinec.errors import PurinecError
 from purinec.ir.graph import Graph
 from purinec.ir.types import DType, Device, TensorType
 from purinec.runtime import comm, shm
+from purinec.runtime.collectives import PerArrays
 from purinec.runtime.executor import Executable
 from tests.mpi_scripts.common import assert_output_close, assert_weights_close
 
@@ -73,6 +74,46 @@ def test_collectives_within_one_rank_need_no_mpi():
     whole = np.concatenate([env[f"g.p{k}"] for k in range(3)], axis=1)
     for i in range(6, 9):
         np.testing.assert_array_equal(out[f"y{i}"], whole)
+
+
+def test_collective_kernels_make_their_copies_once_per_set_of_arrays():
+    """The kernels keep what they derive from their arrays (`PerArrays`) while a plan
+    passes the same ones, and remake it for others: results are right either way."""
+    graph = local_group_graph()
+    world = comm.world()
+    rng = np.random.default_rng(1)
+    for node in graph.nodes:
+        kernel = comm.mpi_kernel(node, world)
+
+        def fresh():
+            return ([(rng.standard_normal(v.type.shape) * 10).astype(v.type.dtype.numpy)
+                     for v in node.inputs],
+                    [np.empty(v.type.shape, v.type.dtype.numpy) for v in node.outputs])
+
+        first, second = fresh(), fresh()
+        made = []
+        for xs, ys in (first, second, first, second):
+            xs[0] += 1  # the same arrays, new contents: read at each call
+            kernel(*xs, *ys)
+            made.append(kernel.copies.made)
+            if node.op == "allreduce":
+                expected = [sum(xs[t::2]) for t in range(2)] * 3
+            else:
+                expected = [np.concatenate(xs, axis=1)] * 3
+            for y, want in zip(ys, expected):
+                np.testing.assert_array_equal(y, want)
+        assert made[0] is not made[1] and made[1] is not made[2]
+        kernel(*second[0], *second[1])
+        assert kernel.copies.made is made[3]
+
+
+def test_per_arrays_remakes_only_for_other_arrays():
+    calls = []
+    memo = PerArrays(lambda arrays: calls.append(arrays) or len(calls))
+    a, b = np.zeros(3), np.zeros(3)
+    assert memo((a, b)) == 1 and memo((a, b)) == 1
+    assert memo((a, b.copy())) == 2 and memo((a,)) == 3 and memo((a,)) == 3
+    assert memo((a, b)) == 4 and len(calls) == 4
 
 
 def test_a_parameter_servers_reduce_and_broadcast_within_one_rank_need_no_mpi():

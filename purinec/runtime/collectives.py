@@ -9,7 +9,7 @@ Groups that span ranks get MPI kernels from `purinec.runtime.comm` instead.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -111,6 +111,27 @@ class Copies:
     def __call__(self) -> None:
         for destination, source in self.pairs:
             np.copyto(destination, source)
+
+
+class PerArrays:
+    """What ``make(arrays)`` returned for the latest call's arrays, made again only when
+    they are not the same objects as the call before's. A plan passes a kernel the same
+    arena views at every call, so what a collective derives from them (copies between
+    its buffers and the arrays, their offsets) is made once; it keeps the arrays alive
+    until the next call's differ."""
+
+    def __init__(self, make: Callable[[tuple[np.ndarray, ...]], Any]):
+        self.make = make
+        self.arrays: tuple[np.ndarray, ...] | None = None
+        self.made: Any = None
+
+    def __call__(self, arrays: tuple[np.ndarray, ...]) -> Any:
+        last = self.arrays
+        if last is None or len(arrays) != len(last) or any(
+                a is not b for a, b in zip(arrays, last)):
+            self.made = self.make(arrays)
+            self.arrays = arrays
+        return self.made
 
 
 def summands(node: Node, members: int) -> int:

@@ -38,7 +38,8 @@ from purinec.errors import ExecutionError, PurinecError
 from purinec.ir.graph import Node
 from purinec.ir.types import Device
 from purinec.runtime import shm
-from purinec.runtime.collectives import Copies, Packing, copy_to_all, sum_in_order, summands
+from purinec.runtime.collectives import (Copies, Packing, PerArrays, copy_to_all, sum_in_order,
+                                         summands)
 
 # What MPI launchers set in each process they start: MPICH's Hydra (PMI_RANK, PMI_SIZE,
 # MPI_LOCALRANKID) and Open MPI (OMPI_COMM_WORLD_RANK).
@@ -263,20 +264,25 @@ class _Allreduce:
         self.direct = comm is not None and members == per == 1
         if not self.direct:
             self.packing = Packing(node, members)
+            self.copies = PerArrays(self._copies)
         self.count, self.comm = members * per, comm
 
     def __call__(self, *arrays: np.ndarray) -> _Pending | None:
         if self.direct:
             return self._reduce_into(*arrays)
-        inputs, outputs = arrays[:self.count], arrays[self.count:]
-        self.packing.packer(inputs)()
+        pack, unpack = self.copies(arrays)
+        pack()
         if self.comm is None:
-            self.packing.unpacker(outputs)()
+            unpack()
             return None
         MPI = _mpi()
         requests = [self.comm.Iallreduce(MPI.IN_PLACE, buffer, MPI.SUM)
                     for buffer in self.packing.buffers.values()]
-        return _Pending(requests, self.packing.unpacker(outputs))
+        return _Pending(requests, unpack)
+
+    def _copies(self, arrays) -> tuple[Callable[[], None], Copies]:
+        return (self.packing.packer(arrays[:self.count]),
+                self.packing.unpacker(arrays[self.count:]))
 
     def _reduce_into(self, x: np.ndarray, y: np.ndarray) -> _Pending:
         """In place when the memory planner put the output over the input (it does when
@@ -320,17 +326,19 @@ class _Allgather:
                      else np.empty(blocks[ranks.index(group[local[0]].rank)], np.uint8))
         self.first_rows = _starts(sizes)
         self.axis, self.sizes, self.local, self.comm = axis, sizes, local, comm
+        self.copies = PerArrays(lambda arrays: (self.packer(arrays[:len(local)]),
+                                                self.unpacker(arrays[len(local):])))
 
     def __call__(self, *arrays: np.ndarray) -> _Pending | None:
-        inputs, outputs = arrays[:len(self.local)], arrays[len(self.local):]
-        self.packer(inputs)()
+        pack, unpack = self.copies(arrays)
+        pack()
         if self.comm is None:
-            self.unpacker(outputs)()
+            unpack()
             return None
         MPI = _mpi()
         request = self.comm.Iallgatherv([self.sent, MPI.BYTE],
                                         [self.received, self.counts, MPI.BYTE])
-        return _Pending([request], self.unpacker(outputs))
+        return _Pending([request], unpack)
 
     def packer(self, inputs) -> Copies:
         """What puts this rank's pieces into ``sent``, axis first, in group order."""
@@ -363,18 +371,19 @@ class _Reduce:
     def __init__(self, node: Node, ranks, local: list[int], comm, rank: int):
         self.per = summands(node, len(local))
         self.packing = Packing(node, len(local)) if self.per > 1 else None
+        self.copies = PerArrays(lambda arrays: (self.packing.packer(arrays[:-self.per]),
+                                                self.packing.unpacker(arrays[-self.per:])))
         root = Device.parse(node.attrs["root"]).rank
         self.root, self.at_root, self.comm = ranks.index(root), root == rank, comm
 
     def __call__(self, *arrays: np.ndarray) -> _Pending | None:
-        inputs, outputs = arrays[:-self.per], arrays[-self.per:]
         if self.packing is None:
             sum_in_order(*arrays)
-            buffers, finish = outputs, lambda: None
+            buffers, finish = arrays[-1:], lambda: None
         else:
-            self.packing.packer(inputs)()
+            pack, finish = self.copies(arrays)
+            pack()
             buffers = list(self.packing.buffers.values())
-            finish = self.packing.unpacker(outputs)
         if self.comm is None:
             finish()
             return None

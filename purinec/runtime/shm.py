@@ -57,7 +57,8 @@ from purinec.errors import PurinecError
 from purinec.ir.graph import Node
 from purinec.ir.types import Device
 from purinec.runtime.atomics import compare_and_swap, fence, fetch_add
-from purinec.runtime.collectives import Packing, copy_to_all, sum_in_order, summands
+from purinec.runtime.collectives import (Packing, PerArrays, copy_to_all, sum_in_order,
+                                         summands)
 from purinec.runtime.memory import ALIGNMENT, aligned
 from purinec.runtime.plan import FreshArenas
 
@@ -239,7 +240,7 @@ class _SharedCollective:
         self.arena_allocator = group
         self.step = 0
         self.controls: list[np.ndarray] | None = None
-        self._staged = _Staged((), [], _nothing, _nothing, group)
+        self._staged = PerArrays(self._restage)
         self._views: tuple[tuple, list] = ((), [])
         group.kernels.append(self)
 
@@ -267,16 +268,19 @@ class _SharedCollective:
             raise PurinecError(f"node {self.node!r}: its shared-memory kernel was never "
                                f"given its window (its plan did not allocate the arenas "
                                f"through `arena_allocator`)")
-        staged = self._staged
-        if len(arrays) != len(staged.arrays) or any(
-                a is not b for a, b in zip(arrays, staged.arrays)):
-            staged = self._staged = _Staged(arrays, *self._stage(arrays), self.group)
-            self.mine[OFFSETS:OFFSETS + len(staged.offsets)] = staged.offsets
+        staged = self._staged(arrays)
         staged.prepare()
         self.step += 1
         fence()  # the data and its offsets before the flag
         self.mine[READY] = self.step
         return _SharedPending(self, staged.buffers, staged.finish)
+
+    def _restage(self, arrays) -> "_Staged":
+        """What a call with ``arrays`` (not the last call's) uses, its buffers' offsets
+        published for the other ranks (read once they see this call's flag)."""
+        staged = _Staged(*self._stage(arrays), self.group)
+        self.mine[OFFSETS:OFFSETS + len(staged.offsets)] = staged.offsets
+        return staged
 
     def views(self, nbytes: Sequence[int]) -> list[list[np.ndarray]]:
         """Every rank's buffers of this call, as bytes (``nbytes[i]``: buffer i's length
@@ -310,9 +314,8 @@ class _Staged:
     """What `_SharedCollective._stage` said for one set of arrays, and the buffers'
     offsets in this rank's segment."""
 
-    def __init__(self, arrays, buffers, prepare, finish, group: SharedGroup):
-        self.arrays, self.buffers = arrays, buffers
-        self.prepare, self.finish = prepare, finish
+    def __init__(self, buffers, prepare, finish, group: SharedGroup):
+        self.buffers, self.prepare, self.finish = buffers, prepare, finish
         self.offsets = [group.offset(buffer) for buffer in buffers]
 
 
