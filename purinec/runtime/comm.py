@@ -264,7 +264,9 @@ class _Allreduce:
         self.direct = comm is not None and members == per == 1
         if not self.direct:
             self.packing = Packing(node, members)
-            self.copies = PerArrays(self._copies)
+            self.copies = PerArrays(lambda arrays: (
+                self.packing.packer(arrays[:self.count]),
+                self.packing.unpacker(arrays[self.count:])))
         self.count, self.comm = members * per, comm
 
     def __call__(self, *arrays: np.ndarray) -> _Pending | None:
@@ -279,10 +281,6 @@ class _Allreduce:
         requests = [self.comm.Iallreduce(MPI.IN_PLACE, buffer, MPI.SUM)
                     for buffer in self.packing.buffers.values()]
         return _Pending(requests, unpack)
-
-    def _copies(self, arrays) -> tuple[Callable[[], None], Copies]:
-        return (self.packing.packer(arrays[:self.count]),
-                self.packing.unpacker(arrays[self.count:]))
 
     def _reduce_into(self, x: np.ndarray, y: np.ndarray) -> _Pending:
         """In place when the memory planner put the output over the input (it does when
