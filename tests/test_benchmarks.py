@@ -151,15 +151,16 @@ def test_quick_mode_runs_end_to_end_on_the_reference_target(tmp_path, monkeypatc
         assert startup["warm_s"] > 0
 
 
-def test_weak_scaling_benchmark_alternates_rounds_and_reports_each(tmp_path, capsys):
+@pytest.mark.parametrize("mode", ["threads", "mpi"])
+def test_weak_scaling_benchmark_alternates_rounds_and_reports_each(tmp_path, capsys, mode):
     from benchmarks import bench_parallel
 
     out = tmp_path / "scaling.json"
-    status = bench_parallel.main(["--models", "lenet", "--mode", "threads", "--iterations",
+    status = bench_parallel.main(["--models", "lenet", "--mode", mode, "--iterations",
                                   "2", "--warmup", "1", "--repeats", "3", "--json", str(out)])
     printed = capsys.readouterr().out
-    assert status == 0 and "lenet        threads" in printed, printed
-    summary = json.loads(out.read_text())["lenet/threads"]
+    assert status == 0 and f"lenet        {mode}" in printed, printed
+    summary = json.loads(out.read_text())[f"lenet/{mode}"]
     rounds = summary["rounds"]
     assert len(rounds) == 3 and all(r["one_ms"] > 0 and r["lockstep_ms"] > 0 and
                                     r["many_ms"] > 0 for r in rounds)
@@ -170,6 +171,12 @@ def test_weak_scaling_benchmark_alternates_rounds_and_reports_each(tmp_path, cap
     assert summary["comm_ms_per_iteration"] > 0 and 0 <= summary["hidden_fraction"] <= 1
     assert 0 <= summary["exposed_ms_per_iteration"] <= summary["comm_ms_per_iteration"]
     assert summary["compute_imbalance"] >= 1
+    waiting, once_posted = (summary["exposed_waiting_ms_per_iteration"],
+                            summary["hidden_once_posted_fraction"])
+    if mode == "threads":  # every device posts at once in one process: nothing to split
+        assert waiting is None and once_posted is None
+    else:
+        assert 0 <= waiting <= summary["exposed_ms_per_iteration"] and 0 <= once_posted <= 1
 
 
 def test_collectives_split_where_the_last_rank_posted_them():
