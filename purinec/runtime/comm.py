@@ -368,9 +368,12 @@ class _Reduce:
 
     def __init__(self, node: Node, ranks, local: list[int], comm, rank: int):
         self.per = summands(node, len(local))
-        self.packing = Packing(node, len(local)) if self.per > 1 else None
-        self.copies = PerArrays(lambda arrays: (self.packing.packer(arrays[:-self.per]),
-                                                self.packing.unpacker(arrays[-self.per:])))
+        self.packing = None
+        if self.per > 1:
+            self.packing = Packing(node, len(local))
+            self.copies = PerArrays(lambda arrays: (
+                self.packing.packer(arrays[:-self.per]),
+                self.packing.unpacker(arrays[-self.per:])))
         root = Device.parse(node.attrs["root"]).rank
         self.root, self.at_root, self.comm = ranks.index(root), root == rank, comm
 

@@ -252,7 +252,7 @@ class FreshArenas:
 
     @staticmethod
     def allocate(sizes: Mapping) -> dict:
-        return {device: aligned_bytes(n) for device, n in sizes.items()}
+        return {device: _aligned_bytes(n) for device, n in sizes.items()}
 
     @staticmethod
     def release() -> None:
@@ -291,9 +291,14 @@ def _arena_source(kernels: Mapping[Node, Callable]):
     return sources.pop() if len(sources) == 1 else _Sources(sources)
 
 
-def aligned_bytes(nbytes: int) -> np.ndarray:
+def _aligned_bytes(nbytes: int) -> np.ndarray:
     """A byte array whose first byte is ALIGNMENT-aligned."""
-    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+    return aligned_start(np.empty(nbytes + ALIGNMENT, np.uint8), nbytes)
+
+
+def aligned_start(raw: np.ndarray, nbytes: int) -> np.ndarray:
+    """``nbytes`` of the byte array ``raw`` from its first ALIGNMENT-aligned byte (``raw``
+    has ALIGNMENT bytes to spare)."""
     shift = -raw.ctypes.data % ALIGNMENT
     return raw[shift:shift + nbytes]
 

@@ -60,7 +60,7 @@ from purinec.runtime.atomics import compare_and_swap, fence, fetch_add
 from purinec.runtime.collectives import (Packing, PerArrays, copy_to_all, sum_in_order,
                                          summands)
 from purinec.runtime.memory import ALIGNMENT, aligned
-from purinec.runtime.plan import FreshArenas
+from purinec.runtime.plan import FreshArenas, aligned_start
 
 if TYPE_CHECKING:
     from purinec.runtime.comm import World
@@ -222,8 +222,7 @@ def _aligned_segment(window, rank: int) -> np.ndarray:
     byte (the segment has ALIGNMENT bytes to spare)."""
     memory, _ = window.Shared_query(rank)
     raw = np.frombuffer(memory, np.uint8)
-    shift = -raw.ctypes.data % ALIGNMENT
-    return raw[shift:shift + raw.nbytes - ALIGNMENT]
+    return aligned_start(raw, raw.nbytes - ALIGNMENT)
 
 
 class _SharedCollective:
