@@ -238,7 +238,7 @@ def check_collectives(outdir: Path, size: int, ends: bool = True) -> None:
     """What tests/mpi_scripts/collectives.py computed on ``size`` ranks (its groups: two
     devices a rank, ranks interleaved; the first device of each rank; each rank's own
     two devices; and the first and last rank; a parameter server's reduce of a bucket
-    and broadcast over the first group, rooted on the last rank)."""
+    and broadcast of its f32 sums over the first group, rooted on the last rank)."""
     for call in range(2):
         ranks = [load(outdir / f"rank{r}.call{call}.npz") for r in range(size)]
         inputs = {k: v for r_in, _ in ranks for k, v in r_in.items()}
@@ -267,8 +267,9 @@ def check_collectives(outdir: Path, size: int, ends: bool = True) -> None:
             for r, (r_in, r_out) in enumerate(ranks[:-1]):  # what each other rank sent
                 assert r_out[f"ps_sum{t}.sent"].tobytes() == (
                     r_in[f"ps{t}.p{r}"] + r_in[f"ps{t}.p{r + size}"]).tobytes()
-        assert ([out.tobytes() for out in member_outs("ps_all")] ==
-                [outputs[-1]["ps_sum0"].tobytes()] * 2 * size)
+        for t in (0, 2):  # the f32 sums
+            assert ([out.tobytes() for out in member_outs(f"ps_all{t}")] ==
+                    [outputs[-1][f"ps_sum{t}"].tobytes()] * 2 * size)
         if ends and size >= 3:
             check_sum([ranks[0][0]["ends.p0"], ranks[-1][0]["ends.p1"]],
                       member_outs("ends_out"))

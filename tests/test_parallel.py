@@ -176,6 +176,15 @@ def test_reduce_and_broadcast_nodes_are_checked():
             '  return y=%y\n}\n')
     with pytest.raises(PurinecError, match=r"broadcast: takes the root's f32\[4\]"):
         verify(parse(text))
+    # A bucket: shape holds the tensors' shapes in turn, ndims cuts it.
+    sent = {"group": "cpu:0,cpu:1", "root": "cpu:0", "shape": [3, 2], "ndims": [1, 1]}
+    y = g.add_node("broadcast", [x, z], {**sent, "members": 2}).outputs
+    assert [v.type for v in y] == [x.type, z.type] * 2
+    assert [v.type for v in g.add_node("broadcast", [], sent).outputs] == [x.type, z.type]
+    with pytest.raises(PurinecError, match=r"takes the root's f32\[3\], f32\[2\] .*got f32\[3\]$"):
+        g.add_node("broadcast", [x], sent)
+    with pytest.raises(PurinecError, match=r"ndims=\[2, 1\] does not cut shape=\[3, 2\]"):
+        g.add_node("broadcast", [], {**sent, "ndims": [2, 1]})
 
 
 def test_a_conversion_the_table_lacks_is_refused_with_the_consumer_named():
@@ -335,11 +344,15 @@ def _assert_every_device_gets_the_servers_weights(program: purinec.Program, feed
         distributed.physical = original
         getattr(run, "close", lambda: None)()
     devices = set(program.devices)
-    assert {n.inputs[0].name for n in copies} == {f"{name}.next" for name in program.params}
-    for node in copies:
-        assert {v.device for v in node.outputs} == devices
-        served = program.params[node.inputs[0].name[:-len(".next")]]
-        for v in node.outputs:
+    sent = [x.name for n in copies for x in n.inputs]
+    assert sorted(sent) == sorted(f"{name}.next" for name in program.params)
+    assert len(copies) < len(sent)  # the small ones bucketed
+    for node in copies:  # each tensor of a bucket, for each member in turn
+        per = len(node.inputs)
+        assert [v.device for v in node.outputs] == [
+            device for device in program.devices for _ in range(per)]
+        for i, v in enumerate(node.outputs):
+            served = program.params[node.inputs[i % per].name[:-len(".next")]]
             assert seen[v.name].tobytes() == served.tobytes(), v.name
 
 
@@ -378,7 +391,9 @@ def test_parameter_servers_share_the_parameters_by_bytes(model, devices):
             "ip1.weight"}
     # As in Purine: the weights are whole on every device, the momentum on the server
     # alone; each update runs on the server, from a reduce there and the server's own
-    # replica, and its result is broadcast right away; the batch stays split.
+    # replica, and its result is broadcast as soon as it is made (small ones together,
+    # once the last of them is: only updates and broadcasts in between); the batch stays
+    # split.
     position = {id(n): i for i, n in enumerate(logical.nodes)}
     readers = logical.users()
     for node in updates:
@@ -389,7 +404,9 @@ def test_parameter_servers_share_the_parameters_by_bytes(model, devices):
         assert history.dist.group == group and history.producer is None
         assert grad.producer.op == "reduce" and grad.dist.group == group
         (sent,) = readers[node.outputs[0]]
-        assert sent.op == "broadcast" and position[id(sent)] == position[id(node)] + 1
+        assert sent.op == "broadcast" and sent.attrs["root"] == str(group[0])
+        between = logical.nodes[position[id(node)] + 1:position[id(sent)]]
+        assert all(n.op in ("sgd", "broadcast") for n in between)
     assert logical.input("data").dist.kind is DistKind.split
 
 

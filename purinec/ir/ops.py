@@ -10,6 +10,7 @@ Gradient rules live with autodiff (`purinec.passes.autodiff`), kernels with code
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -990,23 +991,37 @@ def _reduce_ref(*xs, group, root, tensors):
     return tuple(totals)
 
 
+def broadcast_types(attrs: dict) -> list[TensorType]:
+    """The tensors a broadcast sends: ``shape`` cut into one shape per tensor by
+    ``ndims`` (each tensor's number of dimensions; none: one tensor), all ``dtype``."""
+    shape = _shape_attr("broadcast", attrs)
+    ndims = attrs.get("ndims") or [len(shape)]
+    if any(n < 0 for n in ndims) or sum(ndims) != len(shape):
+        raise _fail("broadcast", f"ndims={list(ndims)} does not cut shape={list(shape)} "
+                                 f"into tensors (their numbers of dimensions must add up "
+                                 f"to the shape's {len(shape)} entries)")
+    dtype, starts = _dtype_attr("broadcast", attrs), [0, *itertools.accumulate(ndims)]
+    return [TensorType(shape[a:b], dtype) for a, b in zip(starts[:-1], starts[1:])]
+
+
 def _broadcast_infer(types, attrs):
     group = _group_attr("broadcast", attrs)
     _root_attr("broadcast", attrs, group)
-    whole = TensorType(_shape_attr("broadcast", attrs), _dtype_attr("broadcast", attrs))
-    if len(types) > 1 or (types and types[0] != whole):
-        raise _fail("broadcast", f"takes the root's {whole} (or nothing, on a rank without "
-                                 f"the root), got {', '.join(map(str, types))}")
+    tensors = broadcast_types(attrs)
+    if types and list(types) != tensors:
+        raise _fail("broadcast", f"takes the root's {', '.join(map(str, tensors))} (or "
+                                 f"nothing, on a rank without the root), got "
+                                 f"{', '.join(map(str, types))}")
     if not 1 <= attrs["members"] <= len(group):
         raise _fail("broadcast", f"members={attrs['members']} is not between 1 and the "
                                  f"group's {len(group)}")
-    return [whole] * attrs["members"]
+    return tensors * attrs["members"]
 
 
-def _broadcast_ref(*xs, group, root, shape, dtype, members):
+def _broadcast_ref(*xs, group, root, shape, dtype, members, ndims):
     if not xs:
         raise ValueError("broadcast from another rank has no in-process reference")
-    return tuple(xs[0].copy() for _ in range(members))
+    return tuple(x.copy() for _ in range(members) for x in xs)
 
 
 def _slice_infer(types, attrs):
@@ -1088,11 +1103,13 @@ register(OpDef("reduce", ("xs",), _reduce_infer, _reduce_ref, X,
                    "others"))
 register(OpDef("broadcast", (), _broadcast_infer, _broadcast_ref, X,
                attrs={"group": Attr("str"), "root": Attr("str"), "shape": Attr("ints"),
-                      "dtype": Attr("str", "f32"), "members": Attr("int", 1)},
-               variadic=True,  # the root's tensor on its rank, nothing on the others
+                      "dtype": Attr("str", "f32"), "members": Attr("int", 1),
+                      "ndims": Attr("ints", [])},
+               variadic=True,  # the root's tensors on its rank, nothing on the others
                differentiable=False,
-               doc="root's tensor to every member of the group; `members` outputs, one for "
-                   "each member on this rank, in group order"))
+               doc="root's tensors (a bucket: `shape` holds their shapes one after another, "
+                   "`ndims` their numbers of dimensions; none: one tensor) to every member "
+                   "of the group; each tensor for each member on this rank, in group order"))
 # A copy between ranks: the sending rank's half (its output is a token that the send
 # completed, read by nobody) and the receiving rank's, matched by tag.
 register(OpDef("send", ("x",), _send_infer, _across_ranks("send"), X,

@@ -15,6 +15,8 @@ import numpy as np
 
 from purinec.errors import PurinecError
 from purinec.ir.graph import Node
+from purinec.ir.ops import broadcast_types
+from purinec.ir.types import TensorType
 
 # Ops whose kernels live here rather than in a code generator.
 HOST_OPS = ("copy", "slice", "allreduce", "allgather", "reduce", "broadcast", "send", "recv")
@@ -33,7 +35,7 @@ def host_kernel(node: Node) -> Callable:
     if node.op == "reduce":
         return _reducer(node.attrs["tensors"])
     if node.op == "broadcast":
-        return copy_to_all
+        return _broadcaster(len(broadcast_types(node.attrs)))
     raise ValueError(f"no host kernel for op {node.op}")
 
 
@@ -79,6 +81,15 @@ def _allgatherer(axis: int) -> Callable:
     return fn
 
 
+def _broadcaster(tensors: int) -> Callable:
+    """The root's ``tensors`` tensors, then every member's outputs (member-major)."""
+    def fn(*arrays: np.ndarray) -> None:
+        xs, ys = arrays[:tensors], arrays[tensors:]
+        for i, y in enumerate(ys):
+            np.copyto(y, xs[i % tensors])
+    return fn
+
+
 def _reducer(tensors: int) -> Callable:
     def fn(*arrays: np.ndarray) -> None:
         xs, totals = arrays[:-tensors], arrays[-tensors:]
@@ -94,11 +105,6 @@ def sum_in_order(*arrays: np.ndarray) -> None:
     np.copyto(total, xs[0])
     for x in xs[1:]:
         np.add(total, x, out=total)
-
-
-def copy_to_all(x: np.ndarray, *ys: np.ndarray) -> None:
-    for y in ys:
-        np.copyto(y, x)
 
 
 class Copies:
@@ -147,25 +153,23 @@ def summands(node: Node, members: int) -> int:
 
 
 class Packing:
-    """A bucket's tensors packed together, one contiguous buffer per dtype (a segment
-    per tensor), with what packs given arrays into it and unpacks it (`packer`,
+    """A bucket's tensors (``types``) packed together, one contiguous buffer per dtype (a
+    segment per tensor), with what packs given arrays into it and unpacks it (`packer`,
     `unpacker`: made once for the arrays of a plan, used at every call).
     ``allocate(size, dtype)`` makes each buffer (shared memory, for
     `purinec.runtime.shm`)."""
 
-    def __init__(self, node: Node, members: int,
+    def __init__(self, types: list[TensorType], members: int,
                  allocate: Callable[[int, np.dtype], np.ndarray] = np.empty):
-        per = node.attrs["tensors"]
         sizes: dict[np.dtype, int] = {}
         spans = []  # for each tensor: its dtype's buffer and its place in it
-        for value in node.inputs[:per]:
-            t = value.type
+        for t in types:
             start = sizes.get(t.dtype.numpy, 0)
             sizes[t.dtype.numpy] = start + t.size
             spans.append((t.dtype.numpy, start, start + t.size))
         self.buffers = {dtype: allocate(size, dtype) for dtype, size in sizes.items()}
         self.segments = [self.buffers[dtype][start:stop] for dtype, start, stop in spans]
-        self.members, self.per = members, per
+        self.members, self.per = members, len(types)
 
     def packer(self, inputs) -> Callable[[], None]:
         """What adds up each tensor's pieces from this rank's members (``inputs``, in
@@ -182,6 +186,25 @@ class Packing:
         """What copies the segments out to every member's outputs."""
         return Copies([(out, self.segments[i % self.per].reshape(out.shape))
                        for i, out in enumerate(outputs)])
+
+
+def broadcast_copies(inputs, outputs, packing: Packing | None
+                     ) -> tuple[np.ndarray, Copies]:
+    """The buffer a broadcast sends or receives on one rank (``packing``'s, of one dtype;
+    None: the first local output, flat), and its copies there: the root's ``inputs``
+    (none on another rank) into the buffer, then the buffer into every local output
+    (member-major) that is not the buffer itself."""
+    if packing is None:
+        [buffer] = segments = [outputs[0].reshape(-1)]
+    else:
+        [buffer] = packing.buffers.values()
+        segments = packing.segments
+    per = len(segments)
+    shaped = [segment.reshape(out.shape) for segment, out in zip(segments, outputs)]
+    pairs = [(segment, x) for segment, x in zip(shaped, inputs)]
+    pairs += [(out, shaped[i % per]) for i, out in enumerate(outputs)
+              if out.ctypes.data != shaped[i % per].ctypes.data]
+    return buffer, Copies(pairs)
 
 
 def _copy_then_add(copies: Copies, adds: list[tuple[np.ndarray, np.ndarray]]) -> None:

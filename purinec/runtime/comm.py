@@ -36,10 +36,11 @@ import numpy as np
 
 from purinec.errors import ExecutionError, PurinecError
 from purinec.ir.graph import Node
+from purinec.ir.ops import broadcast_types
 from purinec.ir.types import Device
 from purinec.runtime import shm
-from purinec.runtime.collectives import (Copies, Packing, PerArrays, copy_to_all, sum_in_order,
-                                         summands)
+from purinec.runtime.collectives import (Copies, Packing, PerArrays, broadcast_copies,
+                                         sum_in_order, summands)
 
 # What MPI launchers set in each process they start: MPICH's Hydra (PMI_RANK, PMI_SIZE,
 # MPI_LOCALRANKID) and Open MPI (OMPI_COMM_WORLD_RANK).
@@ -263,7 +264,7 @@ class _Allreduce:
         per = summands(node, members)
         self.direct = comm is not None and members == per == 1
         if not self.direct:
-            self.packing = Packing(node, members)
+            self.packing = Packing([v.type for v in node.inputs[:per]], members)
             self.copies = PerArrays(lambda arrays: (
                 self.packing.packer(arrays[:self.count]),
                 self.packing.unpacker(arrays[self.count:])))
@@ -370,7 +371,7 @@ class _Reduce:
         self.per = summands(node, len(local))
         self.packing = None
         if self.per > 1:
-            self.packing = Packing(node, len(local))
+            self.packing = Packing([v.type for v in node.inputs[:self.per]], len(local))
             self.copies = PerArrays(lambda arrays: (
                 self.packing.packer(arrays[:-self.per]),
                 self.packing.unpacker(arrays[-self.per:])))
@@ -398,31 +399,37 @@ class _Reduce:
 
 
 class _Broadcast:
-    """The root's tensor to every member: one ``Ibcast`` from the root's rank into the
-    first local output, then copied to the other local members."""
+    """The root's tensors to every member: one ``Ibcast`` from the root's rank into the
+    first local output (a bucket's tensors packed into one buffer instead), then copied
+    to the other local outputs."""
 
     def __init__(self, node: Node, ranks, local: list[int], comm, rank: int):
         root = Device.parse(node.attrs["root"]).rank
-        self.at_root = root == rank
-        if len(node.inputs) != int(self.at_root) or len(node.outputs) != len(local):
+        types = broadcast_types(node.attrs)
+        self.per, self.at_root = len(types), root == rank
+        if (len(node.inputs) != self.per * self.at_root or
+                len(node.outputs) != self.per * len(local)):
             raise PurinecError(f"node {node!r}: {len(node.inputs)} input(s) and "
                                f"{len(node.outputs)} output(s), but this rank has "
                                f"{'the' if self.at_root else 'not the'} root and "
-                               f"{len(local)} member(s) of the group")
+                               f"{len(local)} member(s) of the group, {self.per} "
+                               f"tensor(s) each")
+        self.packing = Packing(types, 1) if self.per > 1 else None
         self.root, self.comm = ranks.index(root), comm
+        inputs = self.per * self.at_root
+        # The buffer sent, and the copies: the root's (before sending) fill it and the
+        # outputs; the others' (once received) fill the outputs from it.
+        self.copies = PerArrays(lambda arrays: broadcast_copies(
+            arrays[:inputs], arrays[inputs:], self.packing))
 
     def __call__(self, *arrays: np.ndarray) -> _Pending | None:
-        outputs = arrays[1:] if self.at_root else arrays
+        buffer, copies = self.copies(arrays)
         if self.at_root:
-            copy_to_all(*arrays)
+            copies()
         if self.comm is None:
             return None
-        request = self.comm.Ibcast(outputs[0], root=self.root)
-        return _Pending([request], lambda: self._copies(outputs))
-
-    def _copies(self, outputs) -> None:
-        if not self.at_root:
-            copy_to_all(*outputs)
+        request = self.comm.Ibcast(buffer, root=self.root)
+        return _Pending([request], (lambda: None) if self.at_root else copies)
 
 
 def _starts(extents: list[int]) -> list[int]:

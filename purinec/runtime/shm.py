@@ -55,9 +55,10 @@ import numpy as np
 
 from purinec.errors import PurinecError
 from purinec.ir.graph import Node
+from purinec.ir.ops import broadcast_types
 from purinec.ir.types import Device
 from purinec.runtime.atomics import compare_and_swap, fence, fetch_add
-from purinec.runtime.collectives import (Packing, PerArrays, copy_to_all, sum_in_order,
+from purinec.runtime.collectives import (Packing, PerArrays, broadcast_copies, sum_in_order,
                                          summands)
 from purinec.runtime.memory import ALIGNMENT, aligned
 from purinec.runtime.plan import FreshArenas, aligned_start
@@ -442,7 +443,8 @@ class _Sum(_ClaimedWork):
             top += aligned(nbytes)
             return staging[start:start + nbytes].view(dtype)
 
-        self.packing = Packing(self.node, self.members, allocate)
+        self.packing = Packing([v.type for v in self.node.inputs[:self.per]], self.members,
+                               allocate)
 
     def _packed(self, inputs, outputs):
         return (list(self.packing.buffers.values()),
@@ -521,16 +523,15 @@ class SharedReduce(_Sum):
 
 
 class SharedBroadcast(_ClaimedWork):
-    """A parameter server's broadcast (see `_ClaimedWork`): the root's tensor, in its
-    first output (or the staging buffer), and an item per other rank: copy it into that
-    rank's first output (or staging buffer), from which the rank copies it to its other
-    members."""
+    """A parameter server's broadcast (see `_ClaimedWork`): the root's tensors, packed
+    into the staging buffer (one tensor: in its first output instead, where that lies in
+    the window), and an item per other rank: copy that buffer into the rank's own, from
+    which the rank copies them to its outputs."""
 
     def __init__(self, node: Node, group: SharedGroup, fallback):
-        out = node.outputs[0].type
-        super().__init__(node, group, fallback, out.nbytes)
+        self.types = broadcast_types(node.attrs)
+        super().__init__(node, group, fallback, aligned(sum(t.nbytes for t in self.types)))
         self.root, self.at_root = fallback.root, fallback.at_root
-        self.shape, self.dtype = out.shape, out.dtype.numpy
 
     def _items(self, size: int) -> int:
         return size
@@ -539,18 +540,15 @@ class SharedBroadcast(_ClaimedWork):
         return [rank]
 
     def _bind_staging(self, staging: np.ndarray) -> None:
-        self.staged = staging.view(self.dtype).reshape(self.shape)
+        self.packing = Packing(self.types, 1, lambda size, dtype: staging[
+            :size * np.dtype(dtype).itemsize].view(dtype))
 
     def _stage(self, arrays):
-        outputs = arrays[1:] if self.at_root else arrays
-        shared = self.group.offset(outputs[0]) is not None
-        first = outputs[0] if shared else self.staged
-        if self.at_root:
-            targets = outputs if shared else (first, *outputs)
-            prepare = functools.partial(copy_to_all, arrays[0], *targets)
-            return [first.reshape(-1)], prepare, _nothing
-        others = outputs[1:] if shared else outputs  # those the received tensor goes to
-        return [first.reshape(-1)], _nothing, functools.partial(copy_to_all, first, *others)
+        per = len(self.types)
+        inputs, outputs = (arrays[:per], arrays[per:]) if self.at_root else ((), arrays)
+        direct = per == 1 and self.group.offset(outputs[0]) is not None
+        buffer, copies = broadcast_copies(inputs, outputs, None if direct else self.packing)
+        return [buffer], *((copies, _nothing) if self.at_root else (_nothing, copies))
 
     def _do(self, item: int, buffers: list[np.ndarray]) -> None:
         if item != self.root:

@@ -1,10 +1,10 @@
 """Each rank runs a graph of allreduce and allgather nodes over every rank (two devices a
 rank), over this rank's two devices only, and (with 3 ranks or more, unless an option
 says "no-ends") over the first and last rank, and a parameter server's reduce (of a
-bucket) and broadcast over every rank; saves its inputs and outputs of each call to
-OUTDIR/rank<R>.call<C>.npz, and the kind of kernel each collective got (with " in
-shared memory" where it shares the ranks' memory) and `comm.describe`'s summary to
-OUTDIR/rank<R>.kernels.json.
+bucket) and broadcast (of the bucket's f32 sums) over every rank; saves its inputs and
+outputs of each call to OUTDIR/rank<R>.call<C>.npz, and the kind of kernel each
+collective got (with " in shared memory" where it shares the ranks' memory) and
+`comm.describe`'s summary to OUTDIR/rank<R>.kernels.json.
 Option "no-room": rank 1 finds no room for shared memory.
 
     collectives.py OUTDIR [no-ends] [no-room]
@@ -64,7 +64,7 @@ def build(world: comm.World, ends: bool = True) -> Graph:
                             firsts[rank])
     gather([piece], firsts, axis=0, sizes=rows, name="rows_out")
     # A parameter server on the last rank's second device: every member's summands (a
-    # bucket of tensors) onto it, then its first sum to every member.
+    # bucket of tensors) onto it, then its f32 sums (a bucket too) to every member.
     server = Device("cpu", 1, size - 1)
     here = server.rank == rank
     attrs = {"group": group_text(both), "root": str(server)}
@@ -74,11 +74,15 @@ def build(world: comm.World, ends: bool = True) -> Graph:
                                   for t in range(len(BUCKET))],
                            device=server if here else mine[0])
     local = [k for k, device in enumerate(both) if device.rank == rank]
-    copies = graph.add_node("broadcast", total.outputs[:1] if here else [],
-                            {**attrs, "shape": list(BUCKET[0][0]), "members": len(local)},
-                            names=[f"ps_all.p{k}" for k in local])
-    for out, k in zip(copies.outputs, local):
-        out.device = both[k]
+    sent = [t for t, (_, dtype) in enumerate(BUCKET) if dtype == DType.f32]  # (one dtype)
+    shapes = [BUCKET[t][0] for t in sent]
+    copies = graph.add_node("broadcast", [total.outputs[t] for t in sent] if here else [],
+                            {**attrs, "shape": [n for shape in shapes for n in shape],
+                             "ndims": [len(shape) for shape in shapes],
+                             "members": len(local)},
+                            names=[f"ps_all{t}.p{k}" for k in local for t in sent])
+    for i, out in enumerate(copies.outputs):
+        out.device = both[local[i // len(sent)]]
     outputs.extend((v.name, v) for v in total.outputs + copies.outputs)
     graph.set_outputs(outputs)
     return graph

@@ -2,10 +2,11 @@
 
 Every allreduce costs a fixed latency (an MPI message, a runtime task) besides its bytes,
 and the backward pass makes many small gradients (biases). Allreduce nodes over the same
-group (and a parameter server's reduce nodes onto the same root) are merged, in
-schedule order, into one multi-tensor node of up to BUCKET_BYTES, placed where its last
-member was: it starts as soon as its last gradient exists, while the rest of the
-backward pass goes on. A bucket never grows past
+group (and a parameter server's reduce nodes onto the same root, and its broadcasts of
+new weights from the same root) are merged, in schedule order, into one multi-tensor
+node of up to BUCKET_BYTES, placed where its last member was: it starts as soon as its
+last gradient exists, while the rest of the backward pass goes on. A bucket never grows
+past
 a point where one of its results is already needed, nor across more than BUCKET_SPAN of
 the graph's work (`cost.node_work`: FLOPs, or memory traffic where that dominates): a
 gradient made early is not held back for one made much later (the last bucket of an
@@ -19,7 +20,7 @@ import itertools
 from purinec.ir.graph import Graph, Node
 from purinec.passes.cost import node_work
 
-BUCKETED = ("allreduce", "reduce")
+BUCKETED = ("allreduce", "reduce", "broadcast")
 BUCKET_BYTES = 1 << 19
 BUCKET_SPAN = 0.05  # of the graph's work, from a bucket's first member to its last
 
@@ -85,8 +86,18 @@ def _merge(group: list[Node]) -> Node:
     inputs = [v for n in group for v in n.inputs]
     outputs = [v for n in group for v in n.outputs]
     reasons = "; ".join(n.loc[len("boxing: "):] for n in group if n.loc)
-    node = Node(group[0].op, inputs, outputs, {**group[0].attrs, "tensors": len(inputs)},
+    node = Node(group[0].op, inputs, outputs, {**group[0].attrs, **_counts(group[0].op, inputs)},
                 f"boxing: {reasons}")
     for v in outputs:
         v.producer = node
     return node
+
+
+def _counts(op: str, inputs: list) -> dict:
+    """The attributes that say which tensors a bucket of ``inputs`` holds: how many, or
+    for a broadcast (its receiving ranks have no inputs to tell) their shapes."""
+    if op == "broadcast":
+        shapes = [v.type.shape for v in inputs]
+        return {"shape": [n for shape in shapes for n in shape],
+                "ndims": [len(shape) for shape in shapes]}
+    return {"tensors": len(inputs)}

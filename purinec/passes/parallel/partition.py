@@ -143,13 +143,14 @@ class Partitioner:
                               device=members[0][1], loc=node.loc)
 
     def _broadcast(self, node: Node) -> None:
-        """The root's tensor (an input only on its rank) to each member on this rank."""
-        (x,), (y,) = node.inputs, node.outputs
-        members = self.members(y)
+        """The root's tensors (inputs only on its rank) to each member on this rank."""
+        members = self.members(node.outputs[0])
         if members:
-            self._add("broadcast", [self.piece(x, 0)] if self.members(x) else [],
+            at_root = bool(self.members(node.inputs[0]))
+            self._add("broadcast", [self.piece(x, 0) for x in node.inputs] if at_root else [],
                       {**node.attrs, "members": len(members)},
-                      [(y, k, device) for k, device in members], node.loc)
+                      [(y, k, device) for k, device in members for y in node.outputs],
+                      node.loc)
 
     def _own_replica(self, node: Node) -> None:
         """A device's piece of a value replicated over a group it belongs to (a parameter
