@@ -16,10 +16,12 @@ they lie, and a collective is one pass over memory:
    claimer sums every rank's copy in rank order and stores the sum into all of them,
    so every rank ends with the same bytes, as replicas must; a parameter server's
    reduce likewise, adding into the root's copy only; its broadcast, a copy of the
-   root's tensor into each other rank's buffer. A rank claims its own items at its
-   first test after everyone is ready, and any item left when it has nothing else to
-   do (`Pending.help`), so a rank busy in a long kernel holds nobody up. An
-   allgather's rank copies every rank's block into its own result, then sets ``done``;
+   root's tensor into each other rank's buffer. A rank does items only when it has
+   nothing else to do (`Pending.help`): then it claims every item left, its own
+   first. So a rank busy in a long kernel holds nobody up, and the work falls to the
+   rank that would otherwise wait: on a machine whose ranks each have a core, the
+   sums of a rank slowed down cost it nothing. An allgather's rank copies every
+   rank's block into its own result at its first test, then sets ``done``;
 3. the operation is complete when every item is done (a counter beside the claims),
    or for an allgather every rank is done: no rank will touch this rank's buffers
    again, so the memory planner may reuse them.
@@ -328,8 +330,7 @@ class _SharedPending:
         self.kernel, self.buffers, self.finish = kernel, buffers, finish
         self.step = kernel.step
         self.ready = self.done = False
-        self.untried: list[int] | None = None  # items this rank may still claim
-        # (`_ClaimedWork`: None until this rank has tried its own)
+        self.tried = False  # (`_ClaimedWork`) whether this rank has claimed what it could
 
     def test(self) -> bool:
         return self._check(idle=False)
@@ -365,13 +366,15 @@ def _nothing() -> None:
 
 class _ClaimedWork(_SharedCollective):
     """A collective whose work, once every rank is ready, is cut into items any rank may
-    do (`_items`, `_do`): a rank claims its own items (`_owned`) when it first finds
-    everyone ready, and, when it has nothing else to do (`help`), any item still
-    unclaimed, so a rank busy in a long kernel does not hold up the others. A claim is
-    an atomic compare-and-swap of the item's word in rank 0's segment from the last
-    step to this one; a rank that has done an item adds one to a counter beside them,
-    and the operation is complete on every rank when the counter reaches step x
-    items."""
+    do (`_items`, `_do`): a rank with nothing else to do (`help`) claims every item
+    still unclaimed, its own (`_owned`) first, and a busy one (`test`) none, so a rank
+    busy in a long kernel does not hold up the others, and on a machine whose ranks
+    each have a core the work falls to a rank that would otherwise wait for the slowest
+    (lenet over two ranks: 0.2-1.5% faster than each rank summing its own chunk at its
+    first test, same processes, taking turns). A claim is an atomic compare-and-swap of
+    the item's word in rank 0's segment from the last step to this one; a rank that
+    has done an item adds one to a counter beside them, and the operation is complete
+    on every rank when the counter reaches step x items."""
 
     def claim_words(self, size: int) -> int:
         return self._items(size) + 1  # a claim per item, then the counter
@@ -389,16 +392,13 @@ class _ClaimedWork(_SharedCollective):
         super().bind(k, claims, staging)
         size, rank = len(self.controls), self.group.comm.rank
         self.items = self._items(size)
-        self.own_items = self._owned(size, rank)
-        self.other_items = [i for i in range(self.items) if i not in self.own_items]
+        own = self._owned(size, rank)
+        self.claim_order = own + [i for i in range(self.items) if i not in own]
 
     def _advance(self, pending: "_SharedPending", idle: bool) -> bool:
-        if pending.untried is None:
-            pending.untried = self.other_items
-            self._try(self.own_items, pending)
-        if idle and pending.untried:
-            tries, pending.untried = pending.untried, []
-            self._try(tries, pending)
+        if idle and not pending.tried:
+            pending.tried = True
+            self._try(self.claim_order, pending)
         return self.claims[self.items] >= pending.step * self.items
 
     def _try(self, items: list[int], pending: "_SharedPending") -> None:
