@@ -362,23 +362,35 @@ def cmd_run(args) -> int:
 
         write_atomically(args.output, lambda f: write_npz(f, outputs))
         print(f"wrote {args.output} ({', '.join(outputs)})")
-    if args.trace:
-        trace.write(args.trace)
-        print(f"wrote trace {args.trace}: {len(trace.records)} tasks over {trace.calls} "
-              "iteration(s); open it in https://ui.perfetto.dev")
-    if args.timeline:
-        _write_timeline(trace, args.timeline)
+    if trace is not None:
+        _write_traces(trace, args.trace, args.timeline)
     return 0
 
 
-def _write_timeline(trace, path: str) -> None:
+def _write_traces(trace, path: str | None, timeline_path: str | None) -> None:
+    """The Chrome trace (``path``) and the timeline picture, of every rank of an MPI job
+    (collective: rank 0 gathers the ranks' traces and writes both)."""
+    from purinec.runtime import comm
+    from purinec.runtime.trace import gather_events, merge_events, write_events
     from purinec.viz import overlap, timeline
 
-    events = trace.events()
-    timeline(events, path)
-    stats = overlap(events)
-    print(f"wrote timeline {path}: {stats['wall_ms']:.3f} ms, communication "
-          f"{stats['comm_ms']:.3f} ms ({stats['hidden_fraction']:.0%} hidden behind compute)")
+    per_rank = gather_events(trace, comm.world())
+    if per_rank is None:
+        return
+    events = merge_events(per_rank)
+    ranks = f" on {len(per_rank)} ranks" if len(per_rank) > 1 else ""
+    if path:
+        write_events(path, events)
+        tasks = sum(e["ph"] == "X" for e in events)
+        print(f"wrote trace {path}: {tasks} tasks over {trace.calls} iteration(s){ranks}; "
+              "open it in https://ui.perfetto.dev")
+    if timeline_path:
+        timeline(events, timeline_path)
+        stats = overlap(events)
+        whose = "each rank's own " if ranks else ""
+        print(f"wrote timeline {timeline_path}: {stats['wall_ms']:.3f} ms{ranks}, "
+              f"communication {stats['comm_ms']:.3f} ms ({stats['hidden_fraction']:.0%} "
+              f"hidden behind {whose}compute)")
 
 
 def _feeds(graph, specs: list[str], seed: int) -> dict[str, np.ndarray]:
@@ -515,7 +527,7 @@ def cmd_train(args) -> int:
     print(f"trained {len(result.epochs)} epoch(s) in {time.perf_counter() - start:.1f} s: "
           f"test accuracy {result.final.test_accuracy:.4f}")
     if trace is not None:
-        _write_timeline(trace, args.timeline)
+        _write_traces(trace, None, args.timeline)
     return 0
 
 

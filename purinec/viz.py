@@ -359,23 +359,42 @@ def overlap(trace_events: Any) -> dict:
     ``compute_ms``: time some compute lane was busy; ``comm_ms``: time some copy or
     communication lane was busy; ``hidden_ms``: the part of ``comm_ms`` during which
     some compute lane (of any device) was busy too; ``hidden_fraction``: hidden_ms /
-    comm_ms, 0.0 when there was no communication.
+    comm_ms, 0.0 when there was no communication. A trace of several MPI ranks (lanes
+    of devices ``rR/...``, `purinec.runtime.trace.merge_events`) counts each rank apart,
+    its communication hidden only by its own compute, and adds the ranks' times up;
+    ``ranks`` says how many there were.
     """
     lanes = lanes_of(trace_events)
+    ranks: dict[int, list[TraceLane]] = {}
+    for lane in lanes:
+        ranks.setdefault(_rank_of(lane), []).append(lane)
+    compute_ms = comm_ms = hidden_ms = 0.0
+    for own in ranks.values():
+        tasks = [t for lane in own for t in lane.tasks]
+        compute = _union((a, b) for a, b, kind in tasks if kind == COMPUTE_KIND)
+        comm = _union((a, b) for a, b, kind in tasks if kind != COMPUTE_KIND)
+        compute_ms += _length(compute)
+        comm_ms += _length(comm)
+        hidden_ms += _length(_intersection(compute, comm))
     tasks = [t for lane in lanes for t in lane.tasks]
-    compute = _union((a, b) for a, b, kind in tasks if kind == COMPUTE_KIND)
-    comm = _union((a, b) for a, b, kind in tasks if kind != COMPUTE_KIND)
-    hidden = _length(_intersection(compute, comm))
-    comm_ms = _length(comm)
     return {
         "wall_ms": (max(b for _, b, _ in tasks) - min(a for a, _, _ in tasks)) if tasks else 0.0,
         "busy_ms": {lane.name: sum(b - a for a, b, _ in lane.tasks) for lane in lanes},
         "lane_kind": {lane.name: _lane_kind(lane) for lane in lanes},
-        "compute_ms": _length(compute),
+        "compute_ms": compute_ms,
         "comm_ms": comm_ms,
-        "hidden_ms": hidden,
-        "hidden_fraction": hidden / comm_ms if comm_ms > 0 else 0.0,
+        "hidden_ms": hidden_ms,
+        "hidden_fraction": hidden_ms / comm_ms if comm_ms > 0 else 0.0,
+        "ranks": max(len(ranks), 1),
     }
+
+
+def _rank_of(lane: TraceLane) -> int:
+    """The MPI rank of a lane's device (0 for a name that is not a purinec device)."""
+    try:
+        return Device.parse(lane.device).rank
+    except ValueError:
+        return 0
 
 
 def _lane_kind(lane: TraceLane) -> str:
@@ -439,8 +458,11 @@ def _separate_devices(ax, lanes: list[TraceLane], rows: list[int]) -> None:
 
 
 def _timeline_title(stats: dict) -> str:
-    title = f"total {stats['wall_ms']:.3f} ms, compute busy {stats['compute_ms']:.3f} ms"
+    busy = f"compute busy {stats['compute_ms']:.3f} ms"
     if stats["comm_ms"] > 0:
-        title += (f"; communication {stats['comm_ms']:.3f} ms, "
-                  f"{stats['hidden_fraction']:.0%} hidden behind compute")
-    return title
+        busy += (f"; communication {stats['comm_ms']:.3f} ms, "
+                 f"{stats['hidden_fraction']:.0%} hidden behind compute")
+    if stats["ranks"] > 1:
+        return (f"total {stats['wall_ms']:.3f} ms on {stats['ranks']} ranks\n"
+                f"the ranks' times added up: {busy}")
+    return f"total {stats['wall_ms']:.3f} ms, {busy}"

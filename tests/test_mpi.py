@@ -553,6 +553,32 @@ def test_purinec_train_under_mpiexec(tmp_path):
     assert "after epoch 2 on 2 devices (cpu:0,cpu:1)" in resumed.stdout
 
 
+def test_purinec_run_under_mpiexec_traces_every_rank_on_one_clock(tmp_path):
+    done = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-m", "purinec", "run",
+                           "lenet", "--target", "cpu", "--parallel", "data", "--iterations",
+                           "3", "--trace", "t.json", "--timeline", "t.png"],
+                          capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
+    ran(done)
+    assert "over 3 iteration(s) on 2 ranks" in done.stdout
+    assert re.search(r"wrote timeline t.png: [\d.]+ ms on 2 ranks, communication [\d.]+ ms "
+                     r"\(\d+% hidden behind each rank's own compute\)", done.stdout)
+    assert (tmp_path / "t.png").stat().st_size > 0
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+             if e["name"] == "thread_name"}
+    assert sorted(lanes.values()) == ["cpu:0/comm", "cpu:0/compute", "r1/cpu:0/comm",
+                                      "r1/cpu:0/compute"]
+    # One clock: neither rank completes a collective (the logits' allgather, once an
+    # iteration) before the other has posted it.
+    spans: dict[int, list[tuple[float, float]]] = {}
+    for e in events:
+        if e["ph"] == "X" and lanes[e["pid"], e["tid"]].endswith("/comm"):
+            spans.setdefault(e["args"]["call"], []).append((e["ts"], e["ts"] + e["dur"]))
+    assert sorted(spans) == [0, 1, 2]
+    for (start0, end0), (start1, end1) in spans.values():
+        assert end0 >= start1 - 50 and end1 >= start0 - 50  # microseconds
+
+
 def test_a_program_saved_by_one_process_resumes_over_two_ranks(tmp_path):
     """Two devices of one process, saved, then loaded by a job of two ranks: each rank
     hosts one of the devices, and the steps equal the ones taken in one process."""

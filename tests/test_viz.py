@@ -296,10 +296,10 @@ def test_bad_format_and_unwritable_path(tmp_path):
 def synthetic(lanes: dict[str, list[tuple[float, float, str]]], named: bool = True) -> dict:
     """A Chrome trace with one thread per lane (``cpu:0/comm``), tasks given as (start ms,
     end ms, op); ``named=False`` leaves out the metadata, as other tools' traces may."""
-    devices = list(dict.fromkeys(name.split("/")[0] for name in lanes))
+    devices = list(dict.fromkeys(name.rsplit("/", 1)[0] for name in lanes))
     events = []
     for tid, (name, tasks) in enumerate(lanes.items(), 1):
-        pid = devices.index(name.split("/")[0]) + 1
+        pid = devices.index(name.rsplit("/", 1)[0]) + 1
         if named:
             events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
                            "args": {"name": name}})
@@ -343,6 +343,34 @@ def test_overlap_counts_compute_of_any_device_once():
     assert stats["hidden_ms"] == pytest.approx(2)
     assert stats["hidden_fraction"] == pytest.approx(0.4)
     assert stats["wall_ms"] == pytest.approx(10)
+
+
+def test_overlap_of_several_ranks_counts_each_rank_on_its_own():
+    """A job's merged trace: a rank's communication is hidden only by its own compute
+    (not by another process's), and the ranks' times add up."""
+    trace = synthetic({"cpu:0/compute": [(0, 10, "conv")], "cpu:0/comm": [(8, 14, "ar")],
+                       "r1/cpu:0/compute": [(0, 14, "conv")],
+                       "r1/cpu:0/comm": [(12, 16, "ar")]})
+    stats = viz.overlap(trace)
+    assert stats["ranks"] == 2 and stats["wall_ms"] == pytest.approx(16)
+    assert (stats["compute_ms"], stats["comm_ms"], stats["hidden_ms"]) == pytest.approx(
+        (10 + 14, 6 + 4, 2 + 2))
+    assert viz.overlap(synthetic({"cpu:0/compute": [(0, 1, "conv")]}))["ranks"] == 1
+
+
+def test_merged_traces_of_ranks_keep_their_devices_apart(tmp_path):
+    from purinec.runtime.trace import merge_events
+
+    ranks = [synthetic({"cpu:0/compute": [(5, 9, "conv")], "cpu:0/comm": [(9, 12, "ar")]}),
+             synthetic({"r1/cpu:0/compute": [(3, 10, "conv")],
+                         "r1/cpu:0/comm": [(10, 12, "ar")]})]
+    merged = merge_events([trace["traceEvents"] for trace in ranks])
+    assert min(e["ts"] for e in merged if "ts" in e) == 0  # from the first task of all
+    lanes = viz.lanes_of(merged)
+    assert [(lane.name, lane.device, [t[:2] for t in lane.tasks]) for lane in lanes] == [
+        ("cpu:0/compute", "cpu:0", [(2, 6)]), ("cpu:0/comm", "cpu:0", [(6, 9)]),
+        ("r1/cpu:0/compute", "r1/cpu:0", [(0, 7)]), ("r1/cpu:0/comm", "r1/cpu:0", [(7, 9)])]
+    assert viz.timeline(merged, tmp_path / "job.png") == str(tmp_path / "job.png")
 
 
 def test_overlap_without_lane_names_uses_op_names():

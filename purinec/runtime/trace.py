@@ -3,12 +3,14 @@
 The JSON is the Trace Event Format's object form (``{"traceEvents": [...]}``) with one
 complete ("X") event per task run, one process per device and one thread per lane (a
 worker of a compute or copy queue), named by metadata ("M") events; Perfetto
-(ui.perfetto.dev) and chrome://tracing open it.
+(ui.perfetto.dev) and chrome://tracing open it. A job of several MPI ranks records a
+trace on each; `gather_events` puts them together on rank 0, on one clock.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -39,7 +41,10 @@ class Trace:
 
     # -- Chrome trace events ----------------------------------------------------------
 
-    def events(self) -> list[dict]:
+    def events(self, origin: float | None = None) -> list[dict]:
+        """The Chrome trace events, times in microseconds from ``origin`` (a
+        `time.perf_counter` reading; default: when the trace began or was cleared)."""
+        origin = self.origin if origin is None else origin
         lanes = sorted({lane for _, lane, *_ in self.records},
                        key=lambda lane: (lane.queue.device,
                                          QUEUE_KINDS.index(lane.queue.kind), lane.worker))
@@ -65,16 +70,13 @@ class Trace:
                 if task.node.loc:
                     args["loc"] = task.node.loc
             events.append({"name": task.name, "cat": task.kind, "ph": "X",
-                           "ts": (start - self.origin) * 1e6, "dur": (end - start) * 1e6,
+                           "ts": (start - origin) * 1e6, "dur": (end - start) * 1e6,
                            "pid": pid[lane.queue.device], "tid": tid[lane], "args": args})
         return events
 
-    def to_json(self) -> str:
-        return json.dumps({"traceEvents": self.events(), "displayTimeUnit": "ms"})
-
     def write(self, path: str) -> None:
         """Write the Chrome trace JSON to ``path`` atomically."""
-        atomic_write_text(path, self.to_json())
+        write_events(path, self.events())
 
     def summary(self) -> "TraceSummary":
         busy: dict[str, float] = {}
@@ -84,6 +86,53 @@ class Trace:
             return TraceSummary(0.0, busy, 0, self.calls)
         span = (max(r[3] for r in self.records) - min(r[2] for r in self.records))
         return TraceSummary(span, busy, len(self.records), self.calls)
+
+
+def write_events(path: str, events: list[dict]) -> None:
+    """Chrome trace events as JSON in ``path``, atomically."""
+    atomic_write_text(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+
+
+# Barriers whose exits set the ranks' clocks alike (`gather_events`): the median of
+# several, so a rank descheduled as it left one does not skew its clock.
+CLOCK_SAMPLES = 7
+
+
+def gather_events(trace: Trace, world) -> list[list[dict]] | None:
+    """Every rank's events of ``trace``, on rank 0 (a list per rank; None on the
+    others): collective over ``world`` (`purinec.runtime.comm.World`). The ranks leave
+    barriers within microseconds of each other, so the differences between their clocks
+    at the exits (the median of CLOCK_SAMPLES) put every rank's times on rank 0's clock;
+    machines' clocks need not agree."""
+    if world.size == 1:
+        return [trace.events()]
+    exits = []
+    for _ in range(CLOCK_SAMPLES):
+        world.comm.Barrier()
+        exits.append(time.perf_counter())
+    gathered = world.comm.gather((trace.events(origin=0.0), exits), root=0)
+    if gathered is None:
+        return None
+    ours = gathered[0][1]
+    per_rank = []
+    for events, theirs in gathered:
+        ahead = statistics.median(t - o for t, o in zip(theirs, ours)) * 1e6
+        per_rank.append([{**e, "ts": e["ts"] - ahead} if "ts" in e else e for e in events])
+    return per_rank
+
+
+def merge_events(per_rank: list[list[dict]]) -> list[dict]:
+    """One trace of several ranks' events (`gather_events`): each rank's processes (its
+    devices) numbered after the ranks' before it, times from the first task of all."""
+    merged, first = [], min((e["ts"] for events in per_rank for e in events if "ts" in e),
+                            default=0.0)
+    offset = 0
+    for events in per_rank:
+        for e in events:
+            merged.append({**e, "pid": e["pid"] + offset,
+                           **({"ts": e["ts"] - first} if "ts" in e else {})})
+        offset += max((e["pid"] for e in events), default=0)
+    return merged
 
 
 @dataclass(frozen=True)
