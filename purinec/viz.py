@@ -358,11 +358,12 @@ def overlap(trace_events: Any) -> dict:
     time; ``lane_kind``: each lane's task kind (compute / copy / communication).
     ``compute_ms``: time some compute lane was busy; ``comm_ms``: time some copy or
     communication lane was busy; ``hidden_ms``: the part of ``comm_ms`` during which
-    some compute lane (of any device) was busy too; ``hidden_fraction``: hidden_ms /
-    comm_ms, 0.0 when there was no communication. A trace of several MPI ranks (lanes
-    of devices ``rR/...``, `purinec.runtime.trace.merge_events`) counts each rank apart,
-    its communication hidden only by its own compute, and adds the ranks' times up;
-    ``ranks`` says how many there were.
+    some compute lane (of any device of the process) was busy too;
+    ``hidden_fraction``: hidden_ms / comm_ms, 0.0 when there was no communication. A
+    trace of several MPI ranks (lanes of devices ``rR/...``,
+    `purinec.runtime.trace.merge_events`) counts each rank apart, its communication
+    hidden only by its own compute, and adds the ranks' times up; ``ranks`` says how
+    many there were.
     """
     lanes = lanes_of(trace_events)
     ranks: dict[int, list[TraceLane]] = {}

@@ -322,8 +322,9 @@ class _Staged:
 
 
 class _SharedPending:
-    """One call of a shared-memory collective in flight: `test` does this rank's part
-    once every rank is ready, and is true once every rank has done its own."""
+    """One call of a shared-memory collective in flight, complete once every rank's
+    part is done: `test` says whether it is (an allgather's rank also copies its part
+    once every rank is ready); `help` also does what work is left."""
 
     def __init__(self, kernel: _SharedCollective, buffers: list[np.ndarray],
                  finish: Callable[[], None]):
