@@ -330,9 +330,30 @@ def cmd_compile(args) -> int:
     return 0
 
 
+def _check_writable(args, options: tuple[str, ...]) -> None:
+    """Refuse, before any work, files the command could not write at its end: a
+    --timeline that names no picture format, or any of ``options`` in a directory that
+    does not exist or cannot be written (a long training run would be done by then)."""
+    if getattr(args, "timeline", None):
+        from purinec.viz import timeline_format
+
+        timeline_format(args.timeline)
+    for option in options:
+        path = getattr(args, option, None)
+        if not path:
+            continue
+        directory = os.path.dirname(os.path.abspath(path))
+        flag = "--" + option.replace("_", "-")
+        if not os.path.isdir(directory):
+            raise PurinecError(f"{flag} {path}: directory {directory} does not exist")
+        if not os.access(directory, os.W_OK):
+            raise PurinecError(f"{flag} {path}: directory {directory} is not writable")
+
+
 def cmd_run(args) -> int:
     from purinec.compiler import compile, load
 
+    _check_writable(args, ("output", "trace", "timeline"))
     trace = None
     if args.trace or args.timeline:
         from purinec.runtime.trace import Trace
@@ -480,6 +501,7 @@ def cmd_train(args) -> int:
         raise PurinecError("give a MODEL to train, or --resume CHECKPOINT")
     if args.resume and args.timeline:
         raise PurinecError("--timeline records a fresh run; it does not go with --resume")
+    _check_writable(args, ("checkpoint", "timeline"))
     trace = None
     if args.timeline:
         from purinec.runtime.trace import Trace

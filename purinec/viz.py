@@ -409,12 +409,18 @@ def _lane_kind(lane: TraceLane) -> str:
 # Timelines.
 
 
+def timeline_format(path: str) -> str:
+    """The picture format ``path`` names by its suffix (TIMELINE_FORMATS), else a
+    `PurinecError`: for callers to check before the run they will draw."""
+    return _suffix(path, TIMELINE_FORMATS, "timeline")
+
+
 def timeline(trace_events: Any, path: str | os.PathLike) -> str:
     """Draw the trace (path, dict or list) to ``path`` (``.png`` or ``.svg``): one lane
     per device queue, grouped by device, each task a bar coloured by kind, time in ms.
     Returns the path written."""
     path = os.fspath(path)
-    fmt = _suffix(path, TIMELINE_FORMATS, "timeline")
+    fmt = timeline_format(path)
     lanes = lanes_of(trace_events)
     if not lanes:
         raise PurinecError("the trace has no tasks to draw; run the program with a Trace "

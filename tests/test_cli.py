@@ -445,6 +445,23 @@ def test_train_on_two_devices_draws_its_timeline(tmp_path):
     assert accuracy > 0.8
 
 
+def test_files_a_command_could_not_write_at_its_end_are_refused_first(capsys, tmp_path):
+    """A long training run must not end in an error about a file it was told to write."""
+    missing = tmp_path / "no" / "such"
+    cases = [(["train", "mlp", "--timeline", tmp_path / "t.txt"],
+              "cannot tell the format of timeline"),
+             (["train", "mlp", "--checkpoint", missing / "ck.purine"],
+              f"--checkpoint {missing / 'ck.purine'}: directory {missing} does not exist"),
+             (["run", "mlp", "--trace", missing / "t.json"], "--trace"),
+             (["run", "mlp", "--output", missing / "out.npz"], "--output"),
+             (["run", "mlp", "--timeline", missing / "t.png"], "--timeline")]
+    for args, fragment in cases:
+        result = purinec_here(capsys, *args)
+        assert_clean_error(result, fragment)
+        assert result.stdout == ""  # nothing compiled, trained or run
+    assert not list(tmp_path.iterdir())
+
+
 def test_run_on_two_devices_gives_the_one_device_outputs(tmp_path):
     args = ["run", "lenet", "--batch", "6", "--target", "cpu", "--seed", "3"]
     one = purinec(*args, "--output", tmp_path / "one.npz")
