@@ -7,9 +7,9 @@ new weights from the same root) are merged, in schedule order, into one multi-te
 node of up to BUCKET_BYTES, placed where its last member was: it starts as soon as its
 last gradient exists, while the rest of the backward pass goes on. A bucket never grows
 past a point where one of its results is already needed, nor across more than
-BUCKET_SPAN of the graph's work (`cost.node_work`: FLOPs, or memory traffic where that dominates): a
-gradient made early is not held back for one made much later (the last bucket of an
-iteration, which nothing can hide, stays small).
+BUCKET_SPAN of the graph's work (`cost.node_work`: FLOPs, or memory traffic where that
+dominates): a gradient made early is not held back for one made much later (the last
+bucket of an iteration, which nothing can hide, stays small).
 """
 
 from __future__ import annotations
