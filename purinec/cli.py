@@ -542,7 +542,8 @@ def cmd_train(args) -> int:
     start = time.perf_counter()
     try:
         result = train(program, data, args.epochs, batch, seed=seed,
-                       progress=not args.quiet and sys.stderr.isatty() or args.progress,
+                       progress=_reporting_rank() and (
+                           not args.quiet and sys.stderr.isatty() or args.progress),
                        start_epoch=done, on_epoch_end=end_of_epoch)
     finally:
         program.close()

@@ -553,6 +553,16 @@ def test_purinec_train_under_mpiexec(tmp_path):
     assert "after epoch 2 on 2 devices (cpu:0,cpu:1)" in resumed.stdout
 
 
+def test_only_rank_0_draws_the_progress_bar(tmp_path):
+    done = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-m", "purinec", "train",
+                           "mlp", "--epochs", "2", "--progress"],
+                          capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
+    ran(done)
+    lines = done.stderr.replace("\r", "\n").splitlines()
+    started = [line for line in lines if re.fullmatch(r"epoch \d/2: +0%\|.*step/s\]", line)]
+    assert [line.split(":")[0] for line in started] == ["epoch 1/2", "epoch 2/2"]
+
+
 def test_purinec_run_under_mpiexec_traces_every_rank_on_one_clock(tmp_path):
     done = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-m", "purinec", "run",
                            "lenet", "--target", "cpu", "--parallel", "data", "--iterations",
