@@ -365,6 +365,29 @@ def _nothing() -> None:
     pass
 
 
+def _packed_bytes(types) -> int:
+    """The staging bytes a `Packing` of ``types`` takes from `_staging_allocator`: a
+    buffer per dtype, each from an aligned byte."""
+    per_dtype: dict = {}
+    for t in types:
+        per_dtype[t.dtype] = per_dtype.get(t.dtype, 0) + t.nbytes
+    return sum(aligned(nbytes) for nbytes in per_dtype.values())
+
+
+def _staging_allocator(staging: np.ndarray) -> Callable[[int, np.dtype], np.ndarray]:
+    """A `Packing`'s ``allocate(size, dtype)``: consecutive buffers in the bytes
+    ``staging``, each from an aligned byte."""
+    top = 0
+
+    def allocate(size: int, dtype) -> np.ndarray:
+        nonlocal top
+        start, nbytes = top, size * np.dtype(dtype).itemsize
+        top += aligned(nbytes)
+        return staging[start:start + nbytes].view(dtype)
+
+    return allocate
+
+
 class _ClaimedWork(_SharedCollective):
     """A collective whose work, once every rank is ready, is cut into items any rank may
     do (`_items`, `_do`): a rank with nothing else to do (`help`) claims every item
@@ -421,11 +444,11 @@ class _Sum(_ClaimedWork):
     def __init__(self, node: Node, group: SharedGroup, fallback: Callable):
         members = len(node.inputs) // node.attrs["tensors"]
         per = summands(node, members)
-        dtypes = {v.type.dtype for v in node.inputs[:per]}
+        self.types = [v.type for v in node.inputs[:per]]
+        dtypes = {t.dtype for t in self.types}
         if len(dtypes) > MAX_BUFFERS:
             raise PurinecError(f"node {node!r}: a bucket of more than {MAX_BUFFERS} dtypes")
-        super().__init__(node, group, fallback,
-                         sum(aligned(v.type.nbytes) for v in node.inputs[:per]))
+        super().__init__(node, group, fallback, _packed_bytes(self.types))
         self.members, self.per, self.buffer_count = members, per, len(dtypes)
         self._chunked: tuple[list | None, list] = (None, [])
 
@@ -436,16 +459,7 @@ class _Sum(_ClaimedWork):
         return [i * size + rank for i in range(self.buffer_count)]
 
     def _bind_staging(self, staging: np.ndarray) -> None:
-        top = 0
-
-        def allocate(size: int, dtype) -> np.ndarray:
-            nonlocal top
-            start, nbytes = top, size * np.dtype(dtype).itemsize
-            top += aligned(nbytes)
-            return staging[start:start + nbytes].view(dtype)
-
-        self.packing = Packing([v.type for v in self.node.inputs[:self.per]], self.members,
-                               allocate)
+        self.packing = Packing(self.types, self.members, _staging_allocator(staging))
 
     def _packed(self, inputs, outputs):
         return (list(self.packing.buffers.values()),
@@ -531,7 +545,7 @@ class SharedBroadcast(_ClaimedWork):
 
     def __init__(self, node: Node, group: SharedGroup, fallback):
         self.types = broadcast_types(node.attrs)
-        super().__init__(node, group, fallback, aligned(sum(t.nbytes for t in self.types)))
+        super().__init__(node, group, fallback, _packed_bytes(self.types))
         self.root, self.at_root = fallback.root, fallback.at_root
 
     def _items(self, size: int) -> int:
@@ -541,8 +555,7 @@ class SharedBroadcast(_ClaimedWork):
         return [rank]
 
     def _bind_staging(self, staging: np.ndarray) -> None:
-        self.packing = Packing(self.types, 1, lambda size, dtype: staging[
-            :size * np.dtype(dtype).itemsize].view(dtype))
+        self.packing = Packing(self.types, 1, _staging_allocator(staging))
 
     def _stage(self, arrays):
         per = len(self.types)
