@@ -10,6 +10,7 @@ import warnings
 
 import numpy as np
 
+from purinec.codegen.progress import kernel_progress
 from purinec.errors import PurinecError, PurinecWarning
 from purinec.fileio import atomic_write_text
 
@@ -38,6 +39,11 @@ MODEL_HELP = ("a zoo name (mlp, lenet, convnet, cifar_quick, nin, inception), a 
 
 
 SOLVER_OPTIONS = ("lr", "momentum", "weight_decay")
+# Every command compiles for the fused Numba kernels unless told otherwise: the first
+# compile of a model fills the kernel cache (seconds to minutes, with a progress bar on a
+# terminal), later ones load from it.
+DEFAULT_TARGET = "cpu"
+TARGETS_HELP = "cpu (fused Numba kernels) or reference (NumPy, one op at a time)"
 
 PARALLEL_HELP = """\
 parallelism: --devices cpu:0,cpu:1 (or a count: --devices 2) spreads the program over
@@ -364,7 +370,7 @@ def cmd_run(args) -> int:
                         f"{args.model} was compiled with a fixed batch and devices")
         program = load(args.model, args.target, trace=trace)
     else:
-        program = compile(args.model, target=args.target or "reference", batch=args.batch,
+        program = compile(args.model, target=args.target or DEFAULT_TARGET, batch=args.batch,
                           seed=args.seed, trace=trace, **_parallel_kwargs(args))
     try:
         feeds = _feeds(program.eval_ir, args.input, args.seed)
@@ -542,8 +548,7 @@ def cmd_train(args) -> int:
     start = time.perf_counter()
     try:
         result = train(program, data, args.epochs, batch, seed=seed,
-                       progress=_reporting_rank() and (
-                           not args.quiet and sys.stderr.isatty() or args.progress),
+                       progress=_shows_progress(args),
                        start_epoch=done, on_epoch_end=end_of_epoch)
     finally:
         program.close()
@@ -560,6 +565,13 @@ def _reporting_rank() -> bool:
     from purinec.runtime import comm
 
     return comm.world().rank == 0
+
+
+def _shows_progress(args) -> bool:
+    """Whether progress bars (compiling kernels, training) are drawn: on rank 0, when
+    stderr is a terminal (unless --quiet) or with --progress."""
+    return _reporting_rank() and (getattr(args, "progress", False) or
+                                  sys.stderr.isatty() and not getattr(args, "quiet", False))
 
 
 def _resume(args):
@@ -599,7 +611,7 @@ def _training_program(args, data_spec: str, data, seed, trace=None):
             if not args.model.endswith(".pir"):
                 model_kwargs = {"input_shape": data.input_shape,
                                 "num_classes": data.num_classes}
-            return compile(args.model, target=args.target or "reference", train=_sgd(args),
+            return compile(args.model, target=args.target or DEFAULT_TARGET, train=_sgd(args),
                            batch=args.batch, seed=seed, trace=trace,
                            **_parallel_kwargs(args), **model_kwargs)
 
@@ -697,9 +709,9 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("-o", "--output", metavar="DIR",
                       help="write one file per stage (and kernel) into DIR and print their "
                            "paths")
-    dump.add_argument("--target", default="cpu",
-                      help="target whose pipeline to run (default: cpu; reference does not "
-                           "fuse)")
+    dump.add_argument("--target", default=DEFAULT_TARGET,
+                      help=f"target whose pipeline to run: {TARGETS_HELP} (default: "
+                           f"{DEFAULT_TARGET}; reference does not fuse)")
     dump.add_argument("--explain", action="store_true",
                       help="with --stage fuse: say why each pair of neighbours did not fuse; "
                            "with --stage parallel: why each copy and collective is there")
@@ -730,8 +742,9 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--train", action="store_true",
                       help="also compile the training iteration (backward and SGD)")
     comp.add_argument("--batch", type=_positive, help="batch size (default: the model's)")
-    comp.add_argument("--target", default="reference",
-                      help="code generation target (default: reference, NumPy)")
+    comp.add_argument("--target", default=DEFAULT_TARGET,
+                      help=f"code generation target: {TARGETS_HELP} (default: "
+                           f"{DEFAULT_TARGET})")
     _add_parallel_args(comp)
     comp.add_argument("--seed", type=_non_negative, default=0,
                       help="seed of the initial weights (default 0)")
@@ -764,8 +777,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="record every task as Chrome trace event JSON (Perfetto) into "
                           "FILE, on targets that record traces")
     run.add_argument("--target",
-                     help="target to run on (default: the artifact's own, or reference for "
-                          "a MODEL)")
+                     help=f"target to run on: {TARGETS_HELP} (default: the artifact's own, "
+                          f"or {DEFAULT_TARGET} for a MODEL)")
     run.add_argument("--batch", type=_positive,
                      help="batch size of MODEL (default: the model's; fixed in an artifact)")
     _add_parallel_args(run)
@@ -784,8 +797,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help=MODEL_HELP + ", or an artifact compiled with --train; optional "
                                       "with --resume")
     tr.add_argument("--target",
-                    help="code generation target (default: reference for a MODEL, the "
-                         "artifact's own for a FILE.purine)")
+                    help=f"code generation target: {TARGETS_HELP} (default: {DEFAULT_TARGET} "
+                         "for a MODEL, the artifact's own for a FILE.purine)")
     tr.add_argument("--data", metavar="NAME|DIR",
                     help=f"data set: {DATA_HELP} (default: digits, or the checkpoint's)")
     tr.add_argument("--epochs", type=_positive, default=10,
@@ -808,9 +821,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--timeline", metavar="FILE.png|FILE.svg",
                     help="draw the last epoch's tasks on each device's compute, copy and "
                          "communication lanes into FILE (a target that records traces)")
-    tr.add_argument("--quiet", action="store_true", help="no progress bar")
+    tr.add_argument("--quiet", action="store_true",
+                    help="no progress bars (compiling kernels, training)")
     tr.add_argument("--progress", action="store_true",
-                    help="show the progress bar even when stderr is not a terminal")
+                    help="show the progress bars even when stderr is not a terminal")
     _add_solver_args(tr, 0.05)
     tr.set_defaults(func=cmd_train)
     return parser
@@ -835,7 +849,7 @@ def main(argv: list[str] | None = None) -> int:
     if here.rank > 0:  # under mpiexec every rank runs the command; rank 0 reports
         sys.stdout = open(os.devnull, "w")
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), kernel_progress(_shows_progress(args)):
             warnings.showwarning = _warning_printer(here.rank, warnings.showwarning)
             # Under mpiexec, a rank that fails prints its error and ends the whole job.
             return comm.run_guarded(lambda: args.func(args))

@@ -235,7 +235,9 @@ def test_compile_says_what_it_wrote(artifact):
     program = purinec_api.load(path)
     parameters = sum(a.size for a in program.params.values())
     assert f"wrote {path} ({path.stat().st_size:,} bytes)" in stdout
-    assert "target reference" in stdout and "0 kernel(s)" in stdout
+    with zipfile.ZipFile(path) as archive:  # the cpu target's, the default
+        kernels = [name for name in archive.namelist() if name.startswith("kernels/")]
+    assert kernels and f"target cpu, {len(kernels)} kernel(s)" in stdout
     assert f"{parameters:,} parameters" in stdout
     assert "compiled mlp.train and mlp" in stdout
     assert program.ir.name == "mlp.train" and program.ir.input("data").type.shape == (32, 1, 8, 8)
@@ -267,7 +269,7 @@ def test_compile_then_run_in_another_process_gives_the_same_outputs(artifact, tm
     assert result.returncode == 0, result.stderr
     assert "random" not in result.stdout
     assert "logits: f32[32,10]  min " in result.stdout
-    assert "3 iterations on target reference: first " in result.stdout
+    assert "3 iterations on target cpu: first " in result.stdout
     assert f"wrote {tmp_path / 'out.npz'} (logits)" in result.stdout
     with np.load(tmp_path / "out.npz", allow_pickle=False) as out:
         assert out.files == ["logits"]
@@ -280,11 +282,12 @@ def test_run_without_inputs_uses_random_ones_and_says_so():
     assert result.returncode == 0, result.stderr
     assert "input data: no --input given, using random f32[2,1,28,28]" in result.stdout
     assert "logits: f32[2,10]" in result.stdout
-    assert "1 iteration on target reference" in result.stdout
+    assert "1 iteration on target cpu" in result.stdout
 
 
 @pytest.mark.parametrize("args, fragments", [
-    (("run", "{artifact}", "--trace", "t.json"), ["target reference does not record traces"]),
+    (("run", "{artifact}", "--target", "reference", "--trace", "t.json"),
+     ["target reference does not record traces"]),
     (("run", "{artifact}", "--batch", "8"), ["--batch", "fixed batch"]),
     (("run", "{artifact}", "--input", "data"), ["--input data: write NAME=FILE.npy"]),
     (("run", "{artifact}", "--input", "data=nothing.npy"), ["cannot read nothing.npy"]),

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from purinec.codegen import cache, cpu
 from purinec.codegen.source import node_comment
 from purinec.codegen.cpu_module import HEADER
+from purinec.codegen.progress import kernel_progress
 from purinec.ir.graph import Graph
 from purinec.ir.types import Device, DType, TensorType
 
@@ -300,3 +302,25 @@ def test_numba_starts_without_scipy_linalg_which_still_works_after(cache_dir):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "True"]
+
+
+@pytest.mark.parametrize("shown", [True, False])
+def test_a_slow_compile_shows_a_progress_bar_when_asked(cache_dir, monkeypatch, capsys,
+                                                        shown):
+    """The command line turns the bar on; it appears once compiling has taken a second
+    (here each kernel is made to take 0.6 s), and never when not turned on."""
+    compile_node = cpu.compile_node
+
+    def slow_compile(*args, **kwargs):
+        time.sleep(0.6)
+        return compile_node(*args, **kwargs)
+
+    monkeypatch.setattr(cpu, "compile_node", slow_compile)
+    with kernel_progress(shown):
+        kernels = cpu.compile_kernels(small_graph())
+    assert len(kernels) == 2
+    err = capsys.readouterr().err
+    if shown:
+        assert "kernels of cached" in err and "2/2" in err
+    else:
+        assert err == ""

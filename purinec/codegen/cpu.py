@@ -39,6 +39,7 @@ from purinec.codegen.cpu_runtime import NUMPY_BLAS, Blocked, limit_blas_threads,
 from purinec.codegen.cpu_module import DEFAULT_OPTIONS, RENDERERS, CpuOptions, KernelModule
 from purinec.codegen.elementwise import SCALAR_RULES
 from purinec.codegen.kernel import CodegenError, Kernel
+from purinec.codegen.progress import kernel_bar
 from purinec.ir.graph import Graph, Node, Value
 
 __all__ = ["compile_kernels", "compile_node", "render", "RENDERERS", "SCALAR_RULES",
@@ -109,7 +110,12 @@ def compile_kernels(graph: Graph, options: CpuOptions = DEFAULT_OPTIONS
     """A compiled kernel for every node of ``graph``; nodes whose code is the same
     share its ``fn``."""
     compiled: dict[tuple, Kernel] = {}
-    return {node: compile_node(node, options, compiled) for node in graph.nodes}
+    kernels = {}
+    with kernel_bar(len(graph.nodes), graph.name) as bar:
+        for node in graph.nodes:
+            kernels[node] = compile_node(node, options, compiled)
+            bar.update()
+    return kernels
 
 
 def compile_node(node: Node, options: CpuOptions = DEFAULT_OPTIONS,
