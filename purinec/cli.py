@@ -48,8 +48,10 @@ TARGETS_HELP = "cpu (fused Numba kernels) or reference (NumPy, one op at a time)
 PARALLEL_HELP = """\
 parallelism: --devices cpu:0,cpu:1 (or a count: --devices 2) spreads the program over
 devices of this process, each with its own worker thread and share of the cores;
-`mpiexec -n 2 purinec train lenet --parallel data` puts one device on each MPI rank
-(--devices r0/cpu:0,r0/cpu:1,r1/cpu:0,r1/cpu:1 names several per rank).
+`mpiexec -n 2 purinec train lenet --parallel ps` puts one device on each MPI rank
+(--devices r0/cpu:0,r0/cpu:1,r1/cpu:0,r1/cpu:1 names several per rank). Under mpiexec
+with neither option, a model is spread over the ranks by data parallelism, unless it
+places its layers itself.
 """
 
 
@@ -67,9 +69,29 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                         "the devices)")
 
 
-def _parallel_kwargs(args) -> dict:
-    return {"devices": args.devices, "parallel": args.parallel,
+def _parallel_kwargs(args, **model_kwargs) -> dict:
+    """compile()'s devices and strategy, as given. Under mpiexec every rank runs the
+    command, so with neither --devices nor --parallel a model that does not place its
+    layers itself is spread over the ranks by data parallelism: on one device each, the
+    ranks would all repeat rank 0's work, and only rank 0 reports."""
+    from purinec.runtime import comm
+
+    parallel = args.parallel
+    if (parallel is None and args.devices is None and comm.world().size > 1
+            and not _places_itself(args.model, args.batch, model_kwargs)):
+        parallel = "data"
+    return {"devices": args.devices, "parallel": parallel,
             "micro_batches": args.micro_batches}
+
+
+def _places_itself(model: str, batch: int | None, model_kwargs: dict) -> bool:
+    from purinec.compiler import load_source, placement
+    from purinec.ir.graph import Graph
+    from purinec.passes.lower import lower
+
+    source = load_source(model, batch, **model_kwargs)
+    graph = source if isinstance(source, Graph) else lower(source, mode="inference")
+    return placement(graph) is not None
 
 
 def _add_solver_args(p: argparse.ArgumentParser, lr: float) -> None:
@@ -322,8 +344,8 @@ def cmd_compile(args) -> int:
         model_kwargs["num_classes"] = args.num_classes
     start = time.perf_counter()
     program = compile(args.model, target=args.target, train=_sgd(args) if args.train else None,
-                      batch=args.batch, seed=args.seed, **_parallel_kwargs(args),
-                      **model_kwargs)
+                      batch=args.batch, seed=args.seed,
+                      **_parallel_kwargs(args, **model_kwargs), **model_kwargs)
     compiled = time.perf_counter() - start
     try:
         saved = program.save(args.output)
@@ -613,7 +635,7 @@ def _training_program(args, data_spec: str, data, seed, trace=None):
                                 "num_classes": data.num_classes}
             return compile(args.model, target=args.target or DEFAULT_TARGET, train=_sgd(args),
                            batch=args.batch, seed=seed, trace=trace,
-                           **_parallel_kwargs(args), **model_kwargs)
+                           **_parallel_kwargs(args, **model_kwargs), **model_kwargs)
 
         try:
             program = compiled(data)

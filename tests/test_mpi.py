@@ -519,6 +519,38 @@ def test_a_model_placing_a_layer_on_another_rank_trains_as_on_one_device(tmp_pat
         np.testing.assert_array_equal(ranks[0][key], ranks[1][key], err_msg=key)
 
 
+PLACED_MODEL = """
+from purinec.bigraph import Blob, InnerProduct, Location, Net, ReLU, SoftmaxWithLoss
+
+def build(batch=16, input_shape=(1, 8, 8), num_classes=10):
+    with Net("placed") as net:
+        data = Blob("data", (batch, *input_shape))
+        label = Blob("label", (batch,), "i32")
+        logits = (data >> InnerProduct("ip1", 16) >> ReLU("relu1")
+                  >> InnerProduct("ip2", num_classes, location=Location(1, "cpu", 0))
+                  >> Blob("logits"))
+        net.outputs = [logits, [logits, label] >> SoftmaxWithLoss("loss")]
+    return net
+"""
+
+
+def test_under_mpiexec_a_model_is_spread_over_the_ranks_unless_it_places_itself(tmp_path):
+    """Without --devices or --parallel, every rank would otherwise train its own copy."""
+    (tmp_path / "placed.py").write_text(PLACED_MODEL)
+    said = {}
+    for model in ("mlp", "placed.py"):
+        done = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-m", "purinec",
+                               "train", model, "--epochs", "1", "--quiet"],
+                              capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        ran(done)
+        said[model] = re.search(r"on 2 devices \(cpu:0,r1/cpu:0; ranks exchange through "
+                                r"(\w+( \w+)?)\)", done.stdout)
+    # Data parallelism: gradients allreduced in shared memory. The model's own placement:
+    # activations sent from rank 0 to rank 1 and back, by MPI.
+    assert said["mlp"] and said["mlp"].group(1) == "shared memory"
+    assert said["placed.py"] and said["placed.py"].group(1) == "MPI"
+
+
 def test_purinec_train_under_mpiexec(tmp_path):
     checkpoint = tmp_path / "ck.purine"
     done = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-m", "purinec", "train",
