@@ -166,6 +166,45 @@ def test_processes_writing_the_same_kernels_at_once_agree(cache_dir):
     assert not list((cache_dir / "cpu").glob("*.tmp"))  # no temporary file left behind
 
 
+# Children that start compiling `small_graph` together, once the parent says go.
+TOGETHER = textwrap.dedent("""
+    import json, os, pathlib, sys, time
+    sys.path.insert(0, {tests!r})
+    from test_kernel_cache import small_graph
+    from purinec.codegen import cache, cpu
+    pathlib.Path({ready!r}).touch()
+    while not os.path.exists({go!r}):
+        time.sleep(0.001)
+    cpu.compile_kernels(small_graph(4))
+    print(json.dumps(cache.STATS.as_dict()))
+""")
+
+
+def test_processes_compiling_the_same_kernels_at_once_take_turns(cache_dir):
+    """One compiles each kernel; the others wait and load it from Numba's cache (without
+    the lock both would compile both kernels: 4 compiles)."""
+    env = dict(os.environ, PURINEC_CACHE_DIR=str(cache_dir))
+    go = cache_dir / "go"
+    children, ready = [], []
+    for k in range(2):
+        ready.append(cache_dir / f"ready{k}")
+        code = TOGETHER.format(tests=os.path.dirname(__file__), ready=str(ready[k]),
+                               go=str(go))
+        children.append(subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    deadline = time.monotonic() + 120
+    while not all(path.exists() for path in ready) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    go.touch()
+    stats = []
+    for child in children:
+        out, err = child.communicate(timeout=300)
+        assert child.returncode == 0, err
+        stats.append(json.loads(out.strip().splitlines()[-1]))
+    assert sum(s["compiles"] for s in stats) == 2
+    assert sum(s["loads"] for s in stats) == 2
+
+
 def test_hits_and_misses_are_logged(cache_dir, caplog):
     node = small_graph(batch=5).nodes[1]
     with caplog.at_level("DEBUG", logger="purinec.codegen.cache"):

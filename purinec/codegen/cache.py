@@ -18,12 +18,15 @@ use. A file is trusted only if its code equals the code we would write (and it d
 no source encoding of its own): anything else (truncated, edited, unreadable) is
 rewritten before it is imported. Files are written to a temporary name and then linked
 or renamed into place, so concurrent writers of the same kernel never expose a partial
-file. Hits and misses are logged at DEBUG on ``purinec.codegen.cache`` and counted in
+file, and a process compiles a kernel holding its lock file (`one_compiler`), so
+processes compiling the same kernels at once take turns rather than all compile them.
+Hits and misses are logged at DEBUG on ``purinec.codegen.cache`` and counted in
 `STATS`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
@@ -35,8 +38,14 @@ import threading
 import types
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Iterator
 
 from purinec.errors import PurinecError
+
+try:
+    import fcntl
+except ImportError:  # not POSIX
+    fcntl = None
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +124,28 @@ def load_module(source: str, target: str = "cpu") -> types.ModuleType:
             module = _import(path)
             _modules[path] = module
         return module
+
+
+@contextlib.contextmanager
+def one_compiler(source: str, target: str = "cpu") -> Iterator[None]:
+    """Hold the kernel's lock file (``k_<hash>.lock``) while compiling it: processes
+    that compile the same kernels at once (the ranks of a data-parallel job) then take
+    turns, and all but the first load the machine code from Numba's cache instead of
+    compiling it again. Four ranks on two cores compiled lenet's kernels in 41 s each
+    at once, against 15 s for one process. The operating system releases the lock of a
+    process that dies."""
+    if fcntl is None:  # not POSIX: every process compiles
+        yield
+        return
+    lock_path = kernel_path(source, target).with_suffix(".lock")
+    try:
+        lock = open(lock_path, "a")
+    except OSError:  # a read-only cache: compile without taking turns
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield  # (closing the file releases the lock)
 
 
 def _ensure_file(path: Path, source: str) -> None:

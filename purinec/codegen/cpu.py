@@ -143,7 +143,8 @@ def compile_module(module: KernelModule, compiled: dict[tuple, Kernel] | None = 
     try:
         dispatcher = getattr(cache.load_module(source), module.function)
         if signature not in dispatcher.overloads:
-            dispatcher.compile(signature)
+            with cache.one_compiler(source):
+                dispatcher.compile(signature)
             if dispatcher.stats.cache_hits.get(signature):
                 cache.STATS.loads += 1
                 log.debug("kernel %s: loaded from Numba's cache", module.name)
