@@ -131,8 +131,8 @@ def one_compiler(source: str, target: str = "cpu") -> Iterator[None]:
     """Hold the kernel's lock file (``k_<hash>.lock``) while compiling it: processes
     that compile the same kernels at once (the ranks of a data-parallel job) then take
     turns, and all but the first load the machine code from Numba's cache instead of
-    compiling it again. Four ranks on two cores compiled lenet's kernels in 41 s each
-    at once, against 15 s for one process. The operating system releases the lock of a
+    compiling it again (lenet over 4 ranks on two cores, cold cache: the job took 43 s
+    to its first epoch, 25 s taking turns). The operating system releases the lock of a
     process that dies."""
     if fcntl is None:  # not POSIX: every process compiles
         yield
