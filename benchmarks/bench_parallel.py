@@ -104,7 +104,7 @@ def worker(args) -> None:
     def single_device(iterations: int) -> float:
         """Rank 0 times one device on its first core; the other ranks wait."""
         median = pinned(ones[0], own_cores[0], iterations) if here.rank == 0 else 0.0
-        _together(here)
+        here.wait_for_all()
         return median
 
     def lockstep(iterations: int) -> float:
@@ -116,7 +116,7 @@ def worker(args) -> None:
         medians: list[float] = []
         if here.size > 1:
             medians = [pinned(ones[0], own_cores[0], iterations, here.comm.Barrier)]
-            _together(here)
+            here.wait_for_all()
             medians = [m for rank in here.comm.allgather(medians) for m in rank]
         else:
             barrier = threading.Barrier(count).wait
@@ -135,7 +135,7 @@ def worker(args) -> None:
         many.step(feeds_many)
         del trace.records[kept:]
         times = _timed(many, feeds_many, iterations)
-        _together(here)
+        here.wait_for_all()
         return float(np.median(times))
 
     single_device(args.warmup)
@@ -249,16 +249,6 @@ def _timed(program, feeds, iterations: int, barrier=None) -> list[float]:
             barrier()
         times.append(time.perf_counter() - start)
     return times
-
-
-def _together(here) -> None:
-    """Wait until every rank gets here, sleeping rather than spinning: a spinning rank
-    would take its core while rank 0 times one device."""
-    if here.size == 1:
-        return
-    request = here.comm.Ibarrier()
-    while not request.Test():
-        time.sleep(1e-3)
 
 
 def measure(model: str, mode: str, args) -> dict:

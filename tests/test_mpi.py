@@ -519,6 +519,28 @@ def test_a_model_placing_a_layer_on_another_rank_trains_as_on_one_device(tmp_pat
         np.testing.assert_array_equal(ranks[0][key], ranks[1][key], err_msg=key)
 
 
+WAIT_FOR_ALL = """
+import pathlib, sys, time
+from purinec.runtime import comm
+here = comm.world()
+marks = pathlib.Path(sys.argv[1])
+if here.rank == 1:
+    time.sleep(0.5)  # still compiling, say
+    (marks / "rank1").touch()
+here.wait_for_all()
+if here.rank == 0:
+    assert (marks / "rank1").exists(), "rank 0 went on before rank 1 got there"
+    print("waited")
+"""
+
+
+def test_wait_for_all_returns_once_every_rank_got_there(tmp_path):
+    done = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-c", WAIT_FOR_ALL,
+                           str(tmp_path)], capture_output=True, text=True, timeout=TIMEOUT)
+    ran(done)
+    assert "waited" in done.stdout
+
+
 PLACED_MODEL = """
 from purinec.bigraph import Blob, InnerProduct, Location, Net, ReLU, SoftmaxWithLoss
 

@@ -72,6 +72,15 @@ class World:
             group.Free()
         return comm
 
+    def wait_for_all(self) -> None:
+        """Return once every rank has called this, sleeping while it waits: a spinning
+        rank would take a core from ranks still at work (compiling, timing)."""
+        if self.size == 1:
+            return
+        request = self.comm.Ibarrier()
+        while not request.Test():
+            time.sleep(1e-3)
+
 
 _world: World | None = None
 _world_lock = threading.Lock()
