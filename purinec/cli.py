@@ -662,7 +662,7 @@ def _training_program(args, data_spec: str, data, seed, trace=None):
     _wait_for_every_rank()
     print(f"{what} {program.ir.name} for target {program.target}{_on_devices(program)} in "
           f"{time.perf_counter() - start:.2f} s ({len(program.ir.nodes)} nodes, "
-          f"{sum(p.size for p in program.params.values())} parameters)")
+          f"{sum(p.size for p in program.params.values()):,} parameters)")
     return program, data
 
 
