@@ -297,8 +297,9 @@ def test_run_without_inputs_uses_random_ones_and_says_so():
     (("compile", "mlp", "--lr", "0.1", "-o", "{tmp}/mlp.purine"),
      ["--lr: solver options apply only with --train"]),
 ])
-def test_run_and_compile_errors(artifact, tmp_path, capsys, args, fragments):
+def test_run_and_compile_errors(artifact, tmp_path, capsys, monkeypatch, args, fragments):
     path, _ = artifact
+    monkeypatch.chdir(tmp_path)  # a relative path in args, written by mistake, lands here
     members = {}
     with zipfile.ZipFile(path) as zf:
         members = {n: zf.read(n) for n in zf.namelist()}
