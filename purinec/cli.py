@@ -85,6 +85,8 @@ def _parallel_kwargs(args, **model_kwargs) -> dict:
 
 
 def _places_itself(model: str, batch: int | None, model_kwargs: dict) -> bool:
+    """Whether the model puts its layers on several devices itself (lowering it takes
+    milliseconds; compile() lowers it again)."""
     from purinec.compiler import load_source, placement
     from purinec.ir.graph import Graph
     from purinec.passes.lower import lower
