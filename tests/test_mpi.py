@@ -541,24 +541,14 @@ def test_wait_for_all_returns_once_every_rank_got_there(tmp_path):
     assert "waited" in done.stdout
 
 
-PLACED_MODEL = """
-from purinec.bigraph import Blob, InnerProduct, Location, Net, ReLU, SoftmaxWithLoss
-
-def build(batch=16, input_shape=(1, 8, 8), num_classes=10):
-    with Net("placed") as net:
-        data = Blob("data", (batch, *input_shape))
-        label = Blob("label", (batch,), "i32")
-        logits = (data >> InnerProduct("ip1", 16) >> ReLU("relu1")
-                  >> InnerProduct("ip2", num_classes, location=Location(1, "cpu", 0))
-                  >> Blob("logits"))
-        net.outputs = [logits, [logits, label] >> SoftmaxWithLoss("loss")]
-    return net
-"""
-
-
 def test_under_mpiexec_a_model_is_spread_over_the_ranks_unless_it_places_itself(tmp_path):
     """Without --devices or --parallel, every rank would otherwise train its own copy."""
-    (tmp_path / "placed.py").write_text(PLACED_MODEL)
+    from test_parallel import PLACED_MODEL
+
+    # The model puts ip2 on rank 1 itself (by default, not through a build option).
+    placed = PLACED_MODEL.replace("second=None", 'second=Location(1, "cpu", 0)')
+    assert placed != PLACED_MODEL
+    (tmp_path / "placed.py").write_text(placed)
     said = {}
     for model in ("mlp", "placed.py"):
         done = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-m", "purinec",
