@@ -26,10 +26,11 @@ in lockstep, then N devices, each turn after one untimed step. A round's ratios
 compare medians taken a second or two apart, so the drift mostly cancels; the table
 shows the median over the rounds and their range.
 
-From a trace of the N-device iterations on rank 0, the share of communication time that
-some compute lane was busy through ("hidden") says how well the allreduces overlap the
-backward pass, and "exposed" is the communication time per iteration during which no
-compute lane was busy. (A collective's time in the trace runs until the runtime sees it
+From every rank's trace of the N-device iterations, the share of communication time
+that some compute lane of the same rank was busy through ("hidden") says how well the
+allreduces overlap the backward pass, and "exposed" is the communication time per
+iteration during which no compute lane of that rank was busy; both add up every rank's
+times (one rank's alone depends on which rank the host slowed: the other waits). (A collective's time in the trace runs until the runtime sees it
 complete, which it checks rarely while compute is busy: that lengthens hidden time,
 never exposed time.) Over MPI, "waiting" is the part of the exposed time before every
 rank had posted the collective at hand (from every rank's trace: the processes of a
@@ -68,7 +69,6 @@ def worker(args) -> None:
     import purinec
     from purinec.runtime import comm
     from purinec.runtime.trace import Trace
-    from purinec.viz import COMPUTE_KIND, overlap
 
     here = comm.world()
     count = here.size if here.size > 1 else args.ranks
@@ -152,31 +152,48 @@ def worker(args) -> None:
     many.close()
     for one in ones:
         one.close()
+    busy, times = _communication_times(trace, here)
+    if here.rank == 0:
+        iterations = args.iterations * args.repeats * max(1, here.size)  # rank-iterations
+
+        def per_iteration(ms: float | None) -> float | None:
+            return None if ms is None else ms / iterations
+
+        Path(args.out).write_text(json.dumps({
+            "rounds": rounds,
+            "comm_ms_per_iteration": per_iteration(times["comm"]),
+            "exposed_ms_per_iteration": per_iteration(times["comm"] - times["hidden"]),
+            "exposed_waiting_ms_per_iteration": per_iteration(times["waiting"]),
+            "hidden_fraction": times["hidden"] / times["comm"] if times["comm"] else None,
+            "hidden_once_posted_fraction": (times["hidden_after"] / times["comm_after"]
+                                            if times["comm_after"] else None),
+            "compute_ms_per_device": [ms / args.iterations / args.repeats for ms in busy],
+            "compute_imbalance": max(busy) / min(busy)}))
+
+
+def _communication_times(trace, here) -> tuple[list[float], dict]:
+    """Each device's compute time, and the communication, hidden and waiting times of
+    every rank added up (on rank 0; collective over the ranks). Rank 0's alone would
+    depend on which rank the host slowed: the other one does the waiting."""
+    from purinec.viz import COMPUTE_KIND, overlap
+
     stats = overlap(trace.events())
     busy = [ms for lane, ms in stats["busy_ms"].items()
             if stats["lane_kind"][lane] == COMPUTE_KIND]
-    waiting = None  # of the exposed time, that before every rank had posted (MPI)
-    hidden_once_posted = None  # the hidden share of the time after it
-    if here.size > 1:
-        busy = [ms for rank in here.comm.gather(busy, root=0) or [] for ms in rank]
-        halves = split_at_all_posted(trace.records, here.comm.allgather(
-            posts(trace.records)))
-        if halves is not None:
-            before, after = (overlap(_events(records, trace)) for records in halves)
-            waiting = before["comm_ms"] - before["hidden_ms"]
-            hidden_once_posted = after["hidden_fraction"]
-    if here.rank == 0:
-        iterations = args.iterations * args.repeats
-        Path(args.out).write_text(json.dumps({
-            "rounds": rounds,
-            "comm_ms_per_iteration": stats["comm_ms"] / iterations,
-            "exposed_ms_per_iteration": (stats["comm_ms"] - stats["hidden_ms"]) / iterations,
-            "exposed_waiting_ms_per_iteration": (None if waiting is None
-                                                 else waiting / iterations),
-            "hidden_fraction": stats["hidden_fraction"],
-            "hidden_once_posted_fraction": hidden_once_posted,
-            "compute_ms_per_device": [ms / iterations for ms in busy],
-            "compute_imbalance": max(busy) / min(busy)}))
+    times = {"comm": stats["comm_ms"], "hidden": stats["hidden_ms"], "waiting": None,
+             "comm_after": None, "hidden_after": None}
+    if here.size == 1:
+        return busy, times
+    # Ranks that posted the same collectives all split, or none does.
+    halves = split_at_all_posted(trace.records, here.comm.allgather(posts(trace.records)))
+    if halves is not None:
+        before, after = (overlap(_events(records, trace)) for records in halves)
+        times.update(waiting=before["comm_ms"] - before["hidden_ms"],
+                     comm_after=after["comm_ms"], hidden_after=after["hidden_ms"])
+    everyone = here.comm.gather((busy, times), root=0) or []
+    busy = [ms for rank_busy, _ in everyone for ms in rank_busy]
+    return busy, {key: None if times[key] is None else sum(t[key] for _, t in everyone)
+                  for key in times}
 
 
 def _is_comm(task) -> bool:
