@@ -21,6 +21,7 @@ from purinec.passes.autodiff import autodiff
 from purinec.passes.fuse import fuse
 from purinec.passes.optimizer import SGD
 from purinec.passes.parallel import Parallel, parallelize, parse_devices, partition
+from purinec.passes.parallel.distribute import check_micro_batches
 from purinec.passes.parallel.pipeline import assign_stages, microbatch
 from purinec.passes.pipeline import Pass, StageHook, run_passes
 from purinec.passes.simplify import cse, dce, infer_shapes
@@ -655,6 +656,8 @@ def _pinned_to(graph: Graph, spread: Parallel) -> Parallel:
 def parallel_plan(devices: Any, strategy: str | None,
                   micro_batches: int | None = None) -> Parallel | None:
     """A `Parallel` from compile()'s arguments, or None for one device."""
+    if micro_batches is not None:  # (also where no Parallel is made to check them)
+        check_micro_batches(micro_batches, strategy or (None if devices is None else "data"))
     if devices is None and strategy is None:
         return None
     if devices is None:
@@ -666,7 +669,13 @@ def parallel_plan(devices: Any, strategy: str | None,
                                f"--devices (e.g. cpu:0,cpu:1) or start the job with mpiexec")
         devices = [Device("cpu", 0, r) for r in range(size)]
     spread = Parallel(as_devices(devices), strategy or "data", micro_batches)
-    return spread if len(spread.devices) > 1 else None
+    if len(spread.devices) > 1:
+        return spread
+    if strategy is not None:
+        warnings.warn(PurinecWarning(
+            f"{strategy} parallelism over one device ({spread.devices[0]}) is the plain "
+            f"one-device program"), stacklevel=3)
+    return None
 
 
 def as_devices(devices: Any) -> tuple[Device, ...]:

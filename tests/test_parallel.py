@@ -484,11 +484,25 @@ def test_a_pipeline_longer_than_the_model_says_which_devices_sit_idle():
         purinec.compile("mlp", batch=8, devices=6, parallel="data")
 
 
+def test_a_strategy_over_one_device_says_it_is_the_one_device_program():
+    with pytest.warns(PurinecWarning, match=r"model parallelism over one device \(cpu:0\) "
+                                            r"is the plain one-device program"):
+        program = purinec.compile("mlp", batch=4, devices=1, parallel="model")
+    assert program.devices == [Device("cpu", 0)] and program.physical_ir is None
+
+
 def test_pipeline_micro_batches_are_checked():
     with pytest.raises(PurinecError, match="cannot cut a batch of 4 into 5 micro-batches"):
         purinec.compile("mlp", batch=4, devices=2, parallel="pipeline", micro_batches=5)
-    with pytest.raises(PurinecError, match="micro-batches are a positive count"):
+    with pytest.raises(PurinecError, match=r"micro-batches \(2\) go with the pipeline "
+                                           r"strategy only, not data"):
         purinec.compile("mlp", batch=4, devices=2, parallel="data", micro_batches=2)
+    with pytest.raises(PurinecError, match="not data"):  # data: the default strategy
+        purinec.compile("mlp", batch=4, devices=2, micro_batches=2)
+    with pytest.raises(PurinecError, match="not one device"):  # they used to be ignored
+        purinec.compile("mlp", batch=4, micro_batches=2)
+    with pytest.raises(PurinecError, match="micro-batches must be at least 1, got 0"):
+        purinec.compile("mlp", batch=4, devices=2, parallel="pipeline", micro_batches=0)
 
 
 def test_data_parallel_on_the_cpu_target_equals_one_device():

@@ -69,6 +69,15 @@ OUTPUT_AXIS = {
 USER_STRATEGIES = ("data", "ps", "model", "hybrid", "pipeline")
 
 
+def check_micro_batches(micro_batches: int, strategy: str | None) -> None:
+    """Micro-batches cut the batch of a pipeline only; any other layout has none."""
+    if strategy != "pipeline":
+        raise PurinecError(f"micro-batches ({micro_batches}) go with the pipeline strategy "
+                           f"only, not {strategy or 'one device'} (--parallel pipeline)")
+    if micro_batches < 1:
+        raise PurinecError(f"micro-batches must be at least 1, got {micro_batches}")
+
+
 @dataclass(frozen=True)
 class Parallel:
     """How to spread a graph: over ``devices`` (two or more), with ``strategy``."""
@@ -87,9 +96,8 @@ class Parallel:
         if len(set(self.devices)) != len(self.devices) or not self.devices:
             raise PurinecError(f"devices must be distinct and at least one, got "
                                f"{', '.join(map(str, self.devices)) or 'none'}")
-        if self.micro_batches is not None and (self.strategy != "pipeline" or
-                                               self.micro_batches < 1):
-            raise PurinecError("micro-batches are a positive count, for --parallel pipeline")
+        if self.micro_batches is not None:
+            check_micro_batches(self.micro_batches, self.strategy)
 
     @property
     def ranks(self) -> int:
