@@ -34,13 +34,14 @@ import zipfile
 import zlib
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from purinec.compiler import (TARGETS, Program, check_weights, is_distributed, layout_ranks,
                               onto_ranks)
 from purinec.errors import ArtifactError, PurinecError
+from purinec.fileio import write_atomically
 from purinec.ir.graph import Graph
 from purinec.ir.parser import parse
 from purinec.ir.verify import verify
@@ -204,46 +205,6 @@ def _write_zip(f: BinaryIO, manifest: str, members: dict[str, bytes]) -> None:
             # The weights are an npz (a zip) of mostly incompressible floats: stored as is.
             method = zipfile.ZIP_STORED if name == WEIGHTS else zipfile.ZIP_DEFLATED
             zf.writestr(name, data, method)
-
-
-def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
-    """Call ``write(f)`` on a new file beside ``path`` and, once it is complete and on disk,
-    rename it over ``path``: a crash or error at any point leaves the old file as it was."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}."
-                                  f"{os.urandom(4).hex()}.tmp")
-    try:
-        # os.open rather than mkstemp: the file gets the usual permissions (umask), not 0600.
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    except OSError as err:
-        raise ArtifactError(f"cannot write {path}: {err.strerror}") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as err:
-        os.unlink(tmp)
-        if isinstance(err, OSError):
-            raise ArtifactError(f"cannot write {path}: {err.strerror or err}") from None
-        raise
-    _fsync_directory(directory)
-
-
-def _fsync_directory(directory: str) -> None:
-    """Make the rename itself durable (POSIX); a no-op where directories cannot be opened."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # -- loading ----------------------------------------------------------------------------

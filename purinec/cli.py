@@ -411,7 +411,8 @@ def cmd_run(args) -> int:
         print(_summary(name, value))
     print(_timing(times, program.target))
     if args.output:
-        from purinec.artifact import write_atomically, write_npz
+        from purinec.artifact import write_npz
+        from purinec.fileio import write_atomically
 
         write_atomically(args.output, lambda f: write_npz(f, outputs))
         print(f"wrote {args.output} ({', '.join(outputs)})")

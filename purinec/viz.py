@@ -16,10 +16,10 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
-from purinec.errors import ArtifactError, PurinecError
+from purinec.errors import PurinecError
+from purinec.fileio import atomic_write_text, replacing
 from purinec.ir.graph import Graph, Node, Value
 from purinec.ir.ops import COMM_OPS
 from purinec.ir.types import Device
@@ -182,12 +182,13 @@ def render_graph(graph: Graph, path: str | os.PathLike, fmt: str | None = None) 
                            f"{', '.join(GRAPH_FORMATS)}")
     text = to_dot(graph)
     if fmt == "dot":
-        _write(path, lambda tmp: _write_text(tmp, text))
+        atomic_write_text(path, text)
         return path
     dot = shutil.which("dot")
     if dot is None:
         raise PurinecError(GRAPHVIZ_MISSING.format(fmt=fmt))
-    _write(path, lambda tmp: _run_dot(dot, fmt, text, tmp))
+    with replacing(path) as tmp:
+        _run_dot(dot, fmt, text, tmp)
     return path
 
 
@@ -206,7 +207,7 @@ def _run_dot(dot: str, fmt: str, text: str, out: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# Writing files.
+# File names.
 
 
 def _suffix(path: str, formats: tuple[str, ...], what: str) -> str:
@@ -215,29 +216,6 @@ def _suffix(path: str, formats: tuple[str, ...], what: str) -> str:
         raise PurinecError(f"cannot tell the format of {what} {path!r} from its suffix; "
                            f"name it .{', .'.join(formats)}")
     return fmt
-
-
-def _write(path: str, writer: Callable[[str], None]) -> None:
-    """Run ``writer`` on a temporary file beside ``path``, then rename it into place, so
-    a failure leaves the old file (or none). An unwritable place is an `ArtifactError`."""
-    try:
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-",
-                                   suffix=os.path.basename(path))
-        os.close(fd)
-        try:
-            writer(tmp)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-    except OSError as e:
-        raise ArtifactError(f"cannot write {path}: {e.strerror or e}") from None
-
-
-def _write_text(path: str, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
 
 
 # ---------------------------------------------------------------------------------------
@@ -426,7 +404,8 @@ def timeline(trace_events: Any, path: str | os.PathLike) -> str:
         raise PurinecError("the trace has no tasks to draw; run the program with a Trace "
                            "first")
     figure = _timeline_figure(lanes, overlap(trace_events))
-    _write(path, lambda tmp: figure.savefig(tmp, format=fmt, dpi=120))
+    with replacing(path) as tmp:
+        figure.savefig(tmp, format=fmt, dpi=120)
     return path
 
 
