@@ -409,7 +409,7 @@ def cmd_run(args) -> int:
         program.close()
     for name, value in outputs.items():
         print(_summary(name, value))
-    print(_timing(times, program.target))
+    print(_timing(times, program))
     if args.output:
         from purinec.artifact import write_npz
         from purinec.fileio import write_atomically
@@ -512,11 +512,12 @@ def _summary(name: str, value: np.ndarray) -> str:
             f"max {numbers.max():.6g}")
 
 
-def _timing(times: list[float], target: str) -> str:
+def _timing(times: list[float], program) -> str:
     ms = [t * 1e3 for t in times]
+    where = f"on target {program.target}{_on_devices(program)}"
     if len(ms) == 1:
-        return f"1 iteration on target {target}: {ms[0]:.3f} ms"
-    return (f"{len(ms)} iterations on target {target}: first {ms[0]:.3f} ms, then median "
+        return f"1 iteration {where}: {ms[0]:.3f} ms"
+    return (f"{len(ms)} iterations {where}: first {ms[0]:.3f} ms, then median "
             f"{float(np.median(ms[1:])):.3f} ms per iteration")
 
 

@@ -472,6 +472,8 @@ def test_run_on_two_devices_gives_the_one_device_outputs(tmp_path):
     two = purinec(*args, "--devices", "cpu:0,cpu:1", "--output", tmp_path / "two.npz",
                   "--timeline", tmp_path / "t.svg")
     assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    assert "1 iteration on target cpu: " in one.stdout
+    assert "1 iteration on target cpu on 2 devices (cpu:0,cpu:1): " in two.stdout
     with np.load(tmp_path / "one.npz") as a, np.load(tmp_path / "two.npz") as b:
         np.testing.assert_allclose(b["logits"], a["logits"], rtol=1e-5, atol=1e-6)
     assert (tmp_path / "t.svg").read_text().lstrip().startswith("<?xml")
