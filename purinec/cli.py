@@ -55,6 +55,17 @@ places its layers itself.
 """
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Wraps a text written as one paragraph (a command's description) to the terminal,
+    as argparse does; keeps a text written in lines (an epilog of examples) as written.
+    (RawDescriptionHelpFormatter keeps both, so descriptions ran off the screen.)"""
+
+    def _fill_text(self, text, width, indent):
+        if "\n" in text.strip("\n"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     from purinec.passes.parallel import STRATEGIES, USER_STRATEGIES
 
@@ -737,7 +748,7 @@ def build_parser() -> argparse.ArgumentParser:
     dump = sub.add_parser("dump", help="print or write the IR at any pipeline stage",
                           description="Print the IR of MODEL after a pipeline stage, or write "
                                       "one .pir file per stage with -o.",
-                          epilog=STAGE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+                          epilog=STAGE_HELP, formatter_class=_HelpFormatter)
     dump.add_argument("model", metavar="MODEL",
                       help=MODEL_HELP + ", or a .purine artifact (the final IR it holds)")
     dump.add_argument("--train", action="store_true",
@@ -773,7 +784,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compile MODEL (the inference graph, or with --train the training "
                     "iteration too) for a target and write it, with freshly initialized "
                     "weights, to one .purine file that `purinec run` and `purinec train` "
-                    "load without compiling again.")
+                    "load without compiling again.",
+        epilog=PARALLEL_HELP, formatter_class=_HelpFormatter)
     comp.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     comp.add_argument("-o", "--output", metavar="FILE.purine", required=True,
                       help="the artifact to write (atomically: a failed write leaves an "
@@ -798,7 +810,8 @@ def build_parser() -> argparse.ArgumentParser:
         "run", help="run a compiled artifact or a model's inference graph",
         description="Run the inference graph of FILE.purine (loaded, not recompiled) or of "
                     "MODEL (compiled now) and print each output's name, type and a "
-                    "summary, and the time per iteration.")
+                    "summary, and the time per iteration.",
+        epilog=PARALLEL_HELP, formatter_class=_HelpFormatter)
     run.add_argument("model", metavar="FILE.purine|MODEL",
                      help="an artifact from `purinec compile`, or " + MODEL_HELP)
     run.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy",
@@ -831,7 +844,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "report loss and test accuracy every epoch; with --checkpoint, save "
                     "the training program, its weights and momentum state and the epoch "
                     "after every epoch, and continue from such a file with --resume.",
-        epilog=PARALLEL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=PARALLEL_HELP, formatter_class=_HelpFormatter)
     tr.add_argument("model", metavar="MODEL|FILE.purine", nargs="?",
                     help=MODEL_HELP + ", or an artifact compiled with --train; optional "
                                       "with --resume")

@@ -218,6 +218,18 @@ def test_every_option_of_every_command_is_explained():
                 assert flag in text, (name, flag)
 
 
+def test_help_fits_an_80_column_terminal(monkeypatch):
+    """Descriptions wrap to the terminal; epilogs keep their lines (under 90 columns)."""
+    monkeypatch.setenv("COLUMNS", "80")
+    commands = next(a for a in build_parser()._actions
+                    if isinstance(a, argparse._SubParsersAction))
+    for name, parser in commands.choices.items():
+        text = parser.format_help()
+        assert max(map(len, text.splitlines())) <= 90, name
+        if parser.epilog:
+            assert parser.epilog.strip().splitlines()[0] in text, name  # kept as written
+
+
 # -- compile, run ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
