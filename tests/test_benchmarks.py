@@ -160,7 +160,7 @@ def test_weak_scaling_benchmark_alternates_rounds_and_reports_each(tmp_path, cap
                                   "2", "--warmup", "1", "--repeats", "3", "--json", str(out)])
     printed = capsys.readouterr().out
     assert status == 0 and f"lenet        {mode}" in printed, printed
-    summary = json.loads(out.read_text())[f"lenet/{mode}"]
+    [summary] = json.loads(out.read_text())[f"lenet/{mode}"]  # one run
     rounds = summary["rounds"]
     assert len(rounds) == 3 and all(r["one_ms"] > 0 and r["lockstep_ms"] > 0 and
                                     r["many_ms"] > 0 for r in rounds)
@@ -177,6 +177,19 @@ def test_weak_scaling_benchmark_alternates_rounds_and_reports_each(tmp_path, cap
         assert waiting is None and once_posted is None
     else:
         assert 0 <= waiting <= summary["exposed_ms_per_iteration"] and 0 <= once_posted <= 1
+
+
+def test_repeated_runs_are_counted_against_the_goals():
+    from benchmarks.bench_parallel import goals_met
+
+    def run(efficiency, hidden, lockstep):
+        return {"efficiency": efficiency, "hidden_fraction": hidden,
+                "lockstep_efficiency": lockstep}
+
+    runs = [run(0.93, 0.91, 0.94), run(0.8996, 0.95, 0.92),  # 0.8996 prints 0.90: a miss
+            run(0.95, 0.88, 0.99), run(0.87, 0.89, 0.88)]
+    assert goals_met(runs) == ("  4 runs: efficiency >= 0.90 in 2, hidden >= 90% in 2, "
+                               "both in 1; lockstep >= 0.90 in 3")
 
 
 def test_collectives_split_where_the_last_rank_posted_them():
