@@ -26,21 +26,22 @@ in lockstep, then N devices, each turn after one untimed step. A round's ratios
 compare medians taken a second or two apart, so the drift mostly cancels; the table
 shows the median over the rounds and their range.
 
-From every rank's trace of the N-device iterations, the share of communication time
-that some compute lane of the same rank was busy through ("hidden") says how well the
+From every rank's trace of the N-device iterations, the share of communication time that
+some compute lane of the same rank was busy through ("hidden") says how well the
 allreduces overlap the backward pass, and "exposed" is the communication time per
 iteration during which no compute lane of that rank was busy; both add up every rank's
-times (one rank's alone depends on which rank the host slowed: the other waits). (A collective's time in the trace runs until the runtime sees it
-complete, which it checks rarely while compute is busy: that lengthens hidden time,
-never exposed time.) Over MPI, "waiting" is the part of the exposed time before every
-rank had posted the collective at hand (from every rank's trace: the processes of a
-machine share perf_counter's clock), when no way of communicating could have finished
-it: a peer had not reached it yet. It measures jitter between the ranks, not the cost
-of communicating; "once posted" is the hidden share of the communication time after
-every rank had posted (each collective from the moment the last rank posted it), when
-communicating could make progress. "imbalance" is the busiest device's compute time
-over the least busy one's, over the whole run: the devices do the same work, so above
-about 1.05 the machine slowed one of its cores (other tenants) for much of the run.
+times (one rank's alone depends on which rank the host slowed: the other waits). (A
+collective's time in the trace runs until the runtime sees it complete, which it checks
+rarely while compute is busy: that lengthens hidden time, never exposed time.) Over MPI,
+"waiting" is the part of the exposed time before every rank had posted the collective at
+hand (from every rank's trace: the processes of a machine share perf_counter's clock),
+when no way of communicating could have finished it: a peer had not reached it yet. It
+measures jitter between the ranks, not the cost of communicating; "once posted" is the
+hidden share of the communication time after every rank had posted (each collective from
+the moment the last rank posted it), when communicating could make progress. "imbalance"
+is the busiest device's compute time over the least busy one's, over the whole run: the
+devices do the same work, so above about 1.05 the machine slowed one of its cores (other
+tenants) for much of the run.
 """
 
 from __future__ import annotations
@@ -166,9 +167,10 @@ def worker(args) -> None:
             "comm_ms_per_iteration": per_iteration(times["comm"]),
             "exposed_ms_per_iteration": per_iteration(times["comm"] - times["hidden"]),
             "exposed_waiting_ms_per_iteration": per_iteration(times["waiting"]),
-            "hidden_fraction": times["hidden"] / times["comm"] if times["comm"] else None,
-            "hidden_once_posted_fraction": (times["hidden_after"] / times["comm_after"]
-                                            if times["comm_after"] else None),
+            "hidden_fraction": _share(times["hidden"], times["comm"]),
+            "hidden_once_posted_fraction": (
+                None if times["comm_after"] is None
+                else _share(times["hidden_after"], times["comm_after"])),
             "compute_ms_per_device": [ms / args.iterations / args.repeats for ms in busy],
             "compute_imbalance": max(busy) / min(busy)}))
 
@@ -196,6 +198,11 @@ def _communication_times(trace, here) -> tuple[list[float], dict]:
     busy = [ms for rank_busy, _ in everyone for ms in rank_busy]
     return busy, {key: None if times[key] is None else sum(t[key] for _, t in everyone)
                   for key in times}
+
+
+def _share(hidden_ms: float, comm_ms: float) -> float:
+    """The hidden share of communication time: 0.0 without any, as `overlap` says it."""
+    return hidden_ms / comm_ms if comm_ms > 0 else 0.0
 
 
 def _is_comm(task) -> bool:
@@ -321,7 +328,8 @@ def main(argv=None) -> int:
                         help="measure each model and mode this many times, a line each, "
                              "then count the runs that met the goals (1)")
     parser.add_argument("--json", metavar="OUT",
-                        help="also write the results as JSON: a list of runs per model/mode")
+                        help="also write the results as JSON: a list of runs per "
+                             "model/mode")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
