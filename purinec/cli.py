@@ -450,8 +450,8 @@ def _write_traces(trace, path: str | None, timeline_path: str | None) -> None:
         print(f"wrote trace {path}: {tasks} tasks over {trace.calls} iteration(s){ranks}; "
               "open it in https://ui.perfetto.dev")
     if timeline_path:
-        timeline(events, timeline_path)
         stats = overlap(events)
+        timeline(events, timeline_path, stats)
         whose = "each rank's own " if ranks else ""
         print(f"wrote timeline {timeline_path}: {stats['wall_ms']:.3f} ms{ranks}, "
               f"communication {stats['comm_ms']:.3f} ms ({stats['hidden_fraction']:.0%} "

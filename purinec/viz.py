@@ -393,9 +393,10 @@ def timeline_format(path: str) -> str:
     return _suffix(path, TIMELINE_FORMATS, "timeline")
 
 
-def timeline(trace_events: Any, path: str | os.PathLike) -> str:
+def timeline(trace_events: Any, path: str | os.PathLike, stats: dict | None = None) -> str:
     """Draw the trace (path, dict or list) to ``path`` (``.png`` or ``.svg``): one lane
-    per device queue, grouped by device, each task a bar coloured by kind, time in ms.
+    per device queue, grouped by device, each task a bar coloured by kind, time in ms;
+    the title says what `overlap` says (``stats``, when the caller has them already).
     Returns the path written."""
     path = os.fspath(path)
     fmt = timeline_format(path)
@@ -403,7 +404,7 @@ def timeline(trace_events: Any, path: str | os.PathLike) -> str:
     if not lanes:
         raise PurinecError("the trace has no tasks to draw; run the program with a Trace "
                            "first")
-    figure = _timeline_figure(lanes, overlap(trace_events))
+    figure = _timeline_figure(lanes, stats or overlap(trace_events))
     with replacing(path) as tmp:
         figure.savefig(tmp, format=fmt, dpi=120)
     return path
