@@ -140,16 +140,16 @@ class PerArrays:
         return self.made
 
 
-def summands(node: Node, members: int) -> int:
-    """How many tensors each member gives a sum (an allreduce's or reduce's bucket),
-    checked against the node's inputs."""
+def summand_types(node: Node, members: int) -> list[TensorType]:
+    """The types of the tensors each member gives a sum (an allreduce's or reduce's
+    bucket), checked against the node's inputs."""
     per = node.attrs["tensors"]
     if len(node.inputs) != members * per:
         raise PurinecError(f"node {node!r}: {len(node.inputs)} inputs, but its group has "
                            f"{members} member(s) on this rank with {per} tensor(s) each")
     if any(value.type.dtype.numpy == np.bool_ for value in node.inputs[:per]):
         raise PurinecError(f"node {node!r}: cannot sum bool tensors")
-    return per
+    return [value.type for value in node.inputs[:per]]
 
 
 class Packing:

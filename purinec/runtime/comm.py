@@ -40,7 +40,7 @@ from purinec.ir.ops import broadcast_types
 from purinec.ir.types import Device
 from purinec.runtime import shm
 from purinec.runtime.collectives import (Copies, Packing, PerArrays, broadcast_copies,
-                                         sum_in_order, summands)
+                                         sum_in_order, summand_types)
 
 # What MPI launchers set in each process they start: MPICH's Hydra (PMI_RANK, PMI_SIZE,
 # MPI_LOCALRANKID) and Open MPI (OMPI_COMM_WORLD_RANK).
@@ -270,14 +270,14 @@ class _Allreduce:
     is reduced straight into its output."""
 
     def __init__(self, node: Node, members: int, comm):
-        per = summands(node, members)
-        self.direct = comm is not None and members == per == 1
+        types = summand_types(node, members)
+        self.direct = comm is not None and members == len(types) == 1
         if not self.direct:
-            self.packing = Packing([v.type for v in node.inputs[:per]], members)
+            self.packing = Packing(types, members)
             self.copies = PerArrays(lambda arrays: (
                 self.packing.packer(arrays[:self.count]),
                 self.packing.unpacker(arrays[self.count:])))
-        self.count, self.comm = members * per, comm
+        self.count, self.comm = members * len(types), comm
 
     def __call__(self, *arrays: np.ndarray) -> _Pending | None:
         if self.direct:
@@ -377,10 +377,10 @@ class _Reduce:
     this rank sent on the others."""
 
     def __init__(self, node: Node, ranks, local: list[int], comm, rank: int):
-        self.per = summands(node, len(local))
-        self.packing = None
+        types = summand_types(node, len(local))
+        self.per, self.packing = len(types), None
         if self.per > 1:
-            self.packing = Packing([v.type for v in node.inputs[:self.per]], len(local))
+            self.packing = Packing(types, len(local))
             self.copies = PerArrays(lambda arrays: (
                 self.packing.packer(arrays[:-self.per]),
                 self.packing.unpacker(arrays[-self.per:])))

@@ -61,7 +61,7 @@ from purinec.ir.ops import broadcast_types
 from purinec.ir.types import Device
 from purinec.runtime.atomics import compare_and_swap, fence, fetch_add
 from purinec.runtime.collectives import (Packing, PerArrays, broadcast_copies, sum_in_order,
-                                         summands)
+                                         summand_types)
 from purinec.runtime.memory import ALIGNMENT, aligned
 from purinec.runtime.plan import FreshArenas, aligned_start
 
@@ -443,13 +443,12 @@ class _Sum(_ClaimedWork):
 
     def __init__(self, node: Node, group: SharedGroup, fallback: Callable):
         members = len(node.inputs) // node.attrs["tensors"]
-        per = summands(node, members)
-        self.types = [v.type for v in node.inputs[:per]]
+        self.types = summand_types(node, members)
         dtypes = {t.dtype for t in self.types}
         if len(dtypes) > MAX_BUFFERS:
             raise PurinecError(f"node {node!r}: a bucket of more than {MAX_BUFFERS} dtypes")
         super().__init__(node, group, fallback, _packed_bytes(self.types))
-        self.members, self.per, self.buffer_count = members, per, len(dtypes)
+        self.members, self.per, self.buffer_count = members, len(self.types), len(dtypes)
         self._chunked: tuple[list | None, list] = (None, [])
 
     def _items(self, size: int) -> int:
