@@ -7,6 +7,7 @@ import os
 import sys
 import time
 import warnings
+from typing import Callable
 
 import numpy as np
 
@@ -81,30 +82,36 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
 
 
 def _parallel_kwargs(args, **model_kwargs) -> dict:
-    """compile()'s devices and strategy, as given. Under mpiexec every rank runs the
-    command, so with neither --devices nor --parallel a model that does not place its
-    layers itself is spread over the ranks by data parallelism: on one device each, the
-    ranks would all repeat rank 0's work, and only rank 0 reports."""
-    from purinec.runtime import comm
+    """compile()'s devices and strategy, as given, or `_strategy`'s default."""
+    from purinec.compiler import load_source
 
-    parallel = args.parallel
-    if (parallel is None and args.devices is None and comm.world().size > 1
-            and not _places_itself(args.model, args.batch, model_kwargs)):
-        parallel = "data"
-    return {"devices": args.devices, "parallel": parallel,
+    strategy = _strategy(
+        args, lambda: _placement(load_source(args.model, args.batch, **model_kwargs)))
+    return {"devices": args.devices, "parallel": strategy,
             "micro_batches": args.micro_batches}
 
 
-def _places_itself(model: str, batch: int | None, model_kwargs: dict) -> bool:
-    """Whether the model puts its layers on several devices itself (lowering it takes
-    milliseconds; compile() lowers it again)."""
-    from purinec.compiler import load_source, placement
+def _strategy(args, placement: Callable[[], object]) -> str | None:
+    """--parallel, or under mpiexec, with neither --devices nor --parallel, "data" for a
+    model that does not place its layers itself (``placement()`` says whether it does):
+    every rank runs the command, and on one device each the ranks would all repeat rank
+    0's work, and only rank 0 reports."""
+    from purinec.runtime import comm
+
+    if (args.parallel is None and args.devices is None and comm.world().size > 1
+            and placement() is None):
+        return "data"
+    return args.parallel
+
+
+def _placement(source):
+    """The `Parallel` of a model that puts its layers on several devices itself, or None
+    (lowering it takes milliseconds; compile() lowers it again)."""
+    from purinec.compiler import placement
     from purinec.ir.graph import Graph
     from purinec.passes.lower import lower
 
-    source = load_source(model, batch, **model_kwargs)
-    graph = source if isinstance(source, Graph) else lower(source, mode="inference")
-    return placement(graph) is not None
+    return placement(source if isinstance(source, Graph) else lower(source, mode="inference"))
 
 
 def _add_solver_args(p: argparse.ArgumentParser, lr: float) -> None:
@@ -177,17 +184,16 @@ def _positive(text: str) -> int:
 
 def cmd_dump(args) -> int:
     from purinec.compiler import (build_graph, load_source, parallel_plan, passes_for,
-                                  physical_passes, placement)
-    from purinec.ir.graph import Graph
-    from purinec.passes.lower import lower
+                                  physical_passes)
     from purinec.passes.pipeline import run_passes
 
     if args.model.endswith(".purine"):
         return _dump_artifact(args)
     train = _sgd(args) if args.train else None
     source = load_source(args.model, args.batch)
-    spread = parallel_plan(args.devices, args.parallel, args.micro_batches) or placement(
-        source if isinstance(source, Graph) else lower(source))
+    placed = _placement(source)
+    spread = parallel_plan(args.devices, _strategy(args, lambda: placed),
+                           args.micro_batches) or placed
     if spread is None:
         runs = ["lower"] + [p.name for p in passes_for(train, args.target)]
     else:

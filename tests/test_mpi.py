@@ -563,6 +563,17 @@ def test_under_mpiexec_a_model_is_spread_over_the_ranks_unless_it_places_itself(
     assert said["placed.py"] and said["placed.py"].group(1) == "MPI"
 
 
+def test_purinec_dump_under_mpiexec_shows_what_train_would_run(tmp_path):
+    """The same default as train and run: data parallelism over the ranks."""
+    done = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-m", "purinec", "dump",
+                           "mlp", "--train", "--stage", "parallel"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    ran(done)
+    assert "%data: f32[64,1,28,28] @cpu:0 ~ split(0)[cpu:0,r1/cpu:0]" in done.stdout
+    assert "allreduce" in done.stdout
+    assert done.stdout.count("graph mlp") == 1  # printed by rank 0 alone
+
+
 def test_purinec_train_under_mpiexec(tmp_path):
     checkpoint = tmp_path / "ck.purine"
     done = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-m", "purinec", "train",
