@@ -671,6 +671,10 @@ def parallel_plan(devices: Any, strategy: str | None,
     spread = Parallel(as_devices(devices), strategy or "data", micro_batches)
     if len(spread.devices) > 1:
         return spread
+    if spread.devices[0].rank != 0:
+        raise PurinecError(f"one device ({spread.devices[0]}) makes the one-device program, "
+                           f"which every process runs on its own: name devices of every "
+                           f"rank (r0/cpu:0,r1/cpu:0, ...) to spread it over the ranks")
     if strategy is not None:
         warnings.warn(PurinecWarning(
             f"{strategy} parallelism over one device ({spread.devices[0]}) is the plain "

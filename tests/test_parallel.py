@@ -489,6 +489,10 @@ def test_a_strategy_over_one_device_says_it_is_the_one_device_program():
                                             r"is the plain one-device program"):
         program = purinec.compile("mlp", batch=4, devices=1, parallel="model")
     assert program.devices == [Device("cpu", 0)] and program.physical_ir is None
+    # A lone device of another rank is not quietly made this process's cpu:0.
+    with pytest.raises(PurinecError, match=r"one device \(r1/cpu:0\) makes the one-device "
+                                           r"program, which every process runs on its own"):
+        purinec.compile("mlp", batch=4, devices="r1/cpu:0")
 
 
 def test_pipeline_micro_batches_are_checked():
