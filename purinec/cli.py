@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -191,9 +192,9 @@ def cmd_dump(args) -> int:
         return _dump_artifact(args)
     train = _sgd(args) if args.train else None
     source = load_source(args.model, args.batch)
-    placed = _placement(source)
-    spread = parallel_plan(args.devices, _strategy(args, lambda: placed),
-                           args.micro_batches) or placed
+    placed = functools.cache(lambda: _placement(source))  # lowered once, if at all
+    spread = parallel_plan(args.devices, _strategy(args, placed),
+                           args.micro_batches) or placed()
     if spread is None:
         runs = ["lower"] + [p.name for p in passes_for(train, args.target)]
     else:
