@@ -384,6 +384,13 @@ def test_a_rank_failing_outside_a_run_ends_the_job(how, message):
     assert f"purinec: rank 1: {message}" in done.stderr, done.stderr
 
 
+def test_an_interrupted_rank_ends_the_job_with_one_line():
+    done = mpirun(2, "fails.py", "-", "interrupt")
+    assert done.returncode != 0
+    assert "purinec: rank 1: interrupted" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize("fail", [False, True])
 def test_a_users_script_run_with_python_m_mpi4py_ends_when_a_rank_raises(fail):
     """What the README tells users whose scripts do not use run_guarded: rank 0 waits

@@ -486,7 +486,9 @@ def run_guarded(main: Callable[[], int]) -> int:
         _abort(here, f"exited with status {err.code}")
     except PurinecError as err:
         _abort(here, str(err))
-    except BaseException as err:  # a bug or an interrupt: still end the job, with a trace
+    except KeyboardInterrupt:  # mpiexec passes Ctrl-C to every rank: no trace wanted
+        _abort(here, "interrupted")
+    except BaseException as err:  # a bug: still end the job, with a trace
         traceback.print_exc()
         _abort(here, f"{type(err).__name__}: {err}")
     if status:

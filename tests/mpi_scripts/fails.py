@@ -1,5 +1,5 @@
 """Rank 1 fails in the way argv[2] names (``raise``: a bug; ``return``: main returns 3;
-``die``: the process is killed) while rank 0 waits for it in a barrier that never
+``interrupt``: Ctrl-C reaches it; ``die``: the process is killed) while rank 0 waits for it in a barrier that never
 completes; run_guarded (or, for a killed rank, the launcher) must end the whole job."""
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ def main() -> int:
     if world.rank == 1:
         if sys.argv[2] == "raise":
             raise ValueError("a bug on rank 1")
+        if sys.argv[2] == "interrupt":
+            os.kill(os.getpid(), signal.SIGINT)  # Python raises KeyboardInterrupt
         if sys.argv[2] == "die":
             os.kill(os.getpid(), signal.SIGKILL)
         return 3
