@@ -63,14 +63,17 @@ def train(program: Program, data: Dataset, epochs: int, batch: int, seed: int = 
     for epoch in range(start_epoch + 1, epochs + 1):
         losses, accuracies = [], []
         rng = epoch_rng(seed, epoch)
-        bar = tqdm(batches(data.train_x, data.train_y, batch, rng), total=steps,
-                   desc=f"epoch {epoch}/{epochs}", unit="step", disable=not progress,
-                   leave=False)
-        for bx, by in bar:
+        # Updated by hand: a bar wrapping the iterable counts its steps lazily, and the
+        # loss shown with each step would redraw the stale count.
+        bar = tqdm(total=steps, desc=f"epoch {epoch}/{epochs}", unit="step",
+                   disable=not progress, leave=False)
+        for bx, by in batches(data.train_x, data.train_y, batch, rng):
             losses.append(program.step({"data": bx, "label": by}))
             if "accuracy" in program.last_outputs:
                 accuracies.append(float(program.last_outputs["accuracy"]))
-            bar.set_postfix(loss=f"{losses[-1]:.4f}")
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+            bar.update()
+        bar.close()
         test_accuracy = evaluate(program, data.test_x, data.test_y, batch)
         result.epochs.append(EpochResult(epoch, float(np.mean(losses)),
                                          float(np.mean(accuracies)) if accuracies else

@@ -6,8 +6,10 @@ import io
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
+import time
 import types
 import zipfile
 
@@ -189,6 +191,7 @@ def test_kernel_sources_come_from_the_cpu_code_generator(trained, tmp_path, monk
 
 FRESH_PROCESS = """
 import sys
+import time
 import numpy as np
 import purinec
 
@@ -543,3 +546,21 @@ def test_an_artifact_that_is_not_a_checkpoint_cannot_be_resumed(saved):
     edit_manifest(saved, metadata={"checkpoint": {"epoch": "two", "seed": 0, "data": "x"}})
     with pytest.raises(ArtifactError, match="checkpoint entry of its manifest is malformed"):
         Checkpoint.load(saved)
+
+
+def test_the_training_bar_counts_the_steps(model_file, monkeypatch, capsys):
+    data = synthetic(seed=3, n=32, shape=(1, 4, 4), num_classes=3)
+    program = purinec.compile(model_file, train=purinec.SGD(lr=0.1), batch=8)
+    step = program.step
+
+    def slow_step(feeds):  # slower than the bar's redraw interval (0.1 s)
+        time.sleep(0.15)
+        return step(feeds)
+
+    monkeypatch.setattr(program, "step", slow_step)
+    train(program, data, epochs=1, batch=8, progress=True)
+    drawn = capsys.readouterr().err.replace("\r", "\n")
+    counts = re.findall(r"epoch 1/1: +\d+%\|.*\| (\d)/(\d) \[.*loss=\d\.\d{4}", drawn)
+    assert counts and all(total == "3" for _, total in counts), drawn
+    # (a loss is shown only after a step; it used to come with a count lagging behind)
+    assert all(int(n) >= 1 for n, _ in counts), drawn
