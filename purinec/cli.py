@@ -6,6 +6,7 @@ import argparse
 import functools
 import os
 import sys
+import tempfile
 import time
 import warnings
 from typing import Callable
@@ -115,13 +116,20 @@ def _placement(source):
     return placement(source if isinstance(source, Graph) else lower(source, mode="inference"))
 
 
-def _add_solver_args(p: argparse.ArgumentParser, lr: float) -> None:
+# The command line's solver, the same for dump, compile and train (so dump shows what
+# compile builds): livelier than `SGD()`'s defaults, for the short runs people start here.
+SOLVER_DEFAULTS = {"lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4}
+
+
+def _add_solver_args(p: argparse.ArgumentParser) -> None:
     # Defaults are None so that a command can tell an option given from one left out
     # (an artifact's solver settings are fixed in its IR); `_sgd` fills them in.
-    p.add_argument("--lr", type=float, help=f"learning rate (default {lr})")
-    p.add_argument("--momentum", type=float, help="SGD momentum (default 0.9)")
-    p.add_argument("--weight-decay", type=float, help="L2 weight decay (default 5e-4)")
-    p.set_defaults(default_lr=lr)
+    p.add_argument("--lr", type=float,
+                   help=f"learning rate (default {SOLVER_DEFAULTS['lr']})")
+    p.add_argument("--momentum", type=float,
+                   help=f"SGD momentum (default {SOLVER_DEFAULTS['momentum']})")
+    p.add_argument("--weight-decay", type=float,
+                   help=f"L2 weight decay (default {SOLVER_DEFAULTS['weight_decay']})")
 
 
 def _on_devices(program) -> str:
@@ -138,9 +146,8 @@ def _on_devices(program) -> str:
 def _sgd(args):
     from purinec.passes.optimizer import SGD
 
-    return SGD(lr=args.default_lr if args.lr is None else args.lr,
-               momentum=0.9 if args.momentum is None else args.momentum,
-               weight_decay=5e-4 if args.weight_decay is None else args.weight_decay)
+    return SGD(**{name: default if getattr(args, name) is None else getattr(args, name)
+                  for name, default in SOLVER_DEFAULTS.items()})
 
 
 def _refuse_options(args, names: tuple[str, ...], why: str) -> None:
@@ -154,6 +161,23 @@ def _refuse_options(args, names: tuple[str, ...], why: str) -> None:
 
 def _is_artifact(spec: str | None) -> bool:
     return bool(spec) and spec.endswith(".purine")
+
+
+def _check_spans_the_job(program, path: str) -> None:
+    """Under mpiexec, refuse an artifact whose program leaves ranks without devices (one
+    compiled for one device): every rank would run all of it alone, N copies of the
+    work, which is never what the job was started for. (A program laid out over
+    devices is dealt out over the job's ranks when loaded.)"""
+    from purinec.runtime import comm
+
+    ranks = comm.world().size
+    used = {device.rank for device in program.devices}
+    if len(used) < ranks:
+        devices = ",".join(str(d) for d in program.devices)
+        raise PurinecError(f"{path} runs on {devices}, not over {ranks} ranks: under mpiexec "
+                           "every rank would run all of it alone; run it without mpiexec, "
+                           "or compile or train the MODEL under mpiexec (data parallelism "
+                           "over the ranks)")
 
 
 def _parse_shape(text: str) -> tuple[int, ...]:
@@ -382,7 +406,8 @@ def cmd_compile(args) -> int:
 def _check_writable(args, options: tuple[str, ...]) -> None:
     """Refuse, before any work, files the command could not write at its end: a
     --timeline that names no picture format, or any of ``options`` in a directory that
-    does not exist or cannot be written (a long training run would be done by then)."""
+    does not exist or cannot be written, or that are directories themselves (a long
+    training run would be done by then)."""
     if getattr(args, "timeline", None):
         from purinec.viz import timeline_format
 
@@ -393,10 +418,16 @@ def _check_writable(args, options: tuple[str, ...]) -> None:
             continue
         directory = os.path.dirname(os.path.abspath(path))
         flag = "--" + option.replace("_", "-")
+        if os.path.isdir(path):
+            raise PurinecError(f"{flag} {path}: is a directory; name a file in it")
         if not os.path.isdir(directory):
             raise PurinecError(f"{flag} {path}: directory {directory} does not exist")
-        if not os.access(directory, os.W_OK):
-            raise PurinecError(f"{flag} {path}: directory {directory} is not writable")
+        try:  # as the atomic write will: a file of its own next to the target
+            with tempfile.TemporaryFile(dir=directory):
+                pass
+        except OSError as err:
+            raise PurinecError(f"{flag} {path}: cannot write in directory {directory}: "
+                               f"{err.strerror or err}") from None
 
 
 def cmd_run(args) -> int:
@@ -412,6 +443,7 @@ def cmd_run(args) -> int:
         _refuse_options(args, ("batch", "devices", "parallel", "micro_batches"),
                         f"{args.model} was compiled with a fixed batch and devices")
         program = load(args.model, args.target, trace=trace)
+        _check_spans_the_job(program, args.model)
     else:
         program = compile(args.model, target=args.target or DEFAULT_TARGET, batch=args.batch,
                           seed=args.seed, trace=trace, **_parallel_kwargs(args))
@@ -636,6 +668,7 @@ def _resume(args):
     from purinec.train import Checkpoint
 
     program, checkpoint = Checkpoint.load(args.resume, args.target)
+    _check_spans_the_job(program, args.resume)
     for option, given, saved in (("--data", args.data, checkpoint.data),
                                  ("--seed", args.seed, checkpoint.seed)):
         if given is not None and given != saved:
@@ -657,6 +690,7 @@ def _training_program(args, data_spec: str, data, seed, trace=None):
     start = time.perf_counter()
     if _is_artifact(args.model):
         program = load(args.model, args.target, trace=trace)
+        _check_spans_the_job(program, args.model)
         if not program.trainable:
             raise PurinecError(f"{args.model} holds an inference program; compile it with "
                                "`purinec compile MODEL --train -o FILE.purine` to train it")
@@ -783,7 +817,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --stage kernels: the LLVM IR Numba produced")
     dump.add_argument("--asm", action="store_true",
                       help="with --stage kernels: the machine code, as assembly")
-    _add_solver_args(dump, 0.01)
+    _add_solver_args(dump)
     dump.set_defaults(func=cmd_dump)
 
     comp = sub.add_parser(
@@ -810,7 +844,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="shape of one input image (default: the model's)")
     comp.add_argument("--num-classes", type=_positive, metavar="N",
                       help="number of classes (default: the model's)")
-    _add_solver_args(comp, 0.05)
+    _add_solver_args(comp)
     comp.set_defaults(func=cmd_compile)
 
     run = sub.add_parser(
@@ -884,7 +918,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="no progress bars (compiling kernels, training)")
     tr.add_argument("--progress", action="store_true",
                     help="show the progress bars even when stderr is not a terminal")
-    _add_solver_args(tr, 0.05)
+    _add_solver_args(tr)
     tr.set_defaults(func=cmd_train)
     return parser
 

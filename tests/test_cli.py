@@ -470,7 +470,10 @@ def test_files_a_command_could_not_write_at_its_end_are_refused_first(capsys, tm
               f"--checkpoint {missing / 'ck.purine'}: directory {missing} does not exist"),
              (["run", "mlp", "--trace", missing / "t.json"], "--trace"),
              (["run", "mlp", "--output", missing / "out.npz"], "--output"),
-             (["run", "mlp", "--timeline", missing / "t.png"], "--timeline")]
+             (["run", "mlp", "--timeline", missing / "t.png"], "--timeline"),
+             (["train", "mlp", "--checkpoint", tmp_path], "is a directory; name a file"),
+             (["run", "mlp", "--output", "/proc/out.npz"],  # (root may write most places)
+              "--output /proc/out.npz: cannot write in directory /proc")]
     for args, fragment in cases:
         result = purinec_here(capsys, *args)
         assert_clean_error(result, fragment)

@@ -570,6 +570,24 @@ def test_under_mpiexec_a_model_is_spread_over_the_ranks_unless_it_places_itself(
     assert said["placed.py"] and said["placed.py"].group(1) == "MPI"
 
 
+@pytest.mark.parametrize("command", [["train", "one.purine"], ["run", "one.purine"],
+                                     ["train", "--resume", "one.purine"]])
+def test_under_mpiexec_an_artifact_of_one_device_is_refused(tmp_path, command):
+    """Every rank would run all of it alone: N copies of the same work."""
+    from purinec.train import Checkpoint
+
+    program = purinec.compile("mlp", target="cpu", train=purinec.SGD(), batch=8)
+    Checkpoint(epoch=1, seed=0, data="digits").save(program, tmp_path / "one.purine")
+    program.close()
+    done = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-m", "purinec",
+                           *command, "--epochs" if command[0] == "train" else "--iterations",
+                           "2"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode != 0
+    assert ("purinec: rank 0: one.purine runs on cpu:0, not over 2 ranks: under mpiexec "
+            "every rank would run all of it alone") in done.stderr, done.stderr
+    assert "epoch" not in done.stdout and "ms per iteration" not in done.stdout
+
+
 def test_purinec_dump_under_mpiexec_shows_what_train_would_run(tmp_path):
     """The same default as train and run: data parallelism over the ranks."""
     done = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-m", "purinec", "dump",
