@@ -32,11 +32,14 @@ class TrainResult:
 
 
 def evaluate(program: Program, x: np.ndarray, y: np.ndarray, batch: int) -> float:
-    """Fraction of ``x`` whose largest logit is the label (padded rows not counted)."""
+    """Fraction of ``x`` whose largest logit is the label (padded rows not counted). An
+    inference graph that takes the labels too (one written as a training graph's
+    forward pass, in a .pir file) gets them."""
+    takes_labels = "label" in {v.name for v in program.eval_ir.inputs_with_role("data")}
     correct = 0
     for start, (bx, by) in zip(range(0, len(x), batch), batches(x, y, batch, None)):
         real = min(batch, len(x) - start)
-        logits = program.run({"data": bx})["logits"]
+        logits = program.run({"data": bx, **({"label": by} if takes_labels else {})})["logits"]
         correct += int((logits[:real].argmax(axis=1) == by[:real]).sum())
     return correct / len(x)
 

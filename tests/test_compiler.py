@@ -10,7 +10,7 @@ from purinec.errors import ExecutionError, PurinecError
 from purinec.ir import parse
 from purinec.models import ZOO
 from purinec.passes.lower import lower
-from purinec.train import train
+from purinec.train import evaluate, train
 
 
 def _softmax_xent_numpy(logits, label):
@@ -177,6 +177,9 @@ def test_pir_file_compiles_and_trains_like_the_model(tmp_path):
     assert from_file.step(feeds) == from_zoo.step(feeds)
     for name in from_zoo.params:
         np.testing.assert_array_equal(from_file.params[name], from_zoo.params[name])
+    # Its inference graph is that forward pass, labels and all: evaluating feeds them.
+    x, y = rng.normal(size=(10, 1, 2, 2)), rng.integers(0, 3, 10)
+    assert evaluate(from_file, x, y, batch=4) == evaluate(from_zoo, x, y, batch=4)
 
 
 def test_a_trace_goes_to_targets_that_record_them(monkeypatch):
