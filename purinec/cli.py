@@ -573,7 +573,7 @@ def _timing(times: list[float], program) -> str:
 
 def cmd_train(args) -> int:
     from purinec.data import load_dataset
-    from purinec.train import Checkpoint, train
+    from purinec.train import Checkpoint, check_batch, train
 
     artifact = args.resume or (args.model if _is_artifact(args.model) else None)
     if artifact:
@@ -606,6 +606,8 @@ def cmd_train(args) -> int:
         checkpoint_path = args.checkpoint
     data = load_dataset(data_spec, seed=seed)
     print(data)
+    if args.batch is not None:
+        check_batch(data, args.batch)  # before compiling for it
     if not args.resume:
         program, data = _training_program(args, data_spec, data, seed, trace)
     data = _built_in_data_for(program, data_spec, data)

@@ -10,7 +10,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
-from purinec.errors import ExecutionError, ModelError, PurinecError, PurinecWarning
+from purinec.errors import (ExecutionError, ModelError, PurinecError, PurinecWarning,
+                            UnknownNameError)
 from purinec.ir.graph import Graph, Value
 from purinec.ir.init import initial_value
 from purinec.ir.ops import spans_ranks
@@ -315,17 +316,21 @@ class TensorStore(MutableMapping):
         self._arrays = arrays
 
     def __getitem__(self, name: str) -> np.ndarray:
+        self._check_known(name)
         view = self._arrays[name].view()
         view.flags.writeable = False
         return view
+
+    def _check_known(self, name: str) -> None:
+        if name not in self._arrays:
+            raise UnknownNameError(f"no {self._kind} named {name!r}; the program has "
+                                   f"{', '.join(self._arrays) or 'none'}")
 
     def __contains__(self, name: object) -> bool:
         return name in self._arrays  # (Mapping's would make a view to find out)
 
     def __setitem__(self, name: str, value) -> None:
-        if name not in self._arrays:
-            raise PurinecError(f"no {self._kind} named {name!r}; the program has "
-                               f"{', '.join(self._arrays) or 'none'}")
+        self._check_known(name)
         current = self._arrays[name]
         array = np.asarray(value)
         if array.shape != current.shape:

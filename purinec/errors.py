@@ -58,3 +58,11 @@ class DataError(PurinecError):
 class ArtifactError(PurinecError):
     """A `.purine` artifact (or an output file) that cannot be written, or a file that is
     not a whole, untampered artifact this purinec can read."""
+
+
+class UnknownNameError(PurinecError, KeyError):
+    """A name a program has no tensor of (a KeyError too, as mappings raise)."""
+
+    def __str__(self) -> str:  # KeyError's would show the message quoted
+        return str(self.args[0])
+

@@ -50,6 +50,13 @@ def epoch_rng(seed: int, epoch: int) -> np.random.Generator:
     return np.random.default_rng([seed, epoch])
 
 
+def check_batch(data: Dataset, batch: int) -> None:
+    """Training needs at least one whole batch of training images."""
+    if len(data.train_x) < batch:
+        raise DataError(f"{data.name} has {len(data.train_x)} training images, fewer than "
+                        f"one batch of {batch}; use a smaller --batch")
+
+
 def train(program: Program, data: Dataset, epochs: int, batch: int, seed: int = 0,
           progress: bool = True, start_epoch: int = 0,
           on_epoch_end: Callable[[EpochResult], None] | None = None) -> TrainResult:
@@ -58,9 +65,7 @@ def train(program: Program, data: Dataset, epochs: int, batch: int, seed: int = 
     test accuracy), e.g. to write a checkpoint."""
     from tqdm import tqdm
 
-    if len(data.train_x) < batch:
-        raise DataError(f"{data.name} has {len(data.train_x)} training images, fewer than "
-                        f"one batch of {batch}; use a smaller --batch")
+    check_batch(data, batch)
     steps = len(data.train_x) // batch
     result = TrainResult()
     for epoch in range(start_epoch + 1, epochs + 1):

@@ -778,7 +778,8 @@ def test_user_model_file_errors(tmp_path):
         load_model(str(notnet), batch=2)
     needs = tmp_path / "needs.py"
     needs.write_text("def build(batch):\n    return None\n")
-    with pytest.raises(ModelError, match="cannot be called .no batch size was given"):
+    with pytest.raises(ModelError, match=r"cannot be called: missing a required argument: "
+                                         r"'batch'; give a batch size \(--batch N"):
         load_model(str(needs))
     modelerr = tmp_path / "modelerr.py"
     modelerr.write_text("from purinec.bigraph import ReLU\n"

@@ -499,3 +499,10 @@ def test_dump_kernels_of_a_distributed_graph_leaves_communication_to_the_runtime
                           "--stage", "kernels")
     assert result.returncode == 0, result.stderr
     assert "def fused_" in result.stdout and "allgather" not in result.stdout
+
+
+def test_a_batch_larger_than_the_training_set_is_refused_before_compiling(capsys):
+    result = purinec_here(capsys, "train", "convnet", "--batch", "5000")
+    assert_clean_error(result, "digits has 1438 training images, fewer than one batch of "
+                               "5000; use a smaller --batch")
+    assert "compiled" not in result.stdout

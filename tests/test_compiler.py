@@ -155,6 +155,13 @@ def test_params_can_be_set_and_are_checked():
         program.params["ip3.weight"] = np.zeros((2, 2))
     with pytest.raises(PurinecError, match="no parameter named"):
         program.params["nope"] = np.zeros(1)
+    # Reading a misspelt name says what there is; it is still a mapping's KeyError.
+    with pytest.raises(KeyError) as raised:
+        program.params["ip3.wieght"]
+    assert isinstance(raised.value, PurinecError)
+    assert str(raised.value).startswith("no parameter named 'ip3.wieght'; the program has "
+                                        "ip1.weight, ip1.bias")
+    assert program.params.get("ip3.wieght") is None and "ip3.wieght" not in program.params
 
 
 def test_unknown_target_is_refused():

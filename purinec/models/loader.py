@@ -132,8 +132,10 @@ def _call(build: Callable, batch, kwargs: dict, where: str, path: str | None,
         try:
             sig.bind(*call_args, **call_kwargs)
         except TypeError as e:
-            need = "" if batch is not None else " (no batch size was given)"
-            raise ModelError(f"{where} cannot be called{need}: {e}") from None
+            hint = ("" if batch is not None else
+                    "; give a batch size (--batch N; batch= from Python) or a default "
+                    "in build's signature")
+            raise ModelError(f"{where} cannot be called: {e}{hint}") from None
     else:
         call_kwargs = dict(kwargs)
         if batch is not None:
