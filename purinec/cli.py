@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -14,6 +15,7 @@ from typing import Callable
 import numpy as np
 
 from purinec.codegen.progress import kernel_progress
+from purinec import __version__
 from purinec.errors import PurinecError, PurinecWarning
 from purinec.fileio import atomic_write_text
 
@@ -190,21 +192,19 @@ def _parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
-    return value
+def _at_least(least: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = least - 1
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= {least}")
+        return value
+    return parse
 
 
-def _positive(text: str) -> int:
-    value = _non_negative(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
+_non_negative, _positive = _at_least(0), _at_least(1)
 
 
 def cmd_dump(args) -> int:
@@ -220,6 +220,9 @@ def cmd_dump(args) -> int:
     spread = parallel_plan(args.devices, _strategy(args, placed),
                            args.micro_batches) or placed()
     if spread is None:
+        if args.rank:
+            raise PurinecError(f"--rank {args.rank}: the program runs on one device of "
+                               "rank 0; --rank goes with --devices over several ranks")
         runs = ["lower"] + [p.name for p in passes_for(train, args.target)]
     else:
         runs = (["lower"] + [p.name for p in passes_for(train, args.target, spread)] +
@@ -308,7 +311,8 @@ def _dump_artifact(args) -> int:
         ("--format", args.format != "text" and args.format)) if value]
     if given:
         raise PurinecError(f"{args.model} is a compiled artifact: dump shows the final IR it "
-                           f"holds, as text; {', '.join(given)} apply to a model (dump the "
+                           f"holds, as text; {', '.join(given)} "
+                           f"{'applies' if len(given) == 1 else 'apply'} to a model (dump the "
                            f"model it was compiled from)")
     graphs = [g for g in read_ir(args.model) if g is not None]
     for graph in graphs:
@@ -353,6 +357,8 @@ def _wanted_stages(args, runs: list[str]) -> list[str]:
         why = ("runs only with --train" if args.stage in ("autodiff", "optimizer")
                else "runs only with --devices (or a model placed on several devices)"
                if args.stage in ("parallel", "partition")
+               else "runs only with --devices and --parallel pipeline"
+               if args.stage in ("stages", "microbatch")
                else f"does not run for target {args.target}")
         raise PurinecError(f"stage {args.stage} {why}")
     return [args.stage]
@@ -508,6 +514,11 @@ def _feeds(graph, specs: list[str], seed: int) -> dict[str, np.ndarray]:
         if name in feeds:
             raise PurinecError(f"--input {name} is given twice")
         feeds[name] = _load_npy(path, f"--input {spec}")
+    inputs = [v.name for v in graph.inputs_with_role("data")]
+    unknown = [name for name in feeds if name not in inputs]
+    if unknown:
+        raise PurinecError(f"--input {unknown[0]}: graph {graph.name} has no input of that "
+                           f"name; it takes {', '.join(inputs)}")
     rng = np.random.default_rng(seed)
     classes = _classes(graph) or 10
     for v in graph.inputs_with_role("data"):
@@ -538,8 +549,10 @@ def _load_npy(path: str, what: str) -> np.ndarray:
         array = np.load(path, allow_pickle=False)
     except OSError as err:
         raise PurinecError(f"{what}: cannot read {path}: {err.strerror or err}") from None
-    except ValueError as err:
-        raise PurinecError(f"{what}: {path} is not a .npy array: {err}") from None
+    except ValueError:
+        # (NumPy's own message suggests unpickling, which no input should need)
+        raise PurinecError(f"{what}: {path} is not a .npy file of numbers (as numpy.save "
+                           "writes them)") from None
     if not isinstance(array, np.ndarray):
         array.close()
         raise PurinecError(f"{what}: {path} is an .npz archive; give one .npy file per input")
@@ -579,8 +592,8 @@ def cmd_train(args) -> int:
     if artifact:
         _refuse_options(args, SOLVER_OPTIONS + ("batch", "devices", "parallel",
                                                 "micro_batches"),
-                        f"{artifact} has them fixed in its IR; compile the model again to "
-                        "change them")
+                        f"{artifact} has its solver, batch and devices fixed in its IR; "
+                        "compile the model again to change them")
     elif args.model is None:
         raise PurinecError("give a MODEL to train, or --resume CHECKPOINT")
     if args.resume and args.timeline:
@@ -617,7 +630,9 @@ def cmd_train(args) -> int:
     def end_of_epoch(e):
         if trace is not None and e.epoch < args.epochs:
             trace.clear()  # the timeline shows the last epoch: memory stays bounded
-        print(f"epoch {e.epoch:3d}  loss {e.loss:.4f}  train accuracy {e.train_accuracy:.4f}"
+        train_accuracy = ("" if np.isnan(e.train_accuracy)  # (a model with no accuracy op)
+                          else f"  train accuracy {e.train_accuracy:.4f}")
+        print(f"epoch {e.epoch:3d}  loss {e.loss:.4f}{train_accuracy}"
               f"  test accuracy {e.test_accuracy:.4f}", flush=True)
         if checkpoint_path:
             program.gather_weights()  # every rank: weights may be split over ranks
@@ -786,6 +801,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="A Purine-style bi-graph compiler for deep networks: lower a model to "
                     "typed IR, derive its backward graph and solver, compile it ahead of "
                     "time into a .purine artifact, and run or train it.")
+    parser.add_argument("--version", action="version", version=f"purinec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     dump = sub.add_parser("dump", help="print or write the IR at any pipeline stage",
@@ -820,7 +836,7 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--asm", action="store_true",
                       help="with --stage kernels: the machine code, as assembly")
     _add_solver_args(dump)
-    dump.set_defaults(func=cmd_dump)
+    dump.set_defaults(func=cmd_dump, parser=dump)
 
     comp = sub.add_parser(
         "compile", help="compile a model ahead of time into a .purine artifact",
@@ -847,7 +863,7 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--num-classes", type=_positive, metavar="N",
                       help="number of classes (default: the model's)")
     _add_solver_args(comp)
-    comp.set_defaults(func=cmd_compile)
+    comp.set_defaults(func=cmd_compile, parser=comp)
 
     run = sub.add_parser(
         "run", help="run a compiled artifact or a model's inference graph",
@@ -879,7 +895,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_parallel_args(run)
     run.add_argument("--seed", type=_non_negative, default=0,
                      help="seed of the random inputs and of MODEL's weights (default 0)")
-    run.set_defaults(func=cmd_run)
+    run.set_defaults(func=cmd_run, parser=run)
 
     tr = sub.add_parser(
         "train", help="train a model on a data set, with checkpoints",
@@ -921,7 +937,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--progress", action="store_true",
                     help="show the progress bars even when stderr is not a terminal")
     _add_solver_args(tr)
-    tr.set_defaults(func=cmd_train)
+    tr.set_defaults(func=cmd_train, parser=tr)
     return parser
 
 
@@ -939,7 +955,9 @@ def _warning_printer(rank: int, default):
 def main(argv: list[str] | None = None) -> int:
     from purinec.runtime import comm
 
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # said by the command's parser, with its usage (the top one's says less)
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     here = comm.world()
     if here.rank > 0:  # under mpiexec every rank runs the command; rank 0 reports
         sys.stdout = open(os.devnull, "w")
@@ -954,6 +972,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("purinec: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader stopped reading (purinec dump ... | head)
+        # Python would fail again flushing stdout at exit: point it at nothing first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -467,8 +467,8 @@ class Program:
 
     @property
     def devices(self) -> list[Device]:
-        """Every device the program runs on (on every rank)."""
-        return sorted(layout_devices(self.ir))
+        """Every device the program runs on (on every rank), in rank order."""
+        return layout_devices(self.ir)
 
     def _runs(self) -> list:
         """The executables of the training and inference graphs (one, when the same)."""

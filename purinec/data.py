@@ -148,8 +148,8 @@ def _find_file(directory: str, names: tuple[str, ...], what: str) -> str:
         path = os.path.join(directory, name)
         if os.path.isfile(path):
             return path
-    raise DataError(f"{what}: file {os.path.join(directory, names[0])} not found (also "
-                    f"looked for {', '.join(names[1:])})")
+    others = f" (also looked for {', '.join(names[1:])})" if names[1:] else ""
+    raise DataError(f"{what}: file {os.path.join(directory, names[0])} not found{others}")
 
 
 def _mnist_split(directory: str, split: str) -> tuple[np.ndarray, np.ndarray]:

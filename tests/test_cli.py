@@ -4,6 +4,7 @@ import argparse
 import json
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import types
@@ -63,9 +64,33 @@ def test_help_lists_commands_and_stages():
     assert top.returncode == 0
     for command in ("dump", "compile", "run", "train"):
         assert command in top.stdout
+    version = purinec("--version")
+    assert version.returncode == 0 and version.stdout == f"purinec {purinec_api.__version__}\n"
     dump = purinec("dump", "--help")
     for stage in ("lower", "infer_shapes", "verify", "autodiff", "optimizer", "dce", "cse"):
         assert stage in dump.stdout
+
+
+def test_an_option_the_command_lacks_is_named_with_the_commands_usage(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "mlp", "--trace", "t.json"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: purinec train ")
+    assert err.endswith("purinec train: error: unrecognized arguments: --trace t.json\n")
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly():
+    """``purinec dump ... | head``: no traceback when head has read enough. (The dump,
+    200 kB, is more than a pipe holds: the writer is still writing when it closes.)"""
+    dump = subprocess.Popen([sys.executable, "-m", "purinec", "dump", "inception", "--train",
+                             "--stage", "all", "--target", "reference"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert dump.stdout.readline().startswith("// ---- inception.train.00-lower.pir")
+    dump.stdout.close()
+    assert dump.wait(timeout=300) == 128 + signal.SIGPIPE
+    assert dump.stderr.read() == ""
+    dump.stderr.close()
 
 
 def test_dump_prints_parsable_ir():
@@ -270,6 +295,8 @@ def test_dump_an_artifact_shows_the_ir_it_holds(artifact, tmp_path):
     assert refused.returncode != 0
     assert ("is a compiled artifact" in refused.stderr and "--stage, --devices apply to a "
             "model" in refused.stderr), refused.stderr
+    refused = purinec("dump", path, "--stage", "fuse")
+    assert "--stage applies to a model" in refused.stderr, refused.stderr
 
 
 def test_compile_then_run_in_another_process_gives_the_same_outputs(artifact, tmp_path):
@@ -303,6 +330,10 @@ def test_run_without_inputs_uses_random_ones_and_says_so():
     (("run", "{artifact}", "--batch", "8"), ["--batch", "fixed batch"]),
     (("run", "{artifact}", "--input", "data"), ["--input data: write NAME=FILE.npy"]),
     (("run", "{artifact}", "--input", "data=nothing.npy"), ["cannot read nothing.npy"]),
+    (("run", "{artifact}", "--input", "dat={tmp}/x.npy"),
+     ["--input dat: graph mlp has no input of that name; it takes data"]),
+    (("run", "{artifact}", "--input", "data={tmp}/text.npy"),
+     ["text.npy is not a .npy file of numbers (as numpy.save writes them)"]),
     (("run", "{tmp}/absent.purine"), ["cannot read", "absent.purine"]),
     (("run", "{tmp}/tampered.purine"), ["member weights.npz", "sha256"]),
     (("compile", "mlp", "-o", "{tmp}/mlp.zip"), ["name the artifact FILE.purine"]),
@@ -319,8 +350,12 @@ def test_run_and_compile_errors(artifact, tmp_path, capsys, monkeypatch, args, f
     with zipfile.ZipFile(tmp_path / "tampered.purine", "w") as zf:
         for name, data in members.items():
             zf.writestr(name, data)
+    np.save(tmp_path / "x.npy", np.ones((2, 1, 28, 28), np.float32))
+    (tmp_path / "text.npy").write_text("not numbers\n")
     args = [a.format(artifact=path, tmp=tmp_path) for a in args]
-    assert_clean_error(purinec_here(capsys, *args), *fragments)
+    result = purinec_here(capsys, *args)
+    assert_clean_error(result, *fragments)
+    assert "using random" not in result.stdout  # (said only once the inputs are good)
     assert not (tmp_path / "mlp.purine").exists()
 
 
@@ -333,7 +368,20 @@ def test_train_a_compiled_artifact(tmp_path):
     result = purinec("train", tmp_path / "small.purine", "--data", "synthetic", "--epochs", "1")
     assert result.returncode == 0, result.stderr
     assert "loaded small.train for target reference" in result.stdout
-    assert "epoch   1" in result.stdout
+    assert re.search(r"epoch   1  loss \d\.\d{4}  train accuracy \d\.\d{4}  test accuracy",
+                     result.stdout), result.stdout
+
+
+def test_a_model_without_an_accuracy_output_reports_test_accuracy_alone(tmp_path):
+    without = (SMALL_MODEL
+               .replace('        accuracy = [logits, label] >> Accuracy("accuracy")\n', "")
+               .replace("net.outputs = [logits, loss, accuracy]", "net.outputs = [logits, loss]"))
+    assert "Accuracy(" not in without
+    (tmp_path / "small.py").write_text(without)
+    result = purinec("train", tmp_path / "small.py", "--data", "synthetic", "--epochs", "1")
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"epoch   1  loss \d\.\d{4}  test accuracy \d\.\d{4}\n",
+                     result.stdout), result.stdout
 
 
 def weights(path):
@@ -374,7 +422,7 @@ def test_checkpoint_and_resume_give_the_uninterrupted_weights(tmp_path):
     (("train", "{tmp}/small.purine", "--data", "synthetic"),
      ["takes images of shape [1, 4, 4], but synthetic has [1, 8, 8]", "--input-shape"]),
     (("train", "{artifact}", "--lr", "0.5", "--batch", "2"),
-     ["--lr, --batch: ", "mlp.purine has them fixed in its IR"]),
+     ["--lr, --batch: ", "mlp.purine has its solver, batch and devices fixed in its IR"]),
     (("train", "--resume", "{artifact}", "--momentum", "0.5"), ["--momentum: "]),
     (("train", "--data", "synthetic"), ["give a MODEL to train, or --resume"]),
     (("train", "mlp", "--data", "mnist:{tmp}"), ["train-images-idx3-ubyte not found"]),
@@ -384,8 +432,12 @@ def test_train_errors(artifact, tmp_path, capsys, args, fragments):
     purinec_api.compile("mlp", batch=2, input_shape=(1, 8, 8)).save(tmp_path / "inference.purine")
     purinec_api.compile("mlp", train=purinec_api.SGD(), batch=2,
                         input_shape=(1, 4, 4)).save(tmp_path / "small.purine")
+    np.save(tmp_path / "x.npy", np.ones((2, 1, 28, 28), np.float32))
+    (tmp_path / "text.npy").write_text("not numbers\n")
     args = [a.format(artifact=path, tmp=tmp_path) for a in args]
-    assert_clean_error(purinec_here(capsys, *args), *fragments)
+    result = purinec_here(capsys, *args)
+    assert_clean_error(result, *fragments)
+    assert "using random" not in result.stdout  # (said only once the inputs are good)
 
 
 def test_a_pipeline_longer_than_the_model_warns_in_one_line(tmp_path, capsys):
@@ -440,6 +492,10 @@ def test_dump_parallel_stage_needs_devices(capsys):
                        "stage parallel runs only with --devices")
     assert_clean_error(purinec_here(capsys, "dump", "mlp", "--devices", "2", "--rank", "1"),
                        "--rank 1: the devices span 1 rank(s)")
+    assert_clean_error(purinec_here(capsys, "dump", "mlp", "--rank", "1"),
+                       "--rank 1: the program runs on one device of rank 0")
+    assert_clean_error(purinec_here(capsys, "dump", "mlp", "--stage", "stages"),
+                       "stage stages runs only with --devices and --parallel pipeline")
 
 
 def test_dump_draws_the_bigraph(capsys, tmp_path):

@@ -188,7 +188,7 @@ def test_cifar10_truncated_batch_is_named(tmp_path):
 def test_cifar10_missing_batch_is_named(tmp_path):
     write_cifar10(tmp_path)
     (tmp_path / "data_batch_3.bin").unlink()
-    with pytest.raises(DataError, match="data_batch_3.bin not found"):
+    with pytest.raises(DataError, match=r"data_batch_3.bin not found$"):
         cifar10(str(tmp_path))
 
 

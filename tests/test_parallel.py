@@ -4,6 +4,7 @@ equal the single-device one, and the dumps say what was inserted and why."""
 from __future__ import annotations
 
 import itertools
+import types
 import warnings
 
 import numpy as np
@@ -727,7 +728,7 @@ def test_a_layout_over_ranks_runs_in_one_process(strategy):
 
 
 def test_a_layout_is_dealt_out_over_the_ranks_of_a_job():
-    from purinec.compiler import build_graph, layout_devices, load_source, onto_ranks
+    from purinec.compiler import Program, build_graph, layout_devices, load_source, onto_ranks
 
     four = build_graph(load_source("mlp", 8), SGD,
                        parallel=Parallel(parse_devices("4"), "data"))
@@ -736,6 +737,8 @@ def test_a_layout_is_dealt_out_over_the_ranks_of_a_job():
                                                      "r1/cpu:1"]
     assert str(parse(str(two))) == str(two)
     assert 'group="cpu:0,cpu:1,r1/cpu:0,r1/cpu:1"' in str(two)
+    # What a program on them says it runs on (compile and train print it), in that order.
+    assert Program.devices.fget(types.SimpleNamespace(ir=two)) == layout_devices(two)
     with pytest.raises(PurinecError, match="over 4 device.*cannot be spread over 5 ranks"):
         onto_ranks(5, four)
 

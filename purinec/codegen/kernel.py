@@ -57,7 +57,9 @@ class Kernel:
             return self.dispatcher
         from numba import njit
 
-        fresh = njit(**self.dispatcher.targetoptions)(self.dispatcher.py_func)
+        # (less nopython: njit sets it itself, and warns when it is given)
+        options = {k: v for k, v in self.dispatcher.targetoptions.items() if k != "nopython"}
+        fresh = njit(**options)(self.dispatcher.py_func)
         fresh.compile(self.signature)
         return fresh
 
