@@ -280,7 +280,8 @@ def cmd_dump(args) -> int:
             from purinec.passes.fuse import explain
 
             reasons = "\n".join(f"# {apart}" for apart in explain(before_fuse[0]))
-            emit(f"{graph.name}.fuse-explain.txt", reasons or "# every pair fused")
+            emit(f"{graph.name}.fuse-explain.txt",
+                 f"{FUSION_KINDS_LEGEND}\n{reasons}" if reasons else "# every pair fused")
         if stage == "parallel" and args.explain:
             from purinec.passes.parallel import explain
 
@@ -939,6 +940,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_solver_args(tr)
     tr.set_defaults(func=cmd_train, parser=tr)
     return parser
+
+
+# What the op kinds in fusion's reasons mean (TVM's pattern kinds, purinec/ir/ops.py).
+FUSION_KINDS_LEGEND = (
+    "# kernels: elementwise and broadcast ops fuse into one loop, which may start with an\n"
+    "# out_elementwise_fusable op (matmul, conv2d: the loop is its epilogue); injective,\n"
+    "# reduction and opaque ops take no producer into their kernel and pass nothing on")
 
 
 def _warning_printer(rank: int, default):

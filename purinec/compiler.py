@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator, Mapping
 import numpy as np
 
 from purinec.errors import (ExecutionError, ModelError, PurinecError, PurinecWarning,
-                            UnknownNameError)
+                            UnknownNameError, VerifyError)
 from purinec.ir.graph import Graph, Value
 from purinec.ir.init import initial_value
 from purinec.ir.ops import spans_ranks
@@ -275,7 +275,14 @@ def load_source(model: Any, batch: int | None = None, **model_kwargs) -> Any:
                 text = f.read()
         except OSError as err:
             raise ModelError(f"cannot read {model}: {err.strerror}") from None
-        return parse(text, source=model)
+        graph = parse(text, source=model)
+        # As written: infer_shapes would otherwise quietly replace a type that disagrees
+        # with what its op computes.
+        try:
+            verify(graph)
+        except VerifyError as err:
+            raise VerifyError(f"{model}: {err}") from None
+        return graph
     return load_model(model, batch, **model_kwargs)
 
 

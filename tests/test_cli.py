@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import purinec as purinec_api
-from purinec.cli import build_parser, main
+from purinec.cli import FUSION_KINDS_LEGEND, build_parser, main
 from purinec.ir import parse
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -126,6 +126,7 @@ def test_dump_cpu_pipeline_fuses_and_writes_kernels(tmp_path):
     assert "fused(" in fused and "kernel=\"fused_matmul_bias_add_relu\"" in fused
     explained = (tmp_path / "mlp.train.fuse-explain.txt").read_text()
     assert "%ip1.flatten -> %ip1.matmul" in explained or "reshape" in explained
+    assert explained.startswith(FUSION_KINDS_LEGEND + "\n# %")  # what the kinds mean
     kernels = sorted((tmp_path / "mlp.train.kernels").iterdir())
     graph = parse(fused)
     assert len(kernels) == len(graph.nodes)  # one kernel per node, fused ones included
@@ -189,6 +190,15 @@ def test_type_error_in_pir_names_the_node(tmp_path):
                     "  %y = matmul(%x, %w) {trans_a=false, trans_b=true} : f32[2,4] @cpu:0\n"
                     "  return %y\n}\n")
     assert_clean_error(purinec("dump", str(path)), "matmul")
+
+
+def test_a_declared_type_its_op_does_not_give_is_refused_not_replaced(tmp_path):
+    path = tmp_path / "declared.pir"
+    path.write_text("graph g(%x: f32[2,3] @cpu:0) {\n  %y = relu(%x) : f32[2,4] @cpu:0\n"
+                    "  return %y\n}\n")
+    for command in ("dump", "run"):
+        assert_clean_error(purinec(command, str(path)), f"{path}: node %y = relu(%x)",
+                           "output %y is declared f32[2,4] but op relu gives f32[2,3]")
 
 
 def test_train_reports_loss_and_accuracy():

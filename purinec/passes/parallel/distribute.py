@@ -92,7 +92,7 @@ class Parallel:
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
             raise PurinecError(f"unknown parallel strategy {self.strategy!r}; available: "
-                               f"{', '.join(STRATEGIES)}")
+                               f"{', '.join(USER_STRATEGIES)}")
         if len(set(self.devices)) != len(self.devices) or not self.devices:
             raise PurinecError(f"devices must be distinct and at least one, got "
                                f"{', '.join(map(str, self.devices)) or 'none'}")
