@@ -40,11 +40,10 @@ import numpy as np
 
 from purinec.compiler import (TARGETS, Program, check_weights, is_distributed, layout_ranks,
                               onto_ranks)
-from purinec.errors import ArtifactError, PurinecError
+from purinec.errors import ArtifactError, PurinecError, VerifyError
 from purinec.fileio import write_atomically
 from purinec.ir.graph import Graph
 from purinec.ir.parser import parse
-from purinec.ir.verify import verify
 from purinec.runtime import comm
 
 FORMAT = "purinec-artifact"
@@ -364,15 +363,13 @@ def _read_members(path: str, zf: zipfile.ZipFile, manifest: dict) -> dict[str, b
 def _read_graph(path: str, members: dict[str, bytes], member: str,
                 expected_name: str | None) -> Graph:
     try:
-        graph = parse(members[member].decode("utf-8"), source=member)
+        graph = parse(members[member].decode("utf-8"), source=member, verify=True)
     except UnicodeDecodeError as err:
         raise ArtifactError(f"{path}: {member} is not UTF-8 text: {err}") from None
+    except VerifyError as err:
+        raise ArtifactError(f"{path}: {member} fails verification: {err}") from None
     except PurinecError as err:
         raise ArtifactError(f"{path}: {member} is not valid purinec IR: {err}") from None
-    try:
-        verify(graph)
-    except PurinecError as err:
-        raise ArtifactError(f"{path}: {member} fails verification: {err}") from None
     if graph.name != expected_name:
         raise ArtifactError(f"{path}: {member} holds graph {graph.name}, but {MANIFEST} "
                             f"names {expected_name}")

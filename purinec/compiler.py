@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator, Mapping
 import numpy as np
 
 from purinec.errors import (ExecutionError, ModelError, PurinecError, PurinecWarning,
-                            UnknownNameError, VerifyError)
+                            UnknownNameError)
 from purinec.ir.graph import Graph, Value
 from purinec.ir.init import initial_value
 from purinec.ir.ops import spans_ranks
@@ -275,14 +275,9 @@ def load_source(model: Any, batch: int | None = None, **model_kwargs) -> Any:
                 text = f.read()
         except OSError as err:
             raise ModelError(f"cannot read {model}: {err.strerror}") from None
-        graph = parse(text, source=model)
-        # As written: infer_shapes would otherwise quietly replace a type that disagrees
-        # with what its op computes.
-        try:
-            verify(graph)
-        except VerifyError as err:
-            raise VerifyError(f"{model}: {err}") from None
-        return graph
+        # Verified as written: infer_shapes would otherwise quietly replace a type that
+        # disagrees with what its op computes.
+        return parse(text, source=model, verify=True)
     return load_model(model, batch, **model_kwargs)
 
 

@@ -7,6 +7,8 @@ it as one paragraph and exit non-zero without a traceback.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class PurinecError(Exception):
     """Base class of every error purinec raises on purpose."""
@@ -28,7 +30,12 @@ class IRSyntaxError(PurinecError):
 
 
 class VerifyError(PurinecError):
-    """A graph breaks an IR invariant (types, SSA, order, attributes)."""
+    """A graph breaks an IR invariant (types, SSA, order, attributes). ``node`` is the
+    node that breaks it, where one does (so a parser can add the node's line)."""
+
+    def __init__(self, message: str, node: Any = None):
+        self.node = node
+        super().__init__(message)
 
 
 class ShapeError(PurinecError):

@@ -197,7 +197,7 @@ def test_a_declared_type_its_op_does_not_give_is_refused_not_replaced(tmp_path):
     path.write_text("graph g(%x: f32[2,3] @cpu:0) {\n  %y = relu(%x) : f32[2,4] @cpu:0\n"
                     "  return %y\n}\n")
     for command in ("dump", "run"):
-        assert_clean_error(purinec(command, str(path)), f"{path}: node %y = relu(%x)",
+        assert_clean_error(purinec(command, str(path)), f"{path}:2: node %y = relu(%x)",
                            "output %y is declared f32[2,4] but op relu gives f32[2,3]")
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from purinec.errors import IRSyntaxError
+from purinec.errors import IRSyntaxError, VerifyError
 from purinec.ir.graph import Graph
 from purinec.ir.parser import parse
 from purinec.ir.printer import format_attr, print_graph
@@ -266,6 +266,27 @@ def test_parser_does_not_check_types():
               "  %b = relu(%a) : i32[7,7] @gpu:0\n"
               "  return %b\n}")
     assert g.value("b").type == T(I32, 7, 7)
+
+
+def test_parse_with_verify_reports_the_line_of_the_node_that_breaks_an_invariant():
+    text = ("graph g(%a: f32[2] @cpu:0) {\n"
+            "  %b = relu(%a) : f32[2] @cpu:0\n"
+            "  %c = relu(%b) : f32[3] @cpu:0  # net.py:9\n"
+            "  return %c\n}")
+    parse(text)  # the parser alone takes the declared type
+    with pytest.raises(VerifyError, match=r"^net\.pir:3: node %c = relu\(%b\) \(at net\.py:9\): "
+                                          r"output %c is declared f32\[3\] but op relu "
+                                          r"gives f32\[2\]"):
+        parse(text, source="net.pir", verify=True)
+
+
+def test_parse_with_verify_names_the_line_of_a_fused_member():
+    text = FUSED_TEXT.replace("trans_b=true} : f32[2,4]", "trans_b=true} : f32[2,5]")
+    line = next(i for i, row in enumerate(text.splitlines(), 1) if "f32[2,5]" in row)
+    with pytest.raises(VerifyError, match=rf"^net\.pir:{line}: node %fc = matmul\(%x, %w\) "
+                                          r".*\(at net\.py:3\) in the body of fused node"):
+        parse(text, source="net.pir", verify=True)
+    verify(parse(FUSED_TEXT, verify=True))  # and a well-formed graph passes
 
 
 def test_outputs_placed_as_declared():

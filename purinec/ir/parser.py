@@ -26,7 +26,8 @@ Every error is an `IRSyntaxError` at the offending token's line and column. The 
 checks what it needs to build the graph (names, scopes, attributes against the op's
 schema, arity); it does not check that declared types match the inferred ones, nor that
 a fused node's inputs are exactly what its members read, which is
-`purinec.ir.verify`'s job.
+`purinec.ir.verify`'s job: ``parse(..., verify=True)`` runs it and reports a
+`VerifyError` at the line of the node that breaks an invariant.
 """
 
 from __future__ import annotations
@@ -183,9 +184,15 @@ class _Head:
     placed: list  # (first token, (type, device, dist)) per output
 
 
-def parse(text: str, source: str = "<ir>") -> Graph:
-    """Parse one graph in the text form; raises `IRSyntaxError` on malformed text."""
-    return _Parser(text, source).parse_graph()
+def parse(text: str, source: str = "<ir>", verify: bool = False) -> Graph:
+    """Parse one graph in the text form; raises `IRSyntaxError` on malformed text. With
+    ``verify``, also check every IR invariant of the graph as written (declared types
+    included) and raise `VerifyError` at the line of the node that breaks one."""
+    parser = _Parser(text, source)
+    graph = parser.parse_graph()
+    if verify:
+        parser.verify(graph)
+    return graph
 
 
 class _Parser:
@@ -197,6 +204,17 @@ class _Parser:
         self.defined: dict[str, Value] = {}  # values nodes may read: inputs, node outputs
         self.internal: dict[str, str] = {}  # member values no fused node exports -> its name
         self.taken: set[str] = set()  # every name defined so far, anywhere
+        self.node_lines: dict[int, int] = {}  # id() of every node -> the line it starts on
+
+    def verify(self, graph: Graph) -> None:
+        from purinec.ir.verify import verify
+
+        try:
+            verify(graph)
+        except VerifyError as err:
+            line = self.node_lines.get(id(err.node))
+            where = self.source if line is None else f"{self.source}:{line}"
+            raise VerifyError(f"{where}: {err}", err.node) from None
 
     # -- token helpers
 
@@ -420,6 +438,7 @@ class _Parser:
         node = make(head.opdef.name, head.inputs, head.attrs,
                     names=[t.text for t in head.name_toks], types=types,
                     device=head.placed[0][1][1], loc=loc)
+        self.node_lines[id(node)] = head.name_toks[0].line
         for value, (_, (_, device, dist)) in zip(node.outputs, head.placed):
             value.device = device
             value.dist = dist
@@ -446,7 +465,8 @@ class _Parser:
         members = {v.name: v for member in body for v in member.outputs}
         outputs = [self.fused_output(fused, tok, placed, members)
                    for tok, placed in zip(head.name_toks, head.placed)]
-        self.graph.add_fused(body, head.inputs, outputs, head.attrs["kernel"], loc)
+        node = self.graph.add_fused(body, head.inputs, outputs, head.attrs["kernel"], loc)
+        self.node_lines[id(node)] = head.name_toks[0].line
         exported = {id(v) for v in outputs}
         for member in body:
             for value in member.outputs:

@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -35,6 +36,18 @@ def verify(graph: Graph) -> None:
     """Raise `VerifyError` naming the first node (or input, or output) that breaks an
     IR invariant; return None when the graph is well formed."""
     _Verifier(graph).run()
+
+
+@contextlib.contextmanager
+def _blaming(node: Node):
+    """Mark a `VerifyError` raised inside with ``node``, unless a node within it (a fused
+    node's member) was marked first."""
+    try:
+        yield
+    except VerifyError as err:
+        if err.node is None:
+            err.node = node
+        raise
 
 
 def describe(node: Node) -> str:
@@ -63,11 +76,12 @@ class _Verifier:
         for value in graph.inputs:
             self.check_input(value)
         for index, node in enumerate(graph.nodes):
-            self.check_unique(node)
-            if node.op == FUSED or node.body is not None:
-                self.check_fused(index, node)
-            else:
-                self.check_node(index, node)
+            with _blaming(node):
+                self.check_unique(node)
+                if node.op == FUSED or node.body is not None:
+                    self.check_fused(index, node)
+                else:
+                    self.check_node(index, node)
         self.check_outputs()
 
     def check_unique(self, node: Node) -> None:
@@ -187,6 +201,10 @@ class _Verifier:
         self.kernels[kernel] = node
 
     def check_member(self, fused: Node, member: Node, scope: set[int]) -> None:
+        with _blaming(member):
+            self.check_member_node(fused, member, scope)
+
+    def check_member_node(self, fused: Node, member: Node, scope: set[int]) -> None:
         where = f"node {describe(member)} in the body of fused node %{fused.name}"
         self.check_unique(member)
         if member.op == FUSED or member.body is not None:
