@@ -91,14 +91,10 @@ def _core_share(graph: Graph) -> Callable:
     """Each device's compute threads get an equal share of the cores this process may
     use (with the other ranks on this machine), so devices working at once do not
     oversubscribe them."""
-    from purinec.codegen.cpu_runtime import available_cpus, set_threads
-    from purinec.runtime.comm import local_ranks
+    from purinec.codegen.cpu_runtime import process_cpus, set_threads
 
     devices = {v.device for node in graph.nodes for v in node.outputs}
-    cpus = available_cpus()
-    if cpus == os.cpu_count():  # the launcher bound this rank to no cores of its own
-        cpus = max(1, cpus // local_ranks())
-    share = max(1, cpus // max(1, len(devices)))
+    share = max(1, process_cpus() // max(1, len(devices)))
     return lambda lane: set_threads(share)
 
 

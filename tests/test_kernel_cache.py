@@ -7,12 +7,13 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
 import pytest
 
-from purinec.codegen import cache, cpu
+from purinec.codegen import cache, compile_helpers, cpu
 from purinec.codegen.source import node_comment
 from purinec.codegen.cpu_module import HEADER
 from purinec.codegen.progress import kernel_progress
@@ -55,7 +56,10 @@ def twin_graph(batch: int = 3) -> Graph:
 
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
+    """An empty kernel cache; one process compiles (no helpers), so the counters say
+    what this process did."""
     monkeypatch.setenv(cache.ENV_VAR, str(tmp_path))
+    monkeypatch.setenv(compile_helpers.JOBS_VAR, "1")
     cache.STATS.reset()
     return tmp_path
 
@@ -180,9 +184,9 @@ TOGETHER = textwrap.dedent("""
 """)
 
 
-def test_processes_compiling_the_same_kernels_at_once_take_turns(cache_dir):
-    """One compiles each kernel; the others wait and load it from Numba's cache (without
-    the lock both would compile both kernels: 4 compiles)."""
+def test_processes_compiling_the_same_kernels_at_once_compile_each_once(cache_dir):
+    """One compiles each kernel; the other loads it from Numba's cache (without the
+    lock both would compile both kernels: 4 compiles)."""
     env = dict(os.environ, PURINEC_CACHE_DIR=str(cache_dir))
     go = cache_dir / "go"
     children, ready = [], []
@@ -304,6 +308,112 @@ TWIN_CHILD = textwrap.dedent("""
 """)
 
 
+# A process that holds the lock of the kernel whose source is in file argv[1].
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from purinec.codegen import cache
+    with cache.one_compiler(open(sys.argv[1]).read()):
+        print("holding", flush=True)
+        time.sleep(600)
+""")
+
+
+def wait_for(condition, what: str, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_a_kernel_another_process_holds_is_taken_last_and_freed_if_that_process_dies(
+        cache_dir):
+    graph = small_graph(7)
+    held, free = (cpu.render_module(node) for node in graph.nodes)
+    (cache_dir / "cpu").mkdir()
+    (cache_dir / "held.py").write_text(held.text())
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(cache_dir / "held.py")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        made = {}
+        compiling = threading.Thread(target=lambda: made.update(cpu.compile_kernels(graph)))
+        compiling.start()
+        wait_for(lambda: cache.compiled_on_disk(free.text(), free.function),
+                 "the kernel nobody holds")
+        assert compiling.is_alive()
+        assert not cache.compiled_on_disk(held.text(), held.function)
+    finally:
+        holder.kill()  # dies holding the lock: the operating system releases it
+        holder.wait()
+    compiling.join(120)
+    assert not compiling.is_alive() and len(made) == 2
+    assert cache.STATS.compiles == 2  # this process compiled the held kernel itself
+    x = np.random.default_rng(1).normal(size=(7, 4)).astype(np.float32)
+    w = np.random.default_rng(2).normal(size=(5, 4)).astype(np.float32)
+    y, z = np.empty((7, 5), np.float32), np.empty((7, 5), np.float32)
+    matmul, relu = graph.nodes
+    made[matmul].fn(x, w, y)
+    made[relu].fn(y, z)
+    np.testing.assert_allclose(z, np.maximum(x.astype(np.float64) @ w.T, 0), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_a_helper_compiles_its_jobs_into_numbas_cache_for_later_processes(cache_dir):
+    modules = [cpu.render_module(node) for node in twin_graph(batch=6).nodes]
+    jobs = {cache.code_of(job.source): job for job in map(cpu._job, modules)}
+    assert len(jobs) == 3
+    listing = cache_dir / "jobs.json"
+    listing.write_text(json.dumps([[j.source, j.function, j.arrays, j.blocked]
+                                   for j in jobs.values()]))
+    done = subprocess.run([sys.executable, "-m", compile_helpers.__name__, str(listing)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert all(job.compiled_on_disk() for job in jobs.values())
+    kernels = cpu.compile_kernels(twin_graph(batch=6))
+    assert cache.STATS.compiles == 0 and cache.STATS.loads == 3 and len(kernels) == 6
+
+
+def test_helpers_share_the_compiling_and_are_gone_when_it_ends(cache_dir, monkeypatch):
+    monkeypatch.setenv(compile_helpers.JOBS_VAR, "3")
+    started = []
+    start = compile_helpers._start
+
+    def recorded(listing):
+        helper = start(listing)
+        started.append(helper)
+        return helper
+
+    monkeypatch.setattr(compile_helpers, "_start", recorded)
+    graph = twin_graph(batch=8)
+    kernels = cpu.compile_kernels(graph)
+    assert len(started) == 2  # 3 kernels to compile, 3 processes: this one and 2 helpers
+    assert all(helper.returncode is not None for helper in started)
+    # each kernel made once: compiled here, or by a helper and loaded here
+    assert cache.STATS.compiles + cache.STATS.loads == 3
+    assert len(kernels) == 6 and all(k.path.read_text() for k in kernels.values())
+    again = cpu.compile_kernels(twin_graph(batch=8))  # all in the cache: no helpers
+    assert len(started) == 2 and len(again) == 6
+
+
+def test_kernels_in_numbas_own_cache_dir_are_found_there(cache_dir, monkeypatch):
+    from numba.core import config
+
+    monkeypatch.setattr(config, "CACHE_DIR", str(cache_dir / "numba"))  # $NUMBA_CACHE_DIR
+    module = cpu.render_module(small_graph(9).nodes[1])
+    assert not cache.compiled_on_disk(module.text(), module.function)
+    cpu.compile_module(module)
+    assert cache.compiled_on_disk(module.text(), module.function)
+    assert list((cache_dir / "numba").rglob("*.nbi"))
+    assert not list((cache_dir / "cpu").rglob("*.nbi"))
+
+
+@pytest.mark.parametrize("setting, jobs", [("1", 1), ("4", 4), ("0", 1), ("many", 1)])
+def test_compile_jobs_follow_the_environment(monkeypatch, caplog, setting, jobs):
+    monkeypatch.setenv(compile_helpers.JOBS_VAR, setting)
+    assert compile_helpers.compile_jobs() == jobs
+    assert ("is not a count" in caplog.text) == (setting == "many")
+
+
 def test_a_later_process_shares_kernels_made_for_other_nodes(cache_dir):
     kernels = cpu.compile_kernels(twin_graph())
     texts = {k.path: k.path.read_text() for k in kernels.values()}
@@ -348,13 +458,13 @@ def test_a_slow_compile_shows_a_progress_bar_when_asked(cache_dir, monkeypatch, 
                                                         shown):
     """The command line turns the bar on; it appears once compiling has taken a second
     (here each kernel is made to take 0.6 s), and never when not turned on."""
-    compile_node = cpu.compile_node
+    compile_module = cpu.compile_module
 
     def slow_compile(*args, **kwargs):
         time.sleep(0.6)
-        return compile_node(*args, **kwargs)
+        return compile_module(*args, **kwargs)
 
-    monkeypatch.setattr(cpu, "compile_node", slow_compile)
+    monkeypatch.setattr(cpu, "compile_module", slow_compile)
     with kernel_progress(shown):
         kernels = cpu.compile_kernels(small_graph())
     assert len(kernels) == 2

@@ -127,25 +127,49 @@ def load_module(source: str, target: str = "cpu") -> types.ModuleType:
 
 
 @contextlib.contextmanager
-def one_compiler(source: str, target: str = "cpu") -> Iterator[None]:
+def one_compiler(source: str, target: str = "cpu", wait: bool = True) -> Iterator[bool]:
     """Hold the kernel's lock file (``k_<hash>.lock``) while compiling it: processes
-    that compile the same kernels at once (the ranks of a data-parallel job) then take
-    turns, and all but the first load the machine code from Numba's cache instead of
-    compiling it again (lenet over 4 ranks on two cores, cold cache: the job took 43 s
-    to its first epoch, 25 s taking turns). The operating system releases the lock of a
-    process that dies."""
+    that compile the same kernels at once (the ranks of a data-parallel job, compile
+    helpers) then never compile one twice: the others load its machine code from
+    Numba's cache (lenet over 4 ranks on two cores, cold cache: the job took 43 s to its
+    first epoch, 25 s not compiling twice). Yields whether this process holds the lock:
+    with ``wait`` always (once the holder is done), without only if nobody held it, so
+    the caller can compile another kernel meanwhile. The operating system releases the
+    lock of a process that dies."""
     if fcntl is None:  # not POSIX: every process compiles
-        yield
+        yield True
         return
     lock_path = kernel_path(source, target).with_suffix(".lock")
     try:
         lock = open(lock_path, "a")
     except OSError:  # a read-only cache: compile without taking turns
-        yield
+        yield True
         return
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield  # (closing the file releases the lock)
+    with lock:  # (closing the file releases the lock)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+
+
+def compiled_on_disk(source: str, function: str, target: str = "cpu") -> bool:
+    """Whether Numba's disk cache holds machine code of ``function`` in the module with
+    the code of ``source`` (it keeps an index file per function)."""
+    path = kernel_path(source, target)
+    return any(_numba_cache_of(path).glob(f"{path.stem}.{function}-*.nbi"))
+
+
+def _numba_cache_of(path: Path) -> Path:
+    """Where Numba caches the functions of the module at ``path``: ``__pycache__``
+    beside it, or under ``$NUMBA_CACHE_DIR`` in a folder named as Numba names it."""
+    from numba.core import caching, config
+
+    if config.CACHE_DIR:
+        return Path(config.CACHE_DIR) / caching._CacheLocator.get_suitable_cache_subpath(
+            str(path))
+    return path.parent / "__pycache__"
 
 
 def _ensure_file(path: Path, source: str) -> None:

@@ -30,10 +30,8 @@ import sys
 import threading
 from dataclasses import replace
 
-from numba import types
-from numba.np.numpy_support import from_dtype
-
 from purinec.codegen import cache
+from purinec.codegen.compile_helpers import Job, helping
 from purinec.codegen import cpu_conv, cpu_fused, cpu_ops, cpu_pool  # noqa: F401  (renderers)
 from purinec.codegen.cpu_runtime import NUMPY_BLAS, Blocked, limit_blas_threads, set_threads
 from purinec.codegen.cpu_module import DEFAULT_OPTIONS, RENDERERS, CpuOptions, KernelModule
@@ -108,14 +106,21 @@ def render(node: Node, options: CpuOptions = DEFAULT_OPTIONS) -> str:
 def compile_kernels(graph: Graph, options: CpuOptions = DEFAULT_OPTIONS
                     ) -> dict[Node, Kernel]:
     """A compiled kernel for every node of ``graph``; nodes whose code is the same
-    share its ``fn``."""
+    share its ``fn``. Kernels that other processes are compiling (compile helpers,
+    other ranks) are taken last, loaded from Numba's cache once they are done."""
+    modules = {node: render_module(node, options) for node in graph.nodes}
+    jobs = {cache.code_of(job.source): job for job in map(_job, modules.values())}
     compiled: dict[tuple, Kernel] = {}
-    kernels = {}
-    with kernel_bar(len(graph.nodes), graph.name) as bar:
-        for node in graph.nodes:
-            kernels[node] = compile_node(node, options, compiled)
-            bar.update()
-    return kernels
+    kernels: dict[Node, Kernel] = {}
+    with kernel_bar(len(graph.nodes), graph.name) as bar, helping(list(jobs.values())):
+        for wait in (False, True):
+            for node, module in modules.items():
+                if node not in kernels:
+                    kernel = compile_module(module, compiled, wait)
+                    if kernel is not None:
+                        kernels[node] = kernel
+                        bar.update()
+    return {node: kernels[node] for node in graph.nodes}
 
 
 def compile_node(node: Node, options: CpuOptions = DEFAULT_OPTIONS,
@@ -125,15 +130,15 @@ def compile_node(node: Node, options: CpuOptions = DEFAULT_OPTIONS,
     return compile_module(render_module(node, options), compiled)
 
 
-def compile_module(module: KernelModule, compiled: dict[tuple, Kernel] | None = None
-                   ) -> Kernel:
+def compile_module(module: KernelModule, compiled: dict[tuple, Kernel] | None = None,
+                   wait: bool = True) -> Kernel | None:
     """Store ``module`` in the kernel cache, import it and compile its entry function
     for the exact types of its arguments (or load it from Numba's disk cache); or, if
-    ``compiled`` holds a kernel with its code, share that kernel's function."""
+    ``compiled`` holds a kernel with its code, share that kernel's function. Without
+    ``wait``, None if another process is compiling it now."""
     source = module.text()
-    signature = tuple(_numba_type(value) for _, value in module.params)
-    if module.blocks is not None:
-        signature = (types.intp, types.intp) + signature
+    job = _job(module, source)
+    signature = job.signature()
     nodes = tuple(member for node in module.nodes for member in (node.body or [node]))
     key = (cache.code_of(source), signature)
     if compiled is not None and key in compiled:
@@ -143,7 +148,9 @@ def compile_module(module: KernelModule, compiled: dict[tuple, Kernel] | None = 
     try:
         dispatcher = getattr(cache.load_module(source), module.function)
         if signature not in dispatcher.overloads:
-            with cache.one_compiler(source):
+            with cache.one_compiler(source, wait=wait) as mine:
+                if not mine:
+                    return None
                 dispatcher.compile(signature)
             if dispatcher.stats.cache_hits.get(signature):
                 cache.STATS.loads += 1
@@ -165,5 +172,7 @@ def compile_module(module: KernelModule, compiled: dict[tuple, Kernel] | None = 
     return kernel
 
 
-def _numba_type(value: Value):
-    return types.Array(from_dtype(value.type.dtype.numpy), value.type.rank, "C")
+def _job(module: KernelModule, source: str | None = None) -> Job:
+    """What compiling ``module``'s entry function takes, in a form a helper can read."""
+    arrays = tuple((value.type.dtype.numpy.name, value.type.rank) for _, value in module.params)
+    return Job(source or module.text(), module.function, arrays, module.blocks is not None)

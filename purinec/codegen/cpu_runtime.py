@@ -119,6 +119,24 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def local_ranks() -> int:
+    """How many ranks of an MPI job share this machine (MPICH's Hydra says so), so that
+    they can share its cores."""
+    try:
+        return max(1, int(os.environ.get("MPI_LOCALNRANKS", "1")))
+    except ValueError:
+        return 1
+
+
+def process_cpus() -> int:
+    """The cores this process may use: those it may run on, shared with the other ranks
+    of its job on this machine unless the launcher bound each rank to cores of its own."""
+    cpus = available_cpus()
+    if cpus == os.cpu_count():
+        cpus = max(1, cpus // local_ranks())
+    return cpus
+
+
 def set_threads(n: int) -> None:
     """Run the kernels this thread calls on at most ``n`` threads (this one included).
     The setting belongs to the calling thread; threads that never set it use every

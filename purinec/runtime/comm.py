@@ -90,15 +90,6 @@ def launched_by_mpi() -> bool:
     return any(name in os.environ for name in LAUNCHER_VARIABLES)
 
 
-def local_ranks() -> int:
-    """How many ranks of the job share this machine (MPICH's Hydra says so), so that
-    they can share its cores."""
-    try:
-        return max(1, int(os.environ.get("MPI_LOCALNRANKS", "1")))
-    except ValueError:
-        return 1
-
-
 def world() -> World:
     """This process's world, made once: MPI's when a launcher started the process."""
     global _world

@@ -1,0 +1,148 @@
+"""Compile helpers: other processes that compile a graph's kernels alongside this one.
+
+Numba compiles one function at a time per process (it holds a global compiler lock),
+and a cold compile of a model is mostly Numba: lenet's training iteration, 27 kernels,
+takes 13 s on one core. So `compile_kernels` starts helper processes (``python -m
+purinec.codegen.compile_helpers``) when several kernels are not in Numba's disk cache
+yet, and hands them the list. Every process walks the list in order and takes the next
+kernel nobody is compiling (`cache.one_compiler` without waiting); a helper compiles
+it into Numba's disk cache, the compiling process for its own use. The compiling
+process then waits for the kernels a helper held and loads them from the cache.
+
+Helpers only ever save time: one that fails, dies or is slow to start leaves its
+kernels to the compiling process (the operating system releases a dead process's
+lock), and every helper is gone when `compile_kernels` returns. The ranks of an MPI job
+on one machine share their kernels the same way without helpers of their own, unless
+each rank has cores to spare.
+
+``$PURINEC_COMPILE_JOBS`` bounds the processes that compile at once (this one
+included; 1: no helpers); the default is the cores this process may use, at most
+`MAX_JOBS`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+from numba import types
+from numba.np.numpy_support import from_dtype
+
+from purinec.codegen import cache
+
+log = logging.getLogger(__name__)
+
+JOBS_VAR = "PURINEC_COMPILE_JOBS"
+MAX_JOBS = 8  # each helper holds its own Numba and LLVM, ~150 MB
+# Fewer kernels to compile than this and a helper's start (~0.5 s of a core) costs
+# about what it saves.
+MIN_KERNELS = 3
+
+
+@dataclass(frozen=True)
+class Job:
+    """One kernel to compile: its module's source and entry function, and the
+    function's arguments as (NumPy dtype name, rank) of C-contiguous arrays, after two
+    ``intp`` block bounds when ``blocked``."""
+
+    source: str
+    function: str
+    arrays: tuple[tuple[str, int], ...]
+    blocked: bool
+
+    def signature(self) -> tuple:
+        arrays = tuple(types.Array(from_dtype(np.dtype(dtype)), rank, "C")
+                       for dtype, rank in self.arrays)
+        return (types.intp, types.intp) + arrays if self.blocked else arrays
+
+    def compiled_on_disk(self) -> bool:
+        return cache.compiled_on_disk(self.source, self.function)
+
+
+def compile_jobs() -> int:
+    """How many processes may compile kernels at once, this one included."""
+    from purinec.codegen.cpu_runtime import process_cpus
+
+    configured = os.environ.get(JOBS_VAR)
+    if configured:
+        try:
+            return max(1, int(configured))
+        except ValueError:
+            log.warning("%s=%r is not a count; compiling without helpers", JOBS_VAR,
+                        configured)
+            return 1
+    return min(MAX_JOBS, process_cpus())
+
+
+@contextlib.contextmanager
+def helping(jobs: Sequence[Job]) -> Iterator[None]:
+    """Within this block, helper processes compile ``jobs`` (those not in Numba's disk
+    cache) alongside this process, when there are enough of them and cores to spare."""
+    todo = [job for job in jobs if not job.compiled_on_disk()]
+    count = min(compile_jobs(), len(todo)) - 1 if len(todo) >= MIN_KERNELS else 0
+    if count <= 0:
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="purinec-compile-") as folder:
+        listing = Path(folder) / "jobs.json"
+        listing.write_text(json.dumps([[job.source, job.function, job.arrays, job.blocked]
+                                       for job in todo]))
+        helpers = [helper for helper in (_start(listing) for _ in range(count)) if helper]
+        log.debug("%d compile helper(s) for %d kernels", len(helpers), len(todo))
+        try:
+            yield
+        finally:
+            # This process holds every kernel it needed by now (or is failing): what a
+            # helper still does is skip kernels that are done.
+            for helper in helpers:
+                helper.kill()
+                helper.wait()
+
+
+def _start(listing: Path) -> subprocess.Popen | None:
+    """A helper process working through the jobs ``listing`` names, or None if it
+    cannot start."""
+    # Helpers use the cache this process uses, wherever that is now.
+    env = {**os.environ, cache.ENV_VAR: str(cache.cache_dir())}
+    try:
+        return subprocess.Popen([sys.executable, "-m", __name__, str(listing)],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, env=env)
+    except OSError as err:
+        log.debug("no compile helper: %s", err)
+        return None
+
+
+def work_through(jobs: Sequence[Job]) -> None:
+    """A helper's work: compile, into Numba's disk cache, each job nobody else has
+    compiled or is compiling. A job that fails is left to the compiling process, which
+    reports it."""
+    for job in jobs:
+        if job.compiled_on_disk():
+            continue
+        with cache.one_compiler(job.source, wait=False) as mine:
+            if not mine or job.compiled_on_disk():
+                continue
+            try:
+                getattr(cache.load_module(job.source), job.function).compile(job.signature())
+            except Exception as err:  # noqa: BLE001  (the compiling process reports it)
+                log.debug("helper: %s failed: %s", job.function, err)
+
+
+def main(listing: str) -> None:
+    jobs = [Job(source, function, tuple(map(tuple, arrays)), blocked)
+            for source, function, arrays, blocked in json.loads(Path(listing).read_text())]
+    work_through(jobs)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
