@@ -623,7 +623,10 @@ def test_purinec_train_under_mpiexec(tmp_path):
     expected, got = one.run(feeds), loaded.run(feeds)
     assert expected.keys() == got.keys()
     for name, value in expected.items():
-        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+        # Half the batch per device: other GEMM shapes, other float32 rounding, which a
+        # logit near zero among logits of ~10 feels most (seen: 2.4e-6 at 0.13).
+        np.testing.assert_allclose(got[name], value, rtol=1e-5,
+                                   atol=1e-6 * max(1.0, np.abs(value).max()), err_msg=name)
     one.close()
     loaded.close()
     resumed = subprocess.run([sys.executable, "-m", "purinec", "train", "--resume",
