@@ -231,22 +231,25 @@ def cmd_dump(args) -> int:
             raise PurinecError(f"--rank {args.rank}: the devices span {spread.ranks} rank(s)")
     wanted = _wanted_stages(args, runs)
     if args.format in ("svg", "png") and not args.output:
-        raise PurinecError(f"--format {args.format} writes picture files; give -o DIR")
+        raise PurinecError(f"--format {args.format} writes picture files; give -o DIR or "
+                           f"-o FILE.{args.format}")
     if args.format != "text" and "kernels" in wanted:
         raise PurinecError("--stage kernels is source code, not a graph; use --format text")
     if (args.llvm or args.asm) and wanted != ["kernels"]:
         raise PurinecError("--llvm and --asm go with --stage kernels")
     if args.explain and not {"fuse", "parallel"} & set(wanted):
         raise PurinecError("--explain goes with --stage fuse or parallel (or all)")
-    if args.output:
+    single = _single_output_file(args, several=len(wanted) > 1 or "kernels" in wanted
+                                 or args.explain)
+    if args.output and not single:
         os.makedirs(args.output, exist_ok=True)
     written: list[str] = []
     before_fuse: list = []
 
     def emit(name: str, text: str) -> None:
         if args.output:
-            path = os.path.join(args.output, name)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            path = single or os.path.join(args.output, name)
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             atomic_write_text(path, text + "\n")
             written.append(path)
         else:
@@ -262,7 +265,7 @@ def cmd_dump(args) -> int:
                 print(f"// ---- {name} ----")
             print(to_dot(graph))
             return
-        path = os.path.join(args.output, name)
+        path = single or os.path.join(args.output, name)
         render_graph(graph, path, args.format)
         written.append(path)
 
@@ -316,10 +319,11 @@ def _dump_artifact(args) -> int:
                            f"{'applies' if len(given) == 1 else 'apply'} to a model (dump the "
                            f"model it was compiled from)")
     graphs = [g for g in read_ir(args.model) if g is not None]
+    single = _single_output_file(args, several=len(graphs) > 1)
     for graph in graphs:
         if args.output:
-            path = os.path.join(args.output, f"{graph.name}.pir")
-            os.makedirs(args.output, exist_ok=True)
+            path = single or os.path.join(args.output, f"{graph.name}.pir")
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             atomic_write_text(path, str(graph) + "\n")
             print(f"wrote {path}")
         else:
@@ -336,6 +340,26 @@ def _fuse_input(show, before_fuse: list):
             before_fuse[:] = [graph]
         show(stage, graph)
     return hook
+
+
+# The suffix of the file a dump writes per stage, by --format.
+DUMP_SUFFIXES = {"text": ".pir", "dot": ".dot", "svg": ".svg", "png": ".png"}
+
+
+def _single_output_file(args, several: bool) -> str | None:
+    """``-o`` as the one file to write, when it names a file of a dump's kind (a .pir,
+    .dot, .svg or .png path that is no directory); None when it names a directory."""
+    suffix = os.path.splitext(args.output or "")[1]
+    if suffix not in DUMP_SUFFIXES.values() or os.path.isdir(args.output):
+        return None
+    want = DUMP_SUFFIXES[args.format]
+    if suffix != want:
+        raise PurinecError(f"-o {args.output}: --format {args.format} writes {want} files")
+    if several:
+        raise PurinecError(f"-o {args.output} names one file, but this dump writes several "
+                           f"(stages, kernels, explanations or graphs); give -o a directory")
+    _check_writable(args, ("output",))
+    return args.output
 
 
 def _wanted_stages(args, runs: list[str]) -> list[str]:
@@ -816,9 +840,10 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--batch", type=_positive, help="batch size (default: the model's)")
     dump.add_argument("--stage", metavar="NAME|all",
                       help="stage to show (default: the final IR); 'all' shows every stage")
-    dump.add_argument("-o", "--output", metavar="DIR",
+    dump.add_argument("-o", "--output", metavar="DIR|FILE",
                       help="write one file per stage (and kernel) into DIR and print their "
-                           "paths")
+                           "paths; or, for one stage, the file FILE.pir (.dot, .svg, .png "
+                           "with --format)")
     dump.add_argument("--target", default=DEFAULT_TARGET,
                       help=f"target whose pipeline to run: {TARGETS_HELP} (default: "
                            f"{DEFAULT_TARGET}; reference does not fuse)")
@@ -828,7 +853,7 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--format", choices=("text", "dot", "svg", "png"), default="text",
                       help="text: the IR (.pir); dot: Graphviz DOT of the bi-graph, ops and "
                            "tensors coloured by device; svg/png: pictures drawn by Graphviz's "
-                           "dot (need -o DIR)")
+                           "dot (need -o)")
     _add_parallel_args(dump)
     dump.add_argument("--rank", type=_non_negative, default=0,
                       help="with --devices over several ranks: whose physical graph to show")

@@ -117,6 +117,26 @@ def test_dump_all_stages_to_files(tmp_path):
     assert "sgd(" in files[-1].read_text()
 
 
+def test_dump_of_one_stage_writes_the_file_o_names(tmp_path, capsys):
+    pir, dot = tmp_path / "mlp.pir", tmp_path / "mlp.dot"
+    result = purinec_here(capsys, "dump", "mlp", "--target", "reference", "-o", pir)
+    assert result.returncode == 0 and result.stdout == f"wrote {pir}\n"
+    assert parse(pir.read_text()).name == "mlp"
+    assert purinec_here(capsys, "dump", "mlp", "--target", "reference", "--format", "dot",
+                        "-o", dot).returncode == 0
+    assert dot.read_text().startswith('digraph "mlp"')
+    (tmp_path / "folder.pir").mkdir()  # a directory keeps its meaning, whatever its name
+    assert purinec_here(capsys, "dump", "mlp", "--target", "reference", "-o",
+                        tmp_path / "folder.pir").returncode == 0
+    assert [p.name for p in (tmp_path / "folder.pir").iterdir()] == ["mlp.04-cse.pir"]
+    for args, fragment in [
+            (("--stage", "all", "-o", pir), "names one file, but this dump writes several"),
+            (("--stage", "fuse", "--explain", "-o", pir), "give -o a directory"),
+            (("--format", "dot", "-o", pir), "--format dot writes .dot files"),
+            (("-o", tmp_path / "missing" / "x.pir"), "does not exist")]:
+        assert_clean_error(purinec_here(capsys, "dump", "mlp", *args), fragment)
+
+
 def test_dump_cpu_pipeline_fuses_and_writes_kernels(tmp_path):
     result = purinec("dump", "mlp", "--train", "--batch", "2", "--stage", "all", "-o",
                      str(tmp_path), "--explain")
@@ -301,6 +321,7 @@ def test_dump_an_artifact_shows_the_ir_it_holds(artifact, tmp_path):
         assert written.read_text() == str(graph) + "\n"
     shown = purinec("dump", path)
     assert shown.returncode == 0 and str(program.ir) in shown.stdout
+    assert "names one file" in purinec("dump", path, "-o", tmp_path / "one.pir").stderr
     refused = purinec("dump", path, "--stage", "autodiff", "--devices", "2")
     assert refused.returncode != 0
     assert ("is a compiled artifact" in refused.stderr and "--stage, --devices apply to a "
