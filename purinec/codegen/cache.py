@@ -156,20 +156,24 @@ def one_compiler(source: str, target: str = "cpu", wait: bool = True) -> Iterato
 
 def compiled_on_disk(source: str, function: str, target: str = "cpu") -> bool:
     """Whether Numba's disk cache holds machine code of ``function`` in the module with
-    the code of ``source`` (it keeps an index file per function)."""
+    the code of ``source`` (it keeps an index file per function). False where that
+    cannot be told."""
     path = kernel_path(source, target)
-    return any(_numba_cache_of(path).glob(f"{path.stem}.{function}-*.nbi"))
+    folder = _numba_cache_of(path)
+    return folder is not None and any(folder.glob(f"{path.stem}.{function}-*.nbi"))
 
 
-def _numba_cache_of(path: Path) -> Path:
+def _numba_cache_of(path: Path) -> Path | None:
     """Where Numba caches the functions of the module at ``path``: ``__pycache__``
-    beside it, or under ``$NUMBA_CACHE_DIR`` in a folder named as Numba names it."""
+    beside it, or under ``$NUMBA_CACHE_DIR`` in a folder named as Numba names it (by a
+    helper of Numba's own, private: None if a Numba release has moved it)."""
     from numba.core import caching, config
 
-    if config.CACHE_DIR:
-        return Path(config.CACHE_DIR) / caching._CacheLocator.get_suitable_cache_subpath(
-            str(path))
-    return path.parent / "__pycache__"
+    if not config.CACHE_DIR:
+        return path.parent / "__pycache__"
+    name_of = getattr(getattr(caching, "_CacheLocator", None), "get_suitable_cache_subpath",
+                      None)
+    return Path(config.CACHE_DIR) / name_of(str(path)) if name_of else None
 
 
 def _ensure_file(path: Path, source: str) -> None:
