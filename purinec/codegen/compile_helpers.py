@@ -2,7 +2,7 @@
 
 Numba compiles one function at a time per process (it holds a global compiler lock),
 and a cold compile of a model is mostly Numba: lenet's training iteration, 27 kernels,
-takes 13 s on one core. So `compile_kernels` starts helper processes (``python -m
+takes 11.5 s in one process on a 2-core machine, 6.7 s with a helper. So `compile_kernels` starts helper processes (``python -m
 purinec.codegen.compile_helpers``) when several kernels are not in Numba's disk cache
 yet, and hands them the list. Every process walks the list in order and takes the next
 kernel nobody is compiling (`cache.one_compiler` without waiting); a helper compiles
@@ -13,7 +13,7 @@ Helpers only ever save time: one that fails, dies or is slow to start leaves its
 kernels to the compiling process (the operating system releases a dead process's
 lock), and every helper is gone when `compile_kernels` returns. The ranks of an MPI job
 on one machine share their kernels the same way without helpers of their own, unless
-each rank has cores to spare.
+each rank has cores to spare. Without POSIX file locks (`fcntl`) there are no helpers.
 
 ``$PURINEC_COMPILE_JOBS`` bounds the processes that compile at once (this one
 included; 1: no helpers); the default is the cores this process may use, at most
@@ -88,7 +88,9 @@ def helping(jobs: Sequence[Job]) -> Iterator[None]:
     """Within this block, helper processes compile ``jobs`` (those not in Numba's disk
     cache) alongside this process, when there are enough of them and cores to spare."""
     todo = [job for job in jobs if not job.compiled_on_disk()]
-    count = min(compile_jobs(), len(todo)) - 1 if len(todo) >= MIN_KERNELS else 0
+    # Processes share the work through the kernels' lock files (POSIX only).
+    worth_it = len(todo) >= MIN_KERNELS and cache.fcntl is not None
+    count = min(compile_jobs(), len(todo)) - 1 if worth_it else 0
     if count <= 0:
         yield
         return
