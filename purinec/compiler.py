@@ -240,7 +240,8 @@ def rank_of(graph: Graph) -> int:
     if ranks <= {0} and world.size > 1:
         raise PurinecError(f"graph {graph.name} is laid out over devices of rank 0 only, but "
                            f"this job has {world.size} ranks: name devices of every rank "
-                           f"(r1/cpu:0, ...) or leave --devices out for one device per rank")
+                           f"(r1/cpu:0, ...) or leave devices (--devices) out for one device per "
+                           f"rank")
     if ranks <= {0}:
         return 0
     if world.size != max(ranks) + 1:
@@ -256,21 +257,31 @@ def load_source(model: Any, batch: int | None = None, **model_kwargs) -> Any:
     from purinec.models import load_model
 
     if isinstance(model, (Net, Graph)):
+        if batch is not None or model_kwargs:
+            raise ModelError(f"a {type(model).__name__} has fixed shapes; batch and model "
+                             f"options apply only to zoo models and Python files (build "
+                             f"the Net for the batch you want)")
         return model
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
     if not isinstance(model, str):
         raise ModelError(f"cannot compile a {type(model).__name__}: pass a purinec.bigraph.Net, "
                          "a zoo name, a Python file with build(batch), or a .pir file")
+    if model.endswith(".purine"):
+        raise ModelError(f"{model} is a compiled artifact: load it with purinec.load (its "
+                         f"graphs are compiled already)")
     if model.endswith(".pir"):
         if batch is not None or model_kwargs:
-            raise ModelError(f"{model}: a .pir file has fixed shapes; --batch and model "
-                             "options apply only to zoo models and Python files")
+            raise ModelError(f"{model}: a .pir file has fixed shapes; batch (--batch) and "
+                             "model options apply only to zoo models and Python files")
         try:
             with open(model, encoding="utf-8") as f:
                 text = f.read()
         except OSError as err:
             raise ModelError(f"cannot read {model}: {err.strerror}") from None
+        except UnicodeDecodeError as err:
+            raise ModelError(f"{model} is not IR text (byte {err.start} is not UTF-8); a "
+                             f".pir file is what purinec dump writes") from None
         # Verified as written: infer_shapes would otherwise quietly replace a type that
         # disagrees with what its op computes.
         return parse(text, source=model, verify=True)
@@ -331,10 +342,23 @@ class TensorStore(MutableMapping):
         self._check_known(name)
         current = self._arrays[name]
         array = np.asarray(value)
+        # Integers may become floats; nothing else changes kind (strings, complex
+        # numbers, objects; floats into integers would be rounded).
+        allowed = {"f": "iuf", "i": "iu", "u": "iu"}.get(current.dtype.kind, "b")
+        if array.dtype.kind not in allowed:
+            raise PurinecError(f"{self._kind} {name} is {current.dtype}, got an array of "
+                               f"{array.dtype}")
         if array.shape != current.shape:
             raise PurinecError(f"{self._kind} {name} has shape {list(current.shape)}, "
                                f"got an array of shape {list(array.shape)}")
         self._arrays[name] = array.astype(current.dtype, copy=True)
+
+    def _follow(self, name: str, value: np.ndarray) -> None:
+        """Keep a step's new value of ``name`` in the array the views look at (a target
+        that updated it in place has put it there already)."""
+        current = self._arrays[name]
+        if not np.may_share_memory(value, current):
+            np.copyto(current, value)
 
     def __delitem__(self, name: str) -> None:
         raise PurinecError(f"cannot delete {self._kind} {name!r}: the program needs it")
@@ -488,7 +512,13 @@ class Program:
     def trainable(self) -> bool:
         return any(name in self.params for name, _ in self.ir.outputs)
 
-    def _env(self, graph: Graph, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    def _env(self, graph: Graph, feeds: Mapping[str, Any], copy_variables: bool = False
+             ) -> dict[str, np.ndarray]:
+        if not isinstance(feeds, Mapping):
+            raise ExecutionError(f"feeds: give a dict of input name -> array (graph "
+                                 f"{graph.name} takes "
+                                 f"{', '.join(v.name for v in graph.inputs_with_role('data'))}"
+                                 f"), got a {type(feeds).__name__}")
         data = graph.inputs_with_role("data")
         names = {v.name for v in data}
         unknown = sorted(set(feeds) - names)
@@ -508,14 +538,22 @@ class Program:
             if array.dtype.kind != want.kind and not (array.dtype.kind in "iu" and
                                                       want.kind in "iu"):
                 raise ExecutionError(f"input {v.name}: expected {v.type}, got {array.dtype}")
+            if want.kind in "iu" and not np.can_cast(array.dtype, want) and array.size:
+                _check_fits(v, array, np.iinfo(want))
             env[v.name] = array.astype(want, order="C", copy=False)
         for store in (self.params, self.state):
-            env.update(store._arrays)  # the arrays themselves: a step updates them in place
+            # The arrays themselves: a step updates them in place.
+            env.update({name: array.copy() for name, array in store._arrays.items()}
+                       if copy_variables else store._arrays)
         return env
 
     def run(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """Evaluate the inference graph; returns its outputs by name."""
-        outputs = self._run_eval(self._env(self.eval_ir, feeds))
+        """Evaluate the inference graph; returns its outputs by name. Parameters and
+        state stay as they are, even when that graph computes their updates (a training
+        graph run as it is, such as a .pir file of one): it then works on copies."""
+        updates = any(name in self.params or name in self.state
+                      for name, _ in self.eval_ir.outputs)
+        outputs = self._run_eval(self._env(self.eval_ir, feeds, copy_variables=updates))
         return {k: v for k, v in outputs.items()
                 if k not in self.params and k not in self.state}
 
@@ -529,7 +567,7 @@ class Program:
         for name, value in outputs.items():
             for store in (self.params, self.state):
                 if name in store:
-                    store._arrays[name] = value
+                    store._follow(name, value)
         self.last_outputs = outputs
         return float(outputs["loss"])
 
@@ -570,6 +608,15 @@ class Program:
         self.close()
 
 
+def _check_fits(v: Value, array: np.ndarray, limits: np.iinfo) -> None:
+    """Integers cast to ``v``'s narrower type must keep their values (NumPy wraps them
+    around: a label 2**32 + 3 would become 3)."""
+    low, high = array.min(), array.max()
+    if low < limits.min or high > limits.max:
+        raise ExecutionError(f"input {v.name}: values from {low} to {high} do not fit "
+                             f"{v.type} ({limits.min} to {limits.max})")
+
+
 def _check_variables_stay(graph: Graph, eval_graph: Graph) -> None:
     """Every variable must be laid out alike wherever a program's graphs read or write
     it: over MPI ranks, only the ranks a step's new value is made on hold it."""
@@ -600,10 +647,10 @@ def _initial_arrays(graphs: list[Graph], role: str, given: Mapping[str, np.ndarr
             for name, v in variables(*graphs).items() if v.role == role}
 
 
-def compile(model: Any, target: str = "reference", train: SGD | None = None,
-            batch: int | None = None, seed: int = 0, after: StageHook | None = None,
-            trace: Any = None, devices: Any = None, parallel: str | None = None,
-            micro_batches: int | None = None, **model_kwargs) -> Program:
+def compile(model: Any, target: str = "reference", train: SGD | None = None, *,
+            batch: int | None = None, seed: int = 0, devices: Any = None,
+            parallel: str | None = None, micro_batches: int | None = None,
+            trace: Any = None, after: StageHook | None = None, **model_kwargs) -> Program:
     """Compile ``model`` for ``target``.
 
     ``model`` is a purinec.bigraph.Net, a zoo name ("lenet"), a Python file defining
@@ -617,6 +664,9 @@ def compile(model: Any, target: str = "reference", train: SGD | None = None,
     ``micro_batches`` goes with ``parallel="pipeline"``.
     """
     get_target(target)
+    if train is not None and not isinstance(train, SGD):
+        raise PurinecError(f"train={train!r}: give purinec.SGD(lr=..., momentum=..., "
+                           f"weight_decay=...) to compile the training iteration, or None")
     if devices is not None:
         devices = as_devices(devices)
         _check_device_kinds(target, devices, "the devices asked for")
@@ -668,8 +718,9 @@ def parallel_plan(devices: Any, strategy: str | None,
 
         size = comm.world().size
         if size == 1:
-            raise PurinecError(f"--parallel {strategy} needs several devices: give "
-                               f"--devices (e.g. cpu:0,cpu:1) or start the job with mpiexec")
+            raise PurinecError(f"parallel {strategy} needs several devices: give devices "
+                               f"(--devices), e.g. cpu:0,cpu:1, or start the job with "
+                               f"mpiexec")
         devices = [Device("cpu", 0, r) for r in range(size)]
     spread = Parallel(as_devices(devices), strategy or "data", micro_batches)
     if len(spread.devices) > 1:
@@ -686,10 +737,18 @@ def parallel_plan(devices: Any, strategy: str | None,
 
 
 def as_devices(devices: Any) -> tuple[Device, ...]:
-    """compile()'s ``devices``: "cpu:0,cpu:1", a count, or Device objects."""
-    if isinstance(devices, (str, int)):
+    """compile()'s ``devices``: "cpu:0,cpu:1", a count, or a sequence of Device objects
+    or their names."""
+    if isinstance(devices, str) or (isinstance(devices, int) and not isinstance(devices,
+                                                                                bool)):
         return parse_devices(str(devices))
-    return tuple(devices)
+    if isinstance(devices, (list, tuple)) and devices:
+        if all(isinstance(d, Device) for d in devices):
+            return tuple(devices)
+        if all(isinstance(d, str) for d in devices):
+            return parse_devices(",".join(devices))
+    raise PurinecError(f"devices={devices!r}: give a count, a string such as "
+                       f"\"cpu:0,cpu:1\", or a list of Device objects or device names")
 
 
 def load(path: str | os.PathLike, target: str | None = None, trace: Any = None) -> Program:

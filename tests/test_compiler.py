@@ -1,5 +1,7 @@
 """compile(), Program and the reference target, end to end."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -133,6 +135,41 @@ def test_run_returns_logits_and_keeps_params():
         np.testing.assert_array_equal(v, before[k])
 
 
+@pytest.mark.parametrize("target", ["reference", "cpu"])
+def test_views_of_params_and_state_follow_training(target):
+    program = purinec.compile("mlp", train=purinec.SGD(lr=0.1), batch=4, target=target,
+                              input_shape=(1, 2, 2), num_classes=3)
+    names = list(program.params) + list(program.state)
+    views = {name: (program.params if name in program.params else program.state)[name]
+             for name in names}
+    first = {name: view.copy() for name, view in views.items()}
+    rng = np.random.default_rng(3)
+    for _ in range(2):
+        program.step({"data": rng.normal(size=(4, 1, 2, 2)), "label": rng.integers(0, 3, 4)})
+    for name, view in views.items():
+        store = program.params if name in program.params else program.state
+        np.testing.assert_array_equal(view, store[name], err_msg=name)
+        assert not np.array_equal(view, first[name]), name  # it did change
+
+
+def test_running_a_training_graph_leaves_params_alone(tmp_path):
+    """A training graph run as it is (a .pir of the fused stage, compiled without
+    train=) computes updates: run drops them, and in-place kernels must not apply them."""
+    stages = {}
+    purinec.compile("mlp", target="cpu", train=purinec.SGD(lr=0.1), batch=4,
+                    input_shape=(1, 2, 2), num_classes=3,
+                    after=lambda stage, graph: stages.setdefault(stage, str(graph)))
+    path = tmp_path / "mlp.fuse.pir"
+    path.write_text(stages["fuse"])
+    program = purinec.compile(str(path), target="cpu")
+    before = {name: array.copy() for name, array in program.params.items()}
+    rng = np.random.default_rng(4)
+    feeds = {"data": rng.normal(size=(4, 1, 2, 2)), "label": rng.integers(0, 3, 4)}
+    assert program.run(feeds)["loss"] == program.run(feeds)["loss"]
+    for name, array in program.params.items():
+        np.testing.assert_array_equal(array, before[name], err_msg=name)
+
+
 def test_feeds_are_checked():
     program = purinec.compile("mlp", batch=4, input_shape=(1, 2, 2), num_classes=3)
     with pytest.raises(ExecutionError, match="missing data"):
@@ -143,6 +180,13 @@ def test_feeds_are_checked():
         program.run({"data": np.zeros((4, 1, 2, 2)), "extra": 1})
     with pytest.raises(PurinecError, match="compiled for inference"):
         program.step({"data": np.zeros((4, 1, 2, 2)), "label": np.zeros(4, np.int32)})
+    trainable = purinec.compile("mlp", train=purinec.SGD(), batch=4, input_shape=(1, 2, 2),
+                                num_classes=3)
+    x = np.random.default_rng(5).normal(size=(4, 1, 2, 2))
+    with pytest.raises(ExecutionError, match=r"input label: values from 0 to 4294967299 do "
+                                             r"not fit i32\[4\]"):
+        trainable.step({"data": x, "label": np.array([0, 1, 2, 2**32 + 3])})
+    assert np.isfinite(trainable.step({"data": x, "label": np.array([0, 1, 2, 1], np.int64)}))
 
 
 def test_params_can_be_set_and_are_checked():
@@ -162,6 +206,44 @@ def test_params_can_be_set_and_are_checked():
     assert str(raised.value).startswith("no parameter named 'ip3.wieght'; the program has "
                                         "ip1.weight, ip1.bias")
     assert program.params.get("ip3.wieght") is None and "ip3.wieght" not in program.params
+
+
+def test_arguments_of_the_wrong_kind_get_errors_that_say_what_to_give(tmp_path):
+    from purinec.bigraph import Blob, InnerProduct, Net
+
+    for kwargs, message in [
+            ({"train": True}, "train=True: give purinec.SGD"),
+            ({"devices": 2.0}, "devices=2.0: give a count"),
+            ({"devices": ["cpu:0", 1]}, "a list of Device objects or device names"),
+            ({"trace": 3, "target": "cpu"}, "trace=3: give a purinec.runtime.trace.Trace")]:
+        with pytest.raises(PurinecError, match=re.escape(message)):
+            purinec.compile("mlp", batch=2, **kwargs)
+    two = purinec.compile("mlp", batch=2, devices=["cpu:0", "cpu:1"])
+    assert [str(d) for d in two.devices] == ["cpu:0", "cpu:1"]
+    with pytest.raises(PurinecError, match="SGD: lr must be a number, got '0.1'"):
+        purinec.SGD(lr="0.1")
+    program = purinec.compile("mlp", batch=2, input_shape=(1, 2, 2), num_classes=3)
+    with pytest.raises(ExecutionError, match="feeds: give a dict of input name -> array "
+                                             r"\(graph mlp takes data\), got a ndarray"):
+        program.run(np.zeros((2, 1, 2, 2)))
+    for bad in (np.array(["a"] * 3), np.ones(3, complex)):
+        with pytest.raises(PurinecError, match=f"parameter ip3.bias is float32, got an array "
+                                               f"of {bad.dtype}"):
+            program.params["ip3.bias"] = bad
+    program.params["ip3.bias"] = [1, 2, 3]  # integers become floats
+    assert program.params["ip3.bias"].tolist() == [1.0, 2.0, 3.0]
+    with Net("tiny") as net:
+        net.outputs = [Blob("data", (2, 3)) >> InnerProduct("ip", 4) >> Blob("out")]
+    with pytest.raises(PurinecError, match="a Net has fixed shapes; batch and model options"):
+        purinec.compile(net, batch=8)
+    latin = tmp_path / "latin.pir"
+    latin.write_bytes(b"graph g() {\n  return  # caf\xe9\n}\n")
+    with pytest.raises(PurinecError, match=r"latin\.pir is not IR text \(byte 27 is not "
+                                           r"UTF-8\)"):
+        purinec.compile(str(latin))
+    with pytest.raises(PurinecError, match="a.purine is a compiled artifact: load it with "
+                                           "purinec.load"):
+        purinec.compile(str(tmp_path / "a.purine"))
 
 
 def test_unknown_target_is_refused():

@@ -137,6 +137,9 @@ class Executable:
                  may_alias: Callable[[Node, Value, Value], bool] = may_alias, workers: int = 1,
                  trace: Trace | None = None, order: random.Random | None = None,
                  worker_init: Callable[[Lane], None] | None = None):
+        if trace is not None and not isinstance(trace, Trace):
+            raise PurinecError(f"trace={trace!r}: give a purinec.runtime.trace.Trace, or "
+                               f"None")
         self.graph = graph
         self.plan = Plan(graph, kernels, schedule, may_alias)
         self.executor = CountingExecutor(self.plan, workers, worker_init)

@@ -73,7 +73,8 @@ def check_micro_batches(micro_batches: int, strategy: str | None) -> None:
     """Micro-batches cut the batch of a pipeline only; any other layout has none."""
     if strategy != "pipeline":
         raise PurinecError(f"micro-batches ({micro_batches}) go with the pipeline strategy "
-                           f"only, not {strategy or 'one device'} (--parallel pipeline)")
+                           f"only, not {strategy or 'one device'} (parallel=\"pipeline\", --parallel "
+                           f"pipeline)")
     if micro_batches < 1:
         raise PurinecError(f"micro-batches must be at least 1, got {micro_batches}")
 
@@ -115,7 +116,7 @@ def parse_devices(text: str) -> tuple[Device, ...]:
     try:
         return tuple(Device.parse(part) for part in text.split(","))
     except ValueError as err:
-        raise PurinecError(f"--devices {text}: {err}") from None
+        raise PurinecError(f"devices {text!r}: {err}") from None
 
 
 def parallelize(graph: Graph, parallel: Parallel) -> Graph:
