@@ -496,6 +496,12 @@ def test_bad_arguments():
         Blob("x", dtype="f16")
     with pytest.raises(ModelError, match="role must be"):
         Blob("x", role="weights")
+    with pytest.raises(ModelError, match=r"^blob w \(.*test_bigraph.py:\d+\): unknown "
+                                         r"initializer 'xavir'; use one of"):
+        Blob("w", (2, 2), role="param", init="xavir")
+    with pytest.raises(ModelError, match=r"^blob fc\.weight .*'gaussian\(x\)': 'x' is not a "
+                                         r"number"):
+        Blob("data", (2, 3)) >> InnerProduct("fc", 4, weight_init="gaussian(x)")
     with pytest.raises(ModelError, match="unknown device kind 'tpu'"):
         Location(kind="tpu")
     with pytest.raises(ModelError, match="num_output .* not divisible by groups"):

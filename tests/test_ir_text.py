@@ -218,7 +218,7 @@ def test_float_attrs_round_trip(value):
 
 def test_strings_and_locs_round_trip():
     g = Graph("s")
-    x = g.add_input("x", T(F32, 2), role="param", init='uniform("a\\b")\n\ttab é ∑ \x01')
+    x = g.add_input("x", T(F32, 2), init='uniform("a\\b")\n\ttab é ∑ \x01')  # free text
     y = g.add_input("y", T(F32, 2), init="from-file")  # a data input with an init
     z = g.add_node("add", [x, y], loc=' leading space, "#" and # inside é').outputs[0]
     g.set_outputs([("z", z)])
@@ -314,7 +314,10 @@ any_floats = st.one_of(st.floats(), st.sampled_from([1e-300, -1e300, 5e-324, 1e-
 locs = st.one_of(st.none(), st.text(
     st.characters(blacklist_characters="\n\r", blacklist_categories=("Cs",)),
     max_size=24).filter(lambda s: s == s.rstrip(" \t")))
-inits = st.one_of(st.none(), st.text(max_size=16))
+inits = st.one_of(st.none(), st.text(max_size=16))  # a data input's: free text
+fillers = st.one_of(st.none(), st.sampled_from(["xavier", "msra"]),
+                    st.builds("constant({})".format, st.floats(-2, 2)),
+                    st.builds("gaussian({})".format, st.floats(0, 1)))
 float_dtypes = st.sampled_from([F32, F64])
 
 
@@ -352,7 +355,8 @@ class _Builder:
         role = draw(st.sampled_from(["data", "param", "state"]))
         return self.g.add_input(self.fresh(), ty, draw(devices), role,
                                 draw(dists_for(ty.rank)),
-                                draw(inits) if role != "data" or draw(st.booleans()) else None)
+                                draw(fillers) if role != "data"
+                                else draw(inits) if draw(st.booleans()) else None)
 
     def value(self, pred=lambda t: t.dtype.is_float, make=None):
         """An existing value whose type satisfies pred, or a new input."""
@@ -552,6 +556,7 @@ BAD = [
     ("@cpu:0,\n    %w", "@tpu:0,\n    %w", "tpu", ["unknown device kind 'tpu'"]),
     ("f32[2,3] @cpu:0,", "f32[2,-3] @cpu:0,", "-3", ["a dimension", "-3"]),
     ("{param, init", "{weights, init", "weights", ["unknown input role 'weights'"]),
+    ('init="xavier"', 'init="xavir"', '"xavir"', ["unknown initializer 'xavir'", "msra"]),
     ("f32[2,1] @cpu:0,", "f32[2,1] @cpu:0 ~ sharded[cpu:0],", "sharded",
      ["unknown distribution 'sharded'"]),
     ("%x: f32", "x: f32", "x: f32", ["expected a graph input", "'x'"]),

@@ -272,6 +272,14 @@ def test_input_role():
     fails(g, "graph input %x", "role None")
 
 
+def test_input_init():
+    g = mlp()
+    g.input("w").init = "xavir"
+    fails(g, "graph input %w", "unknown initializer 'xavir'")
+    g.input("w").init = 0.1
+    fails(g, "graph input %w", "has init 0.1; it must be a string or None")
+
+
 def test_value_names():
     g = mlp()
     node(g, "act").outputs[0].name = "1act"

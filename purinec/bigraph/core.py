@@ -28,8 +28,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from purinec.errors import ModelError, ShapeError, UnknownOpError
+from purinec.errors import ModelError, PurinecError, ShapeError, UnknownOpError
 from purinec.ir.graph import NAME_RE
+from purinec.ir.init import parse_init
 from purinec.ir.types import DEVICE_KINDS, Device, DType
 
 # One path component: the full hierarchical name (``inc3a.1x1.weight``) must also match
@@ -279,6 +280,11 @@ class Blob(Element):
         if init is not None and role not in ("param", "state"):
             raise ModelError(f"blob {self.path}{self._at()}: only params and state take an "
                              f"init, not role {role!r}")
+        if init is not None:
+            try:
+                parse_init(init)
+            except PurinecError as err:
+                raise ModelError(f"blob {self.path}{self._at()}: {err}") from None
         self.shape = shape
         self.role = role
         self.init = init

@@ -28,6 +28,8 @@ _KINDS = _KINDS_WITH_ARG | {"xavier", "msra"}
 
 def parse_init(spec: str) -> tuple[str, float | None]:
     """Split ``gaussian(0.01)`` into ("gaussian", 0.01); raise on anything else."""
+    if not isinstance(spec, str):
+        raise PurinecError(f"initializer {spec!r} is not a string such as 'xavier'")
     m = _INIT_RE.match(spec.strip())
     kind = m and m["kind"]
     if not m or kind not in _KINDS or (kind in _KINDS_WITH_ARG) != (m["arg"] is not None):

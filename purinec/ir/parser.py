@@ -38,8 +38,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from purinec.errors import IRSyntaxError, UnknownOpError, VerifyError
+from purinec.errors import IRSyntaxError, PurinecError, UnknownOpError, VerifyError
 from purinec.ir.graph import FUSED, INPUT_ROLES, NAME_RE, Graph, Node, Value
+from purinec.ir.init import parse_init
 from purinec.ir.types import DEVICE_KINDS, Device, Distribution, DistKind, DType, TensorType
 
 # -- tokens -----------------------------------------------------------------------------
@@ -352,7 +353,13 @@ class _Parser:
                 self.next()
                 self.expect_keyword("init", "after the role")
                 self.expect_punct("=", "after 'init'")
-                init = self.expect(STRING, "a quoted init string").value
+                init_tok = self.expect(STRING, "a quoted init string")
+                init = init_tok.value
+                try:  # (a data input's init is free text: nothing reads it)
+                    if role != "data":
+                        parse_init(init)
+                except PurinecError as err:
+                    raise self.error(str(err), init_tok) from None
             self.expect_punct("}", "to close the input's role")
         value = self.graph.add_input(name, ty, device, role, dist, init)
         self.defined[name] = value

@@ -27,8 +27,9 @@ from typing import Any
 
 import networkx as nx
 
-from purinec.errors import ShapeError, UnknownOpError, VerifyError
+from purinec.errors import PurinecError, ShapeError, UnknownOpError, VerifyError
 from purinec.ir.graph import FUSED, INPUT_ROLES, NAME_RE, Graph, Node, Value, external_inputs
+from purinec.ir.init import parse_init
 from purinec.ir.types import DEVICE_KINDS, Device, Distribution, TensorType
 
 
@@ -105,6 +106,11 @@ class _Verifier:
                               f"it a node output)")
         if value.init is not None and not isinstance(value.init, str):
             raise VerifyError(f"{what} has init {value.init!r}; it must be a string or None")
+        if value.init is not None and value.role in ("param", "state"):
+            try:  # (a data input's init is free text: nothing reads it)
+                parse_init(value.init)
+            except PurinecError as err:
+                raise VerifyError(f"{what}: {err}") from None
         self.define(value, what)
 
     # -- nodes ----------------------------------------------------------------------
