@@ -16,7 +16,7 @@ from purinec.ir.graph import Graph, Value
 from purinec.ir.init import initial_value
 from purinec.ir.ops import spans_ranks
 from purinec.ir.parser import parse
-from purinec.ir.types import Device, Distribution, DType
+from purinec.ir.types import Device, Distribution, DType, TensorType
 from purinec.ir.verify import verify
 from purinec.passes.autodiff import autodiff
 from purinec.passes.fuse import fuse
@@ -366,6 +366,14 @@ class TensorStore(MutableMapping):
     def __iter__(self) -> Iterator[str]:
         return iter(self._arrays)
 
+    def __repr__(self) -> str:
+        return (f"<{self._kind} arrays: "
+                f"{', '.join(map(self._describe, self._arrays)) or 'none'}>")
+
+    def _describe(self, name: str) -> str:
+        array = self._arrays[name]
+        return f"{name} {TensorType(array.shape, DType.from_numpy(array.dtype))}"
+
     def __len__(self) -> int:
         return len(self._arrays)
 
@@ -601,6 +609,12 @@ class Program:
             if close is not None:
                 close()
 
+    def __repr__(self) -> str:
+        graphs = (self.ir.name if self.eval_ir is self.ir
+                  else f"{self.ir.name} and {self.eval_ir.name}")
+        return (f"<Program {graphs}, target {self.target}, on "
+                f"{','.join(map(str, self.devices))}, {len(self.params)} parameter(s)>")
+
     def __enter__(self) -> "Program":
         return self
 
@@ -684,7 +698,8 @@ def compile(model: Any, target: str = "reference", train: SGD | None = None, *,
 
 def _warn_if_idle(spread: Parallel, program: Program) -> None:
     """Say so when the layout leaves some of the devices asked for without work (a
-    pipeline gets at most one stage per layer): they would sit idle, and under mpiexec
+    pipeline cuts stages between layers by their work, so an uneven model may leave
+    devices over): they would sit idle, and under mpiexec
     a rank holding only idle devices merely waits for the others."""
     used = set(program.devices)
     idle = [d for d in spread.devices if d not in used]
@@ -693,8 +708,8 @@ def _warn_if_idle(spread: Parallel, program: Program) -> None:
             f"{spread.strategy} parallelism puts {program.eval_ir.name} on {len(used)} of the "
             f"{len(spread.devices)} devices given; {', '.join(map(str, idle))} "
             f"{'gets' if len(idle) == 1 else 'get'} no work"
-            + (": the model has too few layers for that many stages"
-               if spread.strategy == "pipeline" else "")), stacklevel=3)
+            + (": its layers' work cuts into fewer stages of about equal work (a layer "
+               "is never split)" if spread.strategy == "pipeline" else "")), stacklevel=3)
 
 
 def _pinned_to(graph: Graph, spread: Parallel) -> Parallel:

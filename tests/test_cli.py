@@ -478,8 +478,9 @@ def test_a_pipeline_longer_than_the_model_warns_in_one_line(tmp_path, capsys):
     used = re.search(r"on (\d) devices \((\S+)\)", result.stdout)
     idle = [f"cpu:{i}" for i in range(6) if f"cpu:{i}" not in used[2].split(",")]
     assert result.stderr == (f"purinec: warning: pipeline parallelism puts mlp on {used[1]} "
-                             f"of the 6 devices given; {', '.join(idle)} get no work: the "
-                             f"model has too few layers for that many stages\n")
+                             f"of the 6 devices given; {', '.join(idle)} get no work: its "
+                             f"layers' work cuts into fewer stages of about equal work (a "
+                             f"layer is never split)\n")
 
 
 def test_dump_parallel_stages_explain_each_collective(capsys):

@@ -246,6 +246,16 @@ def test_arguments_of_the_wrong_kind_get_errors_that_say_what_to_give(tmp_path):
         purinec.compile(str(tmp_path / "a.purine"))
 
 
+def test_programs_and_their_arrays_say_what_they_are():
+    program = purinec.compile("mlp", train=purinec.SGD(), batch=4, input_shape=(1, 2, 2),
+                              num_classes=3)
+    assert repr(program) == ("<Program mlp.train and mlp, target reference, on cpu:0, "
+                             "6 parameter(s)>")
+    assert repr(program.params).startswith("<parameter arrays: ip1.weight f32[512,4], "
+                                           "ip1.bias f32[512], ")
+    assert repr(program.state).startswith("<state arrays: ip1.weight.history f32[512,4]")
+
+
 def test_unknown_target_is_refused():
     with pytest.raises(PurinecError, match="unknown target 'tpu'"):
         purinec.compile("mlp", target="tpu")

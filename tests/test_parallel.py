@@ -477,8 +477,8 @@ def test_a_pipeline_longer_than_the_model_says_which_devices_sit_idle():
     assert 1 < len(used) < 6
     assert str(warned[0].message) == (
         f"pipeline parallelism puts mlp on {len(used)} of the 6 devices given; "
-        f"{', '.join(idle)} {'gets' if len(idle) == 1 else 'get'} no work: the model has "
-        f"too few layers for that many stages")
+        f"{', '.join(idle)} {'gets' if len(idle) == 1 else 'get'} no work: its layers' "
+        f"work cuts into fewer stages of about equal work (a layer is never split)")
     with warnings.catch_warnings():
         warnings.simplefilter("error", PurinecWarning)  # every device works: no warning
         purinec.compile("mlp", batch=8, devices=2, parallel="pipeline")
