@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import warnings
 from collections.abc import MutableMapping
@@ -465,6 +466,8 @@ class Program:
         self._run_eval = (self._run_main if self.eval_ir is graph
                           else self._executable(self.eval_ir, trace))
         self.last_outputs: dict[str, np.ndarray] = {}  # of the latest step
+        if self.trainable:
+            _warn_if_frozen(graph, self.params)
         self._partial_weights = False  # weights split over ranks, not gathered since
 
     @classmethod
@@ -629,6 +632,23 @@ def _check_fits(v: Value, array: np.ndarray, limits: np.iinfo) -> None:
     if low < limits.min or high > limits.max:
         raise ExecutionError(f"input {v.name}: values from {low} to {high} do not fit "
                              f"{v.type} ({limits.min} to {limits.max})")
+
+
+def _warn_if_frozen(graph: Graph, params: TensorStore) -> None:
+    """A training graph updates a parameter by returning an output of its name; say so
+    when some are left out (a misspelt output name in a .pir file, most likely)."""
+    outputs = [name for name, _ in graph.outputs]
+    frozen = [name for name in params if name not in outputs]
+    if not frozen:
+        return
+    spare = [name for name in outputs if name not in params]
+    hints = [f"output {close[0]} for {name}?" for name in frozen
+             for close in [difflib.get_close_matches(name, spare, n=1)] if close]
+    warnings.warn(PurinecWarning(
+        f"graph {graph.name} updates some parameters but leaves {', '.join(frozen)} as "
+        f"{'it is' if len(frozen) == 1 else 'they are'}: no output has "
+        f"{'its' if len(frozen) == 1 else 'their'} name"
+        + (f" (did you mean {' '.join(hints)})" if hints else "")), stacklevel=4)
 
 
 def _check_variables_stay(graph: Graph, eval_graph: Graph) -> None:

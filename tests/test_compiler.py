@@ -281,6 +281,22 @@ def test_pir_file_compiles_and_trains_like_the_model(tmp_path):
     assert evaluate(from_file, x, y, batch=4) == evaluate(from_zoo, x, y, batch=4)
 
 
+def test_a_training_pir_that_leaves_a_parameter_out_says_so(tmp_path):
+    stages = {}
+    purinec.compile("mlp", train=purinec.SGD(), batch=4, input_shape=(1, 2, 2),
+                    num_classes=3, after=lambda stage, graph: stages.setdefault(stage, graph))
+    text = str(stages["optimizer"])
+    assert "ip1.weight=%ip1.weight.next" in text
+    path = tmp_path / "misspelt.pir"
+    path.write_text(text.replace("ip1.weight=%ip1.weight.next", "ip1.wieght=%ip1.weight.next"))
+    with pytest.warns(purinec.PurinecWarning) as warned:
+        program = purinec.compile(str(path))
+    assert str(warned[0].message) == (
+        "graph mlp.train updates some parameters but leaves ip1.weight as it is: no output "
+        "has its name (did you mean output ip1.wieght for ip1.weight?)")
+    assert program.trainable
+
+
 def test_a_trace_goes_to_targets_that_record_them(monkeypatch):
     """A target that records traces gets the trace; Program.close (or leaving a with
     block) lets it finish. Others refuse a trace instead of ignoring it."""
