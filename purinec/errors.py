@@ -62,6 +62,10 @@ class DataError(PurinecError):
     """A data set that cannot be found or read."""
 
 
+class TrainingError(PurinecError):
+    """Training cannot go on: the loss stopped being a finite number."""
+
+
 class ArtifactError(PurinecError):
     """A `.purine` artifact (or an output file) that cannot be written, or a file that is
     not a whole, untampered artifact this purinec can read."""

@@ -11,7 +11,7 @@ import numpy as np
 
 from purinec.compiler import Program, load
 from purinec.data import Dataset, batches
-from purinec.errors import ArtifactError, DataError
+from purinec.errors import ArtifactError, DataError, TrainingError
 
 
 @dataclass
@@ -75,8 +75,11 @@ def train(program: Program, data: Dataset, epochs: int, batch: int, seed: int = 
         # loss shown with each step would redraw the stale count.
         bar = tqdm(total=steps, desc=f"epoch {epoch}/{epochs}", unit="step",
                    disable=not progress, leave=False)
-        for bx, by in batches(data.train_x, data.train_y, batch, rng):
+        for step, (bx, by) in enumerate(batches(data.train_x, data.train_y, batch, rng), 1):
             losses.append(program.step({"data": bx, "label": by}))
+            if not np.isfinite(losses[-1]):
+                bar.close()
+                raise _diverged(losses[-1], bx, f"epoch {epoch}, step {step} of {steps}")
             if "accuracy" in program.last_outputs:
                 accuracies.append(float(program.last_outputs["accuracy"]))
             bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
@@ -89,6 +92,15 @@ def train(program: Program, data: Dataset, epochs: int, batch: int, seed: int = 
         if on_epoch_end is not None:
             on_epoch_end(result.epochs[-1])
     return result
+
+
+def _diverged(loss: float, inputs: np.ndarray, where: str) -> TrainingError:
+    """Why the loss is not a number, where the inputs can tell; said before the epoch
+    ends, so no checkpoint of the broken weights is written."""
+    why = ("the batch holds non-finite inputs: clean the data" if not np.isfinite(inputs).all()
+           else "training diverged: try a smaller --lr (learning rate)")
+    return TrainingError(f"the training loss is {loss} at {where}; {why}. Stopped before "
+                         f"the epoch's end, so no checkpoint holds these weights")
 
 
 @dataclass(frozen=True)

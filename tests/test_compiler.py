@@ -83,6 +83,28 @@ def test_mlp_reaches_90_percent_on_digits():
     assert result.epochs[-1].loss < result.epochs[0].loss
 
 
+def test_training_stops_when_the_loss_is_no_longer_a_number():
+    from purinec.data import Dataset
+    from purinec.errors import TrainingError
+
+    rng = np.random.default_rng(6)
+    x, y = rng.normal(size=(40, 1, 2, 2)), rng.integers(0, 3, 40)
+    ended = []
+    for lr, dirty, why in [(1e30, False, "training diverged: try a smaller --lr"),
+                           (0.1, True, "the batch holds non-finite inputs")]:
+        train_x = x.copy()
+        if dirty:
+            train_x[7, 0, 1, 1] = np.nan
+        data = Dataset("tiny", train_x, y, x[:8], y[:8], 3)
+        program = purinec.compile("mlp", train=purinec.SGD(lr=lr), batch=8,
+                                  input_shape=(1, 2, 2), num_classes=3)
+        with pytest.raises(TrainingError, match=r"the training loss is (nan|inf) at epoch 1, "
+                                                r"step \d of 5; " + re.escape(why)), \
+                np.errstate(all="ignore"):  # (NumPy's overflow warnings on the way there)
+            train(program, data, epochs=3, batch=8, progress=False, on_epoch_end=ended.append)
+    assert ended == []  # no epoch ended: a checkpoint would have held broken weights
+
+
 def _round_trip_check(name: str, seen: list[str]):
     """A stage hook: the IR of every stage parses back to the same text; the stages
     are noted in ``seen``."""
