@@ -121,7 +121,7 @@ def test_no_two_live_values_overlap(seed, n_nodes, n_devices):
 def test_variables_updated_in_place_only_when_safe(seed):
     graph = random_graph(seed, 12, 2)
     memory = plan_memory(graph)
-    position = {node: i for i, node in enumerate(graph.nodes)}
+    position = {node: i for i, node in enumerate(memory.schedule)}
     for cls in memory.classes:
         if cls.storage == EXTERNAL and cls.external is not cls.root:
             variable = memory.class_of[cls.external]
@@ -163,12 +163,26 @@ def test_sgd_updates_the_params_own_array():
         expected = execute(graph, copied(env))
 
 
+def test_an_update_moves_after_the_variables_last_reader_to_be_made_in_place():
+    graph = sgd_graph(late_reader=True)
+    sgd, late = graph.nodes[2], graph.nodes[3]
+    memory = plan_memory(graph)
+    assert memory.schedule == graph.nodes[:2] + [late, sgd]
+    assert {o.name: o.mode for o in memory.outputs}["w"] == VARIABLE
+    exe = Executable(graph, reference_kernels(graph))
+    env = random_env(graph)
+    expected = execute(graph, copied(env))
+    outputs = exe(env)
+    assert outputs["w"] is env["w"]
+    assert_same(expected, outputs)  # the late reader saw the old weight
+
+
 def test_an_unsafe_update_gets_a_fresh_array():
     graph = sgd_graph(late_reader=True)
-    memory = plan_memory(graph)
+    memory = plan_memory(graph, graph.nodes)  # the update before a reader of the old weight
     modes = {o.name: o.mode for o in memory.outputs}
     assert modes["w"] == FRESH and modes["w.history"] == VARIABLE
-    exe = Executable(graph, reference_kernels(graph))
+    exe = Executable(graph, reference_kernels(graph), schedule=graph.nodes)
     env = random_env(graph)
     w_before = env["w"].copy()
     expected = execute(graph, copied(env))

@@ -170,6 +170,40 @@ def _bytes(n: int) -> str:
     return f"{n / 1024 ** 2:.1f} MiB"
 
 
+def updates_after_readers(graph: Graph) -> list[Node]:
+    """Graph order, except that a node making a variable's next value that no node reads
+    moves to just after the variable's last other reader (a view's readers included):
+    the update may then be written over the variable in place (`_updates_in_place`).
+    A fused weight gradient + SGD node comes before the matrix product that reads the
+    same weight for the data gradient; in that order the new weight needed a fresh
+    array every step, and a copy into the program's own."""
+    order = list(graph.nodes)
+    read = {v for node in order for v in node.inputs}
+    variables = {v.name: v for v in graph.inputs if v.role in VARIABLE_ROLES}
+    for name, value in graph.outputs:
+        writer = next((n for n in order if value in n.outputs), None)
+        variable = variables.get(name)
+        if writer is None or variable is None or any(v in read for v in writer.outputs):
+            continue
+        aliases = _aliases(order, variable)
+        last = max((i for i, node in enumerate(order)
+                    if node is not writer and any(v in aliases for v in node.inputs)),
+                   default=-1)
+        if last > order.index(writer):
+            order.remove(writer)
+            order.insert(last, writer)  # (after the removal, ``last`` is one lower)
+    return order
+
+
+def _aliases(order: list[Node], variable: Value) -> set[Value]:
+    """``variable`` and the views of it (and of those) that nodes make."""
+    aliases = {variable}
+    for node in order:
+        if is_view(node) and node.inputs[0] in aliases:
+            aliases.add(node.outputs[0])
+    return aliases
+
+
 def check_schedule(graph: Graph, schedule: Sequence[Node] | None) -> list[Node]:
     """The schedule as a list: every node of the graph once, each after its inputs."""
     if schedule is None:
@@ -191,9 +225,11 @@ def check_schedule(graph: Graph, schedule: Sequence[Node] | None) -> list[Node]:
 def plan_memory(graph: Graph, schedule: Sequence[Node] | None = None,
                 may_alias: Callable[[Node, Value, Value], bool] = may_alias) -> MemoryPlan:
     """Assign every value of ``graph`` its memory for running ``schedule`` (a topological
-    order of all its nodes; default: graph order). ``may_alias(node, output, input)``
-    says whether a node may write an output over an input (default: `may_alias`)."""
-    schedule = check_schedule(graph, schedule)
+    order of all its nodes; default: `updates_after_readers`). ``may_alias(node, output,
+    input)`` says whether a node may write an output over an input (default:
+    `may_alias`)."""
+    schedule = check_schedule(graph, updates_after_readers(graph) if schedule is None
+                              else schedule)
     classes, class_of = _alias_classes(graph, schedule)
     hazards: set[tuple[Node, Node]] = set()
     _place_variable_updates(graph, schedule, class_of, may_alias, hazards)
