@@ -124,8 +124,9 @@ class Checkpoint:
         saved = program.metadata.get("checkpoint")
         if not isinstance(saved, dict):
             raise ArtifactError(f"{os.fspath(path)} is an artifact but not a checkpoint (its "
-                                "manifest has no epoch); to train from its weights, pass it "
-                                "as the MODEL instead of --resume")
+                                "manifest has no epoch); to train from its weights, give it "
+                                "to purinec train as the MODEL (not --resume), or use "
+                                "purinec.load")
         fields = {"epoch": int, "seed": int, "data": str}
         if set(saved) != set(fields) or any(type(saved[k]) is not t for k, t in fields.items()):
             raise ArtifactError(f"{os.fspath(path)}: the checkpoint entry of its manifest is "
