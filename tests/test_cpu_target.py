@@ -105,3 +105,15 @@ def test_trace_has_one_event_per_kernel(tmp_path):
     spans = [e for e in events if e["ph"] == "X"]
     assert len(spans) == len(kernels)
     assert all(e["dur"] >= 0 for e in spans)
+
+
+@pytest.mark.parametrize("target", ["reference", "cpu"])
+def test_a_label_outside_the_classes_is_named_with_its_row(target):
+    program = purinec.compile("mlp", target=target, train=purinec.SGD(), batch=4,
+                              input_shape=(1, 2, 2), num_classes=3)
+    feeds = {"data": np.random.default_rng(7).normal(size=(4, 1, 2, 2)),
+             "label": np.array([0, 1, 5, 1])}
+    with pytest.raises(purinec.PurinecError, match=r"softmax_xent\(%logits, %label\).* "
+                                                   r"failed: ValueError: label 5 at row 2 is "
+                                                   r"outside \[0, 3\)"):
+        program.step(feeds)

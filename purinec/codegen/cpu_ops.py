@@ -337,7 +337,9 @@ def _checked_label(m: KernelModule, node: Node, label: str, row: str, classes: i
     b, name = m.body, m.fresh("cls")
     b.line(f"{name} = {label}[{row}]")
     with b.block(f"if {name} < 0 or {name} >= {classes}:"):
-        b.line(f'raise ValueError("{node.op}: a label is outside [0, {classes})")')
+        # (Numba raises with the values in the arguments; the runtime joins them.)
+        b.line(f'raise ValueError("label", {name}, "at row", {row}, "is outside '
+               f'[0, {classes})")')
     return name
 
 

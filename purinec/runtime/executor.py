@@ -116,6 +116,15 @@ def _test(pending: Pending, idle: bool) -> bool:
 # worker's thread rather than take the time of the compute worker that released it.
 
 
+def kernel_message(err: BaseException) -> str:
+    """What ``err`` says. A generated kernel raises with its values as further arguments
+    (Numba cannot format strings): ``ValueError("label", 5, "at row", 2, ...)`` reads
+    "label 5 at row 2 ..."."""
+    if len(err.args) > 1:
+        return " ".join(map(str, err.args))
+    return str(err)
+
+
 class Executable:
     """A graph compiled to tasks: ``exe(env) -> outputs`` (the contract's executable).
 
@@ -232,7 +241,7 @@ class CountingExecutor:
 
     def _failure(self, index: int, err: BaseException) -> ExecutionError:
         return ExecutionError(f"{self.tasks[index].describe()} failed: "
-                              f"{type(err).__name__}: {err}")
+                              f"{type(err).__name__}: {kernel_message(err)}")
 
     def _run_task(self, index: int) -> None:
         """Run a task on the calling thread to completion."""
