@@ -649,7 +649,7 @@ def cmd_train(args) -> int:
     if not args.resume:
         program, data = _training_program(args, data_spec, data, seed, trace)
     data = _built_in_data_for(program, data_spec, data)
-    _check_fits(program, data)
+    _check_fits(program, data, args.resume or args.model)
     batch = program.ir.input("data").type.shape[0]
 
     def end_of_epoch(e):
@@ -728,6 +728,7 @@ def _training_program(args, data_spec: str, data, seed, trace=None):
     for its layers) comes at the model's default input shape instead."""
     from purinec.compiler import compile, load
     from purinec.errors import ShapeError
+    from purinec.models.loader import offered_args
 
     start = time.perf_counter()
     if _is_artifact(args.model):
@@ -738,12 +739,14 @@ def _training_program(args, data_spec: str, data, seed, trace=None):
                                "`purinec compile MODEL --train -o FILE.purine` to train it")
         what = "loaded"
     else:
+        solver = None if _is_training_pir(args) else _sgd(args)
+
         def compiled(data):
             model_kwargs = {}
-            if not args.model.endswith(".pir"):
-                model_kwargs = {"input_shape": data.input_shape,
-                                "num_classes": data.num_classes}
-            return compile(args.model, target=args.target or DEFAULT_TARGET, train=_sgd(args),
+            if not args.model.endswith(".pir"):  # the data set's, where build() takes them
+                model_kwargs = offered_args(args.model, {"input_shape": data.input_shape,
+                                                         "num_classes": data.num_classes})
+            return compile(args.model, target=args.target or DEFAULT_TARGET, train=solver,
                            batch=args.batch, seed=seed, trace=trace,
                            **_parallel_kwargs(args, **model_kwargs), **model_kwargs)
 
@@ -762,6 +765,18 @@ def _training_program(args, data_spec: str, data, seed, trace=None):
           f"{time.perf_counter() - start:.2f} s ({len(program.ir.nodes)} nodes, "
           f"{sum(p.size for p in program.params.values()):,} parameters)")
     return program, data
+
+
+def _is_training_pir(args) -> bool:
+    """Whether MODEL is a .pir file of a whole training iteration (a dump of the
+    optimizer stage or later), which trains as it is, its solver fixed in its IR."""
+    from purinec.compiler import load_source, updated_variables
+
+    if not args.model.endswith(".pir") or not updated_variables(load_source(args.model)):
+        return False
+    _refuse_options(args, SOLVER_OPTIONS, f"{args.model} is a training iteration with its "
+                    f"solver in its IR; edit the sgd nodes' attributes to change it")
+    return True
 
 
 def _default_input_shape(model: str, data_spec: str) -> tuple[int, ...] | None:
@@ -799,23 +814,39 @@ def _resized(data, shape: tuple[int, ...], why: str):
     return resized(data, shape)
 
 
-def _check_fits(program, data) -> None:
-    """The program's data input and logits must fit the data set's images and classes."""
+def _check_fits(program, data, model: str) -> None:
+    """The program's data input and logits must fit the data set's images and classes,
+    and its inference graph must give the logits that evaluating reads."""
     from purinec.errors import DataError
 
     try:
         shape = program.ir.input("data").type.shape
     except KeyError:
         raise DataError(f"{program.ir.name} has no input named data to feed images to") from None
+    if "logits" not in dict(program.eval_ir.outputs):
+        raise DataError(f"{model}: its inference graph has no output named logits, which "
+                        f"the test accuracy reads (it has "
+                        f"{', '.join(n for n, _ in program.eval_ir.outputs) or 'none'}); "
+                        f"name the blob of class scores logits")
     if tuple(shape[1:]) != data.input_shape:
         raise DataError(f"{program.ir.name} takes images of shape {list(shape[1:])}, but "
-                        f"{data.name} has {list(data.input_shape)}; compile the model for "
-                        f"this data set (--input-shape)")
+                        f"{data.name} has {list(data.input_shape)}; "
+                        + _fit_hint(model, "input_shape", "--input-shape C,H,W"))
     classes = _classes(program.eval_ir)
     if classes is not None and classes < data.num_classes:
         raise DataError(f"{program.ir.name} predicts {classes} classes, but {data.name} has "
-                        f"{data.num_classes}; compile the model with --num-classes "
-                        f"{data.num_classes}")
+                        f"{data.num_classes}; "
+                        + _fit_hint(model, "num_classes", f"--num-classes {data.num_classes}"))
+
+
+def _fit_hint(model: str, argument: str, option: str) -> str:
+    """How to make ``model`` fit a data set: train passes the data set's ``argument``
+    to a build() that takes it; a compiled model is compiled again with ``option``."""
+    if model.endswith(".py"):
+        return (f"let build() in {model} take {argument} (train passes the data set's), "
+                f"or fix the model for this data")
+    return (f"compile the model for this data set (purinec compile MODEL {option} --train "
+            f"-o FILE.purine)")
 
 
 def build_parser() -> argparse.ArgumentParser:

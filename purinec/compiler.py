@@ -634,6 +634,13 @@ def _check_fits(v: Value, array: np.ndarray, limits: np.iinfo) -> None:
                              f"{v.type} ({limits.min} to {limits.max})")
 
 
+def updated_variables(graph: Graph) -> list[str]:
+    """The params and state whose next value ``graph`` returns (an output of the name):
+    none for an inference graph, all of them for a training iteration."""
+    names = {v.name for v in graph.inputs_with_role("param", "state")}
+    return [name for name, _ in graph.outputs if name in names]
+
+
 def _warn_if_frozen(graph: Graph, params: TensorStore) -> None:
     """A training graph updates a parameter by returning an output of its name; say so
     when some are left out (a misspelt output name in a .pir file, most likely)."""
@@ -706,6 +713,11 @@ def compile(model: Any, target: str = "reference", train: SGD | None = None, *,
         _check_device_kinds(target, devices, "the devices asked for")
     spread = parallel_plan(devices, parallel, micro_batches)
     source = load_source(model, batch, **model_kwargs)
+    if train is not None and isinstance(source, Graph) and updated_variables(source):
+        raise ModelError(f"graph {source.name} is a training iteration already (it returns "
+                         f"the next {', '.join(updated_variables(source)[:3])}, ...), with "
+                         f"its solver in its IR: compile it without train= (--train; "
+                         f"purinec train trains it as it is)")
     graph = build_graph(source, train, after, target, spread)
     eval_graph = (build_graph(source, None, target=target,
                               parallel=spread and _pinned_to(graph, spread))

@@ -14,6 +14,7 @@ from purinec.bigraph import (LRN, Accuracy, AvgPool, Bias, Blob, Blobs, Concat, 
 from purinec.errors import ModelError, ShapeError
 from purinec.ir.types import Device, DType, TensorType
 from purinec.models import load_model
+from purinec.models.loader import offered_args
 from purinec.passes.lower import lower
 
 HERE = "test_bigraph.py"
@@ -733,7 +734,7 @@ def build(batch, num_classes=3):
 def test_user_model_file(tmp_path):
     path = tmp_path / "tiny.py"
     path.write_text(MODEL_FILE)
-    net = load_model(str(path), batch=5, num_classes=4, input_shape=(1, 2, 3))
+    net = load_model(str(path), batch=5, num_classes=4)
     assert isinstance(net, Net) and net.name == "tiny"
     g = lower(net, "train")
     assert g.output("logits").type.shape == (5, 4)
@@ -750,10 +751,14 @@ def test_user_model_file_default_batch_and_optional_args(tmp_path):
                     "    with Net('m') as net:\n"
                     "        net.outputs = [Blob('data', (batch, 2)) >> ReLU('r')]\n"
                     "    return net\n")
-    net = load_model(str(path), num_classes=7)  # not taken by build: not passed
+    net = load_model(str(path))
     assert lower(net).output("r").type.shape == (3, 2)
-    with pytest.raises(ModelError, match="takes no argument 'dropout'"):
-        load_model(str(path), dropout=0.1)
+    # asked for, an argument build() does not take is refused; offered (as train offers
+    # the data set's shape and classes), it is passed only where build() takes it
+    with pytest.raises(ModelError, match="takes no argument 'num_classes'; it takes batch"):
+        load_model(str(path), num_classes=7)
+    assert offered_args(str(path), {"num_classes": 7, "input_shape": (1, 2)}) == {}
+    assert offered_args("lenet", {"num_classes": 7}) == {"num_classes": 7}
 
 
 def test_user_model_file_errors(tmp_path):

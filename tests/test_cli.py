@@ -594,3 +594,49 @@ def test_a_batch_larger_than_the_training_set_is_refused_before_compiling(capsys
     assert_clean_error(result, "digits has 1438 training images, fewer than one batch of "
                                "5000; use a smaller --batch")
     assert "compiled" not in result.stdout
+
+
+FIVE_CLASSES = """
+from purinec.bigraph import Blob, InnerProduct, Net, SoftmaxWithLoss
+def build(batch=32, input_shape=(1, 8, 8)):
+    with Net("five") as net:
+        data = Blob("data", (batch, *input_shape))
+        label = Blob("label", (batch,), "i32")
+        logits = data >> InnerProduct("ip", 5) >> Blob("logits")
+        net.outputs = [logits, [logits, label] >> SoftmaxWithLoss("loss")]
+    return net
+"""
+
+
+def test_a_model_that_cannot_fit_the_data_says_what_would(tmp_path, capsys):
+    path = tmp_path / "five.py"
+    path.write_text(FIVE_CLASSES)
+    assert_clean_error(purinec_here(capsys, "train", path, "--data", "synthetic"),
+                       "five.train predicts 5 classes, but synthetic has 10; let build() in "
+                       f"{path} take num_classes (train passes the data set's)")
+    # asked for explicitly, an option build() does not take is refused, not dropped
+    assert_clean_error(purinec_here(capsys, "compile", path, "--num-classes", "10", "-o",
+                                    tmp_path / "five.purine"),
+                       f"build() in {path} takes no argument 'num_classes'")
+    path.write_text(FIVE_CLASSES.replace('"logits"', '"scores"').replace("5)", "10)"))
+    result = purinec_here(capsys, "train", path, "--data", "synthetic")
+    assert_clean_error(result, "its inference graph has no output named logits, which the "
+                               "test accuracy reads (it has scores)")
+    assert "epoch" not in result.stdout  # refused before training, not after an epoch
+
+
+def test_a_training_iteration_pir_trains_as_it_is(tmp_path, capsys):
+    pir = tmp_path / "mlp.train.pir"
+    assert purinec_here(capsys, "dump", "mlp", "--train", "--stage", "optimizer", "--batch",
+                        "32", "-o", pir).returncode == 0
+    result = purinec_here(capsys, "train", pir, "--data", "synthetic", "--epochs", "2",
+                          "--quiet")
+    assert result.returncode == 0, result.stderr
+    losses = [float(line.split("loss ")[1].split()[0]) for line in result.stdout.splitlines()
+              if line.startswith("epoch")]
+    assert len(losses) == 2 and losses[1] < losses[0]
+    assert_clean_error(purinec_here(capsys, "train", pir, "--lr", "0.1"),
+                       "solver in its IR")
+    assert_clean_error(purinec_here(capsys, "compile", pir, "--train", "-o",
+                                    tmp_path / "x.purine"),
+                       "graph mlp.train is a training iteration already")

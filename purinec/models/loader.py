@@ -13,25 +13,36 @@ from typing import Callable
 from purinec.bigraph import Net
 from purinec.errors import ModelError, PurinecError
 
-# Arguments passed to a user's build() only when its signature takes them.
-OPTIONAL_ARGS = ("input_shape", "num_classes")
-
-
 def load_model(spec: str, batch: int | None = None, **kwargs) -> Net:
     """Build a `Net` from ``spec``: a name in `ZOO` or a path to a ``.py`` file that
     defines ``build(batch, ...)``. ``batch`` None means the builder's default;
-    ``input_shape`` and ``num_classes`` reach a file's build() only if it takes them."""
+    every keyword must be one the builder takes (see `offered_args`)."""
     from purinec.models import ZOO
 
     if not isinstance(spec, str) or not spec:
         raise ModelError(f"a model is a zoo name or a .py file, got {spec!r}")
     if spec in ZOO:
-        return _call(ZOO[spec], batch, kwargs, f"model {spec}", None, strict=True)
+        return _call(ZOO[spec], batch, kwargs, f"model {spec}", None)
     if spec.endswith(".py") or "/" in spec or os.sep in spec or os.path.exists(spec):
         build = _load_file(spec)
-        return _call(build, batch, kwargs, f"build() in {spec}", spec, strict=False)
+        return _call(build, batch, kwargs, f"build() in {spec}", spec)
     raise ModelError(f"unknown model {spec!r}; the zoo has {', '.join(sorted(ZOO))}, or give "
                      f"the path of a .py file that defines build(batch, ...)")
+
+
+def offered_args(spec: str, offered: dict) -> dict:
+    """Those of ``offered`` (keyword arguments a caller would pass if wanted, such as the
+    data set's input_shape and num_classes) that the builder of ``spec`` takes."""
+    from purinec.models import ZOO
+
+    build = ZOO[spec] if spec in ZOO else _load_file(spec)
+    try:
+        params = inspect.signature(build).parameters
+    except (TypeError, ValueError):
+        return dict(offered)
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return dict(offered)
+    return {key: value for key, value in offered.items() if key in params}
 
 
 def default_input_shape(spec: str) -> tuple[int, ...] | None:
@@ -98,8 +109,7 @@ def _where(exc: BaseException, path: str | None, spec: str | None) -> str:
     return f"{os.path.basename(chosen.filename)}:{chosen.lineno}" if chosen else spec or "?"
 
 
-def _call(build: Callable, batch, kwargs: dict, where: str, path: str | None,
-          strict: bool) -> Net:
+def _call(build: Callable, batch, kwargs: dict, where: str, path: str | None) -> Net:
     try:
         sig = inspect.signature(build)
     except (TypeError, ValueError):
@@ -124,8 +134,6 @@ def _call(build: Callable, batch, kwargs: dict, where: str, path: str | None,
         for key, value in kwargs.items():
             if key in params or var_kw:
                 call_kwargs[key] = value
-            elif key in OPTIONAL_ARGS and not strict:
-                continue
             else:
                 raise ModelError(f"{where} takes no argument {key!r}; it takes "
                                  f"{', '.join(params) or 'none'}")
