@@ -623,7 +623,11 @@ def cmd_train(args) -> int:
         raise PurinecError("give a MODEL to train, or --resume CHECKPOINT")
     if args.resume and args.timeline:
         raise PurinecError("--timeline records a fresh run; it does not go with --resume")
+    if args.checkpoint and not _is_artifact(args.checkpoint):
+        raise PurinecError(f"--checkpoint {args.checkpoint}: name it FILE.purine (run, train "
+                           f"and --resume recognize artifacts by that suffix)")
     _check_writable(args, ("checkpoint", "timeline"))
+    _sgd(args)  # solver values checked before any work
     trace = None
     if args.timeline:
         from purinec.runtime.trace import Trace
@@ -716,6 +720,12 @@ def _resume(args):
         if given is not None and given != saved:
             raise PurinecError(f"{option} {given}: {args.resume} was trained with {option} "
                                f"{saved}; resuming needs the same (leave {option} out)")
+    from purinec.models import ZOO
+
+    trained = program.ir.name.removesuffix(".train")
+    if args.model in ZOO and args.model != trained:
+        raise PurinecError(f"{args.resume} holds {trained}, not {args.model}: leave MODEL out "
+                           f"to resume it, or train {args.model} without --resume")
     note = f" (MODEL {args.model} is not recompiled)" if args.model else ""
     print(f"resuming {program.ir.name} from {args.resume} after epoch {checkpoint.epoch}"
           f"{_on_devices(program)}{note}")

@@ -434,6 +434,8 @@ def test_checkpoint_and_resume_give_the_uninterrupted_weights(tmp_path):
     manifest = json.loads(zipfile.ZipFile(tmp_path / "part.purine").read("manifest.json"))
     assert manifest["metadata"]["checkpoint"] == {"epoch": 1, "seed": 5, "data": "synthetic"}
 
+    other = purinec("train", "lenet", "--resume", tmp_path / "part.purine", "--epochs", "3")
+    assert_clean_error(other, f"{tmp_path / 'part.purine'} holds small, not lenet")
     rest = purinec("train", "--resume", tmp_path / "part.purine", "--epochs", "3")
     assert rest.returncode == 0, rest.stderr
     assert f"from {tmp_path / 'part.purine'} after epoch 1" in rest.stdout
@@ -559,7 +561,9 @@ def test_files_a_command_could_not_write_at_its_end_are_refused_first(capsys, tm
              (["run", "mlp", "--trace", missing / "t.json"], "--trace"),
              (["run", "mlp", "--output", missing / "out.npz"], "--output"),
              (["run", "mlp", "--timeline", missing / "t.png"], "--timeline"),
-             (["train", "mlp", "--checkpoint", tmp_path], "is a directory; name a file"),
+             (["train", "mlp", "--checkpoint", tmp_path / "ck.bin"], "name it FILE.purine"),
+             (["run", "mlp", "--output", tmp_path], "is a directory; name a file"),
+             (["train", "mlp", "--lr", "inf"], "SGD: lr must be finite, got inf"),
              (["run", "mlp", "--output", "/proc/out.npz"],  # (root may write most places)
               "--output /proc/out.npz: cannot write in directory /proc")]
     for args, fragment in cases:

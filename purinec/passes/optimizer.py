@@ -13,6 +13,7 @@ the memory planner can then free each gradient as soon as its update has run.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ class SGD:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise PurinecError(f"SGD: {field} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise PurinecError(f"SGD: {field} must be finite, got {value}")
         if not self.lr > 0:
             raise PurinecError(f"SGD: learning rate must be positive, got {self.lr}")
         if not 0 <= self.momentum < 1:
