@@ -634,6 +634,16 @@ def _check_fits(v: Value, array: np.ndarray, limits: np.iinfo) -> None:
                              f"{v.type} ({limits.min} to {limits.max})")
 
 
+def _check_batch_taken(graph: Graph, batch: int | None, model: Any) -> None:
+    """A batch asked for must be the batch of the graph's data input: a build() that
+    ignores its batch argument would otherwise run another one without a word."""
+    data = next((v for v in graph.inputs_with_role("data") if v.name == "data"), None)
+    if batch is None or data is None or not data.type.shape or data.type.shape[0] == batch:
+        return
+    raise ModelError(f"batch {batch} (--batch) was asked for, but {model} makes input data "
+                     f"{data.type}: let its build() use its batch argument")
+
+
 def updated_variables(graph: Graph) -> list[str]:
     """The params and state whose next value ``graph`` returns (an output of the name):
     none for an inference graph, all of them for a training iteration."""
@@ -719,6 +729,7 @@ def compile(model: Any, target: str = "reference", train: SGD | None = None, *,
                          f"its solver in its IR: compile it without train= (--train; "
                          f"purinec train trains it as it is)")
     graph = build_graph(source, train, after, target, spread)
+    _check_batch_taken(graph, batch, model)
     eval_graph = (build_graph(source, None, target=target,
                               parallel=spread and _pinned_to(graph, spread))
                   if train is not None else None)

@@ -278,6 +278,19 @@ def test_programs_and_their_arrays_say_what_they_are():
     assert repr(program.state).startswith("<state arrays: ip1.weight.history f32[512,4]")
 
 
+def test_a_batch_that_build_ignores_is_refused(tmp_path):
+    path = tmp_path / "fixed.py"
+    path.write_text("from purinec.bigraph import Blob, Net, ReLU\n"
+                    "def build(batch=4):\n"
+                    "    with Net('fixed') as net:\n"
+                    "        net.outputs = [Blob('data', (16, 3)) >> ReLU('r')]\n"
+                    "    return net\n")
+    with pytest.raises(PurinecError, match=r"batch 64 \(--batch\) was asked for, but .*fixed.py "
+                                           r"makes input data f32\[16,3\]"):
+        purinec.compile(str(path), batch=64)
+    assert purinec.compile(str(path)).ir.input("data").type.shape == (16, 3)
+
+
 def test_unknown_target_is_refused():
     with pytest.raises(PurinecError, match="unknown target 'tpu'"):
         purinec.compile("mlp", target="tpu")
