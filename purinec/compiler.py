@@ -240,9 +240,10 @@ def rank_of(graph: Graph) -> int:
     world = comm.world()
     if ranks <= {0} and world.size > 1:
         raise PurinecError(f"graph {graph.name} is laid out over devices of rank 0 only, but "
-                           f"this job has {world.size} ranks: name devices of every rank "
-                           f"(r1/cpu:0, ...) or leave devices (--devices) out for one device per "
-                           f"rank")
+                           f"this job has {world.size} ranks: lay it out over every rank "
+                           f"(devices such as r0/cpu:0,r1/cpu:0; in the model, "
+                           f"Location(rank=1, ...)), or give no devices and no placement "
+                           f"for one device per rank")
     if ranks <= {0}:
         return 0
     if world.size != max(ranks) + 1:
@@ -634,6 +635,20 @@ def _check_fits(v: Value, array: np.ndarray, limits: np.iinfo) -> None:
                              f"{v.type} ({limits.min} to {limits.max})")
 
 
+def _warn_if_placement_dropped(source: Any) -> None:
+    """A model that puts its layers on devices itself, compiled with devices or a
+    strategy: the strategy lays it out anew and the model's placement is not used."""
+    from purinec.passes.lower import lower
+
+    graph = source if isinstance(source, Graph) else lower(source, mode="inference")
+    own = placement(graph)
+    if own is not None:
+        warnings.warn(PurinecWarning(
+            f"{graph.name} places its layers on {', '.join(map(str, own.devices))} itself; "
+            f"the devices and strategy given lay it out anew, without that placement "
+            f"(give neither to run it as placed)"), stacklevel=3)
+
+
 def _check_batch_taken(graph: Graph, batch: int | None, model: Any) -> None:
     """A batch asked for must be the batch of the graph's data input: a build() that
     ignores its batch argument would otherwise run another one without a word."""
@@ -730,6 +745,8 @@ def compile(model: Any, target: str = "reference", train: SGD | None = None, *,
                          f"purinec train trains it as it is)")
     graph = build_graph(source, train, after, target, spread)
     _check_batch_taken(graph, batch, model)
+    if spread is not None:
+        _warn_if_placement_dropped(source)
     eval_graph = (build_graph(source, None, target=target,
                               parallel=spread and _pinned_to(graph, spread))
                   if train is not None else None)

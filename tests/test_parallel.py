@@ -656,6 +656,21 @@ def build(batch=16, input_shape=(1, 8, 8), num_classes=10, second=None):
 """
 
 
+def test_devices_given_for_a_placed_model_say_its_placement_is_not_used(tmp_path):
+    from purinec.bigraph import Location
+
+    path = tmp_path / "placed.py"
+    path.write_text(PLACED_MODEL)
+    with pytest.warns(PurinecWarning, match=r"placed places its layers on cpu:0, cpu:5 "
+                                            r"itself; the devices and strategy given lay it "
+                                            r"out anew"):
+        program = purinec.compile(str(path), devices=2, second=Location(0, "cpu", 5))
+    assert [str(d) for d in program.devices] == ["cpu:0", "cpu:1"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PurinecWarning)  # not placed: nothing to say
+        purinec.compile(str(path), devices=2)
+
+
 @pytest.mark.parametrize("target", ["reference", "cpu"])
 def test_layers_placed_by_the_model_run_there_with_copies_between(tmp_path, target):
     from purinec.bigraph import Location
