@@ -766,9 +766,16 @@ def _training_program(args, data_spec: str, data, seed, trace=None):
             shape = _default_input_shape(args.model, data_spec)
             if shape is None or shape == data.input_shape:
                 raise
-            data = _resized(data, shape, f"{args.model} cannot take them at "
-                                         f"{list(data.input_shape)} ({err})")
-            program = compiled(data)
+            from purinec.data import resized
+
+            scaled = resized(data, shape)
+            try:  # at the model's own input shape, if the size was what it could not take
+                program = compiled(scaled)
+            except ShapeError:
+                raise err from None  # a bug of the model's, whatever the size
+            print(f"{data.name}: images scaled to {list(shape)}: {args.model} cannot take "
+                  f"them at {list(data.input_shape)} ({err})")
+            data = scaled
         what = "compiled"
     _wait_for_every_rank()
     print(f"{what} {program.ir.name} for target {program.target}{_on_devices(program)} in "

@@ -497,6 +497,11 @@ def test_bad_arguments():
         Blob("x", dtype="f16")
     with pytest.raises(ModelError, match="role must be"):
         Blob("x", role="weights")
+    with pytest.raises(ModelError, match=r"^layer s \(.*\): alpha must be a finite number, "
+                                         r"got 'two'"):
+        Scale("s", "two")
+    with pytest.raises(ModelError, match="layer n .*: beta must be a finite number, got nan"):
+        LRN("n", beta=float("nan"))
     with pytest.raises(ModelError, match=r"^blob w \(.*test_bigraph.py:\d+\): unknown "
                                          r"initializer 'xavir'; use one of"):
         Blob("w", (2, 2), role="param", init="xavir")

@@ -9,6 +9,7 @@ Parameters are ``<layer>.weight`` and ``<layer>.bias``; their shapes follow the 
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Sequence
 
 from purinec.bigraph.core import Blob, Layer, Lazy, Op
@@ -42,6 +43,12 @@ def _positive(layer: Layer, what: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ModelError(f"{layer.describe()}: {what} must be a positive int, got {value!r}")
     return value
+
+
+def _number(layer: Layer, what: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ModelError(f"{layer.describe()}: {what} must be a finite number, got {value!r}")
+    return float(value)
 
 
 def _shared(layer: Layer, what: str, blob) -> Blob:
@@ -266,7 +273,9 @@ class LRN(_OneOp):
         super().__init__(name, location=location)
         if _positive(self, "size", size) % 2 == 0:
             raise ModelError(f"{self.describe()}: size must be odd, got {size}")
-        self.size, self.alpha, self.beta, self.k = size, float(alpha), float(beta), float(k)
+        self.size = size
+        self.alpha, self.beta, self.k = (_number(self, what, value) for what, value in
+                                         (("alpha", alpha), ("beta", beta), ("k", k)))
 
     def attrs(self):
         return {"size": self.size, "alpha": self.alpha, "beta": self.beta, "k": self.k}
@@ -305,7 +314,7 @@ class Scale(_OneOp):
 
     def __init__(self, name: str, alpha: float, *, location=None):
         super().__init__(name, location=location)
-        self.alpha = float(alpha)
+        self.alpha = _number(self, "alpha", alpha)
 
     def attrs(self):
         return {"alpha": self.alpha}

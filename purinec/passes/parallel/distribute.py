@@ -73,8 +73,8 @@ def check_micro_batches(micro_batches: int, strategy: str | None) -> None:
     """Micro-batches cut the batch of a pipeline only; any other layout has none."""
     if strategy != "pipeline":
         raise PurinecError(f"micro-batches ({micro_batches}) go with the pipeline strategy "
-                           f"only, not {strategy or 'one device'} (parallel=\"pipeline\", --parallel "
-                           f"pipeline)")
+                           f"only, not {strategy or 'one device'} (parallel=\"pipeline\", "
+                           f"--parallel pipeline)")
     if micro_batches < 1:
         raise PurinecError(f"micro-batches must be at least 1, got {micro_batches}")
 
