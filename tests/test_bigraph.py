@@ -510,6 +510,12 @@ def test_bad_arguments():
         Blob("data", (2, 3)) >> InnerProduct("fc", 4, weight_init="gaussian(x)")
     with pytest.raises(ModelError, match="unknown device kind 'tpu'"):
         Location(kind="tpu")
+    assert Op("relu", location="r1/cpu:2")._location == Location(1, "cpu", 2)
+    with pytest.raises(ModelError, match="location 'cpu1' is not a device; write KIND:INDEX"):
+        Op("relu", location="cpu1")
+    with pytest.raises(ModelError, match="expected a location: a Location, a Device, or a "
+                                         "device name"):
+        Op("relu", location=1)
     with pytest.raises(ModelError, match="num_output .* not divisible by groups"):
         Conv("c", 5, 3, groups=2)
     with pytest.raises(ModelError, match="kernel must be"):

@@ -71,11 +71,18 @@ class Location:
 
     @staticmethod
     def of(value) -> "Location | None":
+        """``value`` as a Location: None, a Location, a Device, or its name ("r1/cpu:0")."""
         if value is None or isinstance(value, Location):
             return value
+        if isinstance(value, str):  # as the command line writes devices
+            try:
+                value = Device.parse(value)
+            except ValueError as err:
+                raise ModelError(f"location {err}") from None
         if isinstance(value, Device):
             return Location(value.rank, value.kind, value.index)
-        raise ModelError(f"expected a Location, got {value!r}")
+        raise ModelError(f"expected a location: a Location, a Device, or a device name such "
+                         f"as 'cpu:1' or 'r1/cpu:0'; got {value!r}")
 
     def __str__(self) -> str:
         return str(self.device)
