@@ -488,6 +488,15 @@ def test_bad_names():
         Net("2net")
 
 
+def test_an_output_no_op_makes_or_reads_is_refused():
+    with Net("g") as net:
+        logits = Blob("data", (2, 3)) >> ReLU("r") >> Blob("logits")
+        net.outputs = [logits, Blob("ghost", (3,))]
+    with pytest.raises(ModelError, match=r"blob ghost \(.*\) is in the net's outputs, but no "
+                                         r"op makes or reads it"):
+        lower(net)
+
+
 def test_bad_arguments():
     with pytest.raises(ModelError, match="unknown op 'relux'; did you mean relu"):
         Op("relux")

@@ -102,6 +102,9 @@ class Lowering:
             first = [by_name["logits"]]
         result = list(first)
         for b in declared:
+            if resolve(b).producer is None and not resolve(b).consumers:
+                raise ModelError(f"{b.describe()} is in the net's outputs, but no op makes "
+                                 f"or reads it: connect it (>>) or leave it out")
             if b not in result:
                 result.append(b)
         if not result:
