@@ -523,9 +523,10 @@ def _write_traces(trace, path: str | None, timeline_path: str | None) -> None:
         stats = overlap(events)
         timeline(events, timeline_path, stats)
         whose = "each rank's own " if ranks else ""
-        print(f"wrote timeline {timeline_path}: {stats['wall_ms']:.3f} ms{ranks}, "
-              f"communication {stats['comm_ms']:.3f} ms ({stats['hidden_fraction']:.0%} "
-              f"hidden behind {whose}compute)")
+        comm = (f"communication {stats['comm_ms']:.3f} ms ({stats['hidden_fraction']:.0%} "
+                f"hidden behind {whose}compute)" if stats["comm_ms"] > 0
+                else "no communication")
+        print(f"wrote timeline {timeline_path}: {stats['wall_ms']:.3f} ms{ranks}, {comm}")
 
 
 def _feeds(graph, specs: list[str], seed: int) -> dict[str, np.ndarray]:
@@ -627,7 +628,11 @@ def cmd_train(args) -> int:
         raise PurinecError(f"--checkpoint {args.checkpoint}: name it FILE.purine (run, train "
                            f"and --resume recognize artifacts by that suffix)")
     _check_writable(args, ("checkpoint", "timeline"))
-    _sgd(args)  # solver values checked before any work
+    _sgd(args)  # solver values and devices checked before any work
+    if args.devices is not None:
+        from purinec.compiler import as_devices
+
+        as_devices(args.devices)
     trace = None
     if args.timeline:
         from purinec.runtime.trace import Trace

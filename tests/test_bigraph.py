@@ -488,6 +488,14 @@ def test_bad_names():
         Net("2net")
 
 
+def test_concat_of_different_dtypes_says_so():
+    with Net("mixed") as net:
+        net.outputs = [[Blob("a", (2, 3)), Blob("b", (2, 3), "i32")] >> Concat("c")]
+    with pytest.raises(ShapeError, match=r"concat: operands are of different dtypes: "
+                                         r"f32\[2,3\], i32\[2,3\]"):
+        lower(net)
+
+
 def test_an_output_no_op_makes_or_reads_is_refused():
     with Net("g") as net:
         logits = Blob("data", (2, 3)) >> ReLU("r") >> Blob("logits")

@@ -564,6 +564,7 @@ def test_files_a_command_could_not_write_at_its_end_are_refused_first(capsys, tm
              (["train", "mlp", "--checkpoint", tmp_path / "ck.bin"], "name it FILE.purine"),
              (["run", "mlp", "--output", tmp_path], "is a directory; name a file"),
              (["train", "mlp", "--lr", "inf"], "SGD: lr must be finite, got inf"),
+             (["train", "mlp", "--devices", "0"], "devices 0: give at least one device"),
              (["run", "mlp", "--output", "/proc/out.npz"],  # (root may write most places)
               "--output /proc/out.npz: cannot write in directory /proc")]
     for args, fragment in cases:
@@ -575,10 +576,11 @@ def test_files_a_command_could_not_write_at_its_end_are_refused_first(capsys, tm
 
 def test_run_on_two_devices_gives_the_one_device_outputs(tmp_path):
     args = ["run", "lenet", "--batch", "6", "--target", "cpu", "--seed", "3"]
-    one = purinec(*args, "--output", tmp_path / "one.npz")
+    one = purinec(*args, "--output", tmp_path / "one.npz", "--timeline", tmp_path / "1.svg")
     two = purinec(*args, "--devices", "cpu:0,cpu:1", "--output", tmp_path / "two.npz",
                   "--timeline", tmp_path / "t.svg")
     assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    assert re.search(r"wrote timeline \S+1.svg: [\d.]+ ms, no communication\n", one.stdout)
     assert "1 iteration on target cpu: " in one.stdout
     assert "1 iteration on target cpu on 2 devices (cpu:0,cpu:1): " in two.stdout
     with np.load(tmp_path / "one.npz") as a, np.load(tmp_path / "two.npz") as b:

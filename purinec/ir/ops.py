@@ -436,7 +436,10 @@ def _concat_infer(types, attrs):
     if not 0 <= axis < first.rank:
         raise _fail("concat", f"axis {axis} out of range for {first}")
     for t in types[1:]:
-        if (t.dtype != first.dtype or t.rank != first.rank or
+        if t.dtype != first.dtype:
+            raise _fail("concat", f"operands are of different dtypes: "
+                                  f"{', '.join(str(x) for x in types)}")
+        if (t.rank != first.rank or
                 any(a != b for i, (a, b) in enumerate(zip(t.shape, first.shape)) if i != axis)):
             raise _fail("concat", f"operands differ outside axis {axis}: "
                                   f"{', '.join(str(x) for x in types)}")

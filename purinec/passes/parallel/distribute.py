@@ -112,6 +112,8 @@ def parse_devices(text: str) -> tuple[Device, ...]:
     """``cpu:0,cpu:1`` or ``r0/cpu:0,r1/cpu:0``; ``N`` alone means cpu:0..cpu:N-1."""
     text = text.strip()
     if text.isdigit():
+        if int(text) < 1:
+            raise PurinecError(f"devices {text}: give at least one device")
         return tuple(Device("cpu", i) for i in range(int(text)))
     try:
         return tuple(Device.parse(part) for part in text.split(","))
