@@ -488,6 +488,18 @@ def test_bad_names():
         Net("2net")
 
 
+def test_a_negative_axis_counts_from_the_end():
+    def graph(axis):
+        with Net("axes") as net:
+            a, b = Blob("a", (2, 3)), Blob("b", (2, 4))
+            both = [a, b] >> Concat("c", axis=axis)
+            net.outputs = [both >> Softmax("s", axis=axis), *(both >> Split("p", [3, 4], axis))]
+        return str(lower(net))
+
+    assert graph(-1) == graph(1)
+    assert "axis=1" in graph(-1) and "axis=-1" not in graph(-1)
+
+
 def test_concat_of_different_dtypes_says_so():
     with Net("mixed") as net:
         net.outputs = [[Blob("a", (2, 3)), Blob("b", (2, 3), "i32")] >> Concat("c")]

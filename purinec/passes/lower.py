@@ -183,10 +183,17 @@ class Lowering:
                              f"{type(e).__name__}: {e}") from e
 
     def resolve_attrs(self, op: Op) -> dict:
-        """The op's attributes with every `Lazy` evaluated."""
+        """The op's attributes with every `Lazy` evaluated, and a negative ``axis``
+        counted from the end of the first input's axes (as Caffe and NumPy count; the
+        IR keeps axes non-negative)."""
         inputs = [self.values[id(b)] for b in op.inputs or [] if id(b) in self.values]
-        return {k: (self._evaluate(v, op.blame(), f"attribute {k} of {op.op_name}", inputs)
-                    if isinstance(v, Lazy) else v) for k, v in op.attrs.items()}
+        attrs = {k: (self._evaluate(v, op.blame(), f"attribute {k} of {op.op_name}", inputs)
+                     if isinstance(v, Lazy) else v) for k, v in op.attrs.items()}
+        axis = attrs.get("axis")
+        if (isinstance(axis, int) and not isinstance(axis, bool) and axis < 0 and inputs
+                and -inputs[0].type.rank <= axis):
+            attrs["axis"] = axis + inputs[0].type.rank
+        return attrs
 
     def emit(self, op: Op, ir_op: str, inputs: list[Value], attrs: dict,
              names: list[str]) -> list[Value]:
