@@ -209,7 +209,7 @@ _non_negative, _positive = _at_least(0), _at_least(1)
 
 def cmd_dump(args) -> int:
     from purinec.compiler import (build_graph, load_source, parallel_plan, passes_for,
-                                  physical_passes)
+                                  physical_passes, warn_if_idle)
     from purinec.passes.pipeline import run_passes
 
     if args.model.endswith(".purine"):
@@ -292,6 +292,8 @@ def cmd_dump(args) -> int:
             emit(f"{graph.name}.parallel-explain.txt", reasons or "# no communication")
 
     graph = build_graph(source, train, show, args.target, spread)
+    if spread is not None and spread.strategy != "placement":
+        warn_if_idle(spread, graph)
     if spread is not None:
         before_fuse[:] = []
         graph = run_passes(graph, physical_passes(args.rank, args.target), _fuse_input(

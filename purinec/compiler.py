@@ -752,24 +752,25 @@ def compile(model: Any, target: str = "reference", train: SGD | None = None, *,
                   if train is not None else None)
     program = Program(graph, eval_graph, target, seed, trace=trace, after=after)
     if spread is not None:
-        _warn_if_idle(spread, program)
+        warn_if_idle(spread, program.ir)
     return program
 
 
-def _warn_if_idle(spread: Parallel, program: Program) -> None:
-    """Say so when the layout leaves some of the devices asked for without work (a
-    pipeline cuts stages between layers by their work, so an uneven model may leave
-    devices over): they would sit idle, and under mpiexec
-    a rank holding only idle devices merely waits for the others."""
-    used = set(program.devices)
+def warn_if_idle(spread: Parallel, graph: Graph, stacklevel: int = 3) -> None:
+    """Say so when the layout of ``graph`` leaves some of the devices asked for without
+    work (a pipeline cuts stages between layers by their work, so an uneven model may
+    leave devices over): they would sit idle, and under mpiexec a rank holding only idle
+    devices merely waits for the others."""
+    used = set(layout_devices(graph))
     idle = [d for d in spread.devices if d not in used]
     if idle:
         warnings.warn(PurinecWarning(
-            f"{spread.strategy} parallelism puts {program.eval_ir.name} on {len(used)} of the "
+            f"{spread.strategy} parallelism puts {graph.name} on {len(used)} of the "
             f"{len(spread.devices)} devices given; {', '.join(map(str, idle))} "
             f"{'gets' if len(idle) == 1 else 'get'} no work"
             + (": its layers' work cuts into fewer stages of about equal work (a layer "
-               "is never split)" if spread.strategy == "pipeline" else "")), stacklevel=3)
+               "is never split)" if spread.strategy == "pipeline" else "")),
+            stacklevel=stacklevel)
 
 
 def _pinned_to(graph: Graph, spread: Parallel) -> Parallel:

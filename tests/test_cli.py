@@ -479,10 +479,13 @@ def test_a_pipeline_longer_than_the_model_warns_in_one_line(tmp_path, capsys):
     assert result.returncode == 0, result.stderr
     used = re.search(r"on (\d) devices \((\S+)\)", result.stdout)
     idle = [f"cpu:{i}" for i in range(6) if f"cpu:{i}" not in used[2].split(",")]
-    assert result.stderr == (f"purinec: warning: pipeline parallelism puts mlp on {used[1]} "
-                             f"of the 6 devices given; {', '.join(idle)} get no work: its "
-                             f"layers' work cuts into fewer stages of about equal work (a "
-                             f"layer is never split)\n")
+    warning = (f"purinec: warning: pipeline parallelism puts mlp.train on {used[1]} of the "
+               f"6 devices given; {', '.join(idle)} get no work: its layers' work cuts into "
+               f"fewer stages of about equal work (a layer is never split)\n")
+    assert result.stderr == warning
+    dumped = purinec_here(capsys, "dump", "mlp", "--train", "--batch", "8", "--devices", "6",
+                          "--parallel", "pipeline", "--stage", "parallel")
+    assert dumped.returncode == 0 and dumped.stderr == warning  # dump says it too
 
 
 def test_dump_parallel_stages_explain_each_collective(capsys):
