@@ -158,9 +158,21 @@ def compiled_on_disk(source: str, function: str, target: str = "cpu") -> bool:
     """Whether Numba's disk cache holds machine code of ``function`` in the module with
     the code of ``source`` (it keeps an index file per function). False where that
     cannot be told."""
-    path = kernel_path(source, target)
-    folder = _numba_cache_of(path)
-    return folder is not None and any(folder.glob(f"{path.stem}.{function}-*.nbi"))
+    return (kernel_path(source, target).stem, function) in compiled_functions(target)
+
+
+def compiled_functions(target: str = "cpu") -> set[tuple[str, str]]:
+    """(module file stem, function) of every kernel function Numba's disk cache holds
+    for ``target``, from one listing of its folder (which holds every kernel's index:
+    thousands of files in a well-used cache, too many to search once per kernel)."""
+    folder = _numba_cache_of(cache_dir() / target / "k.py")
+    try:
+        names = os.listdir(folder) if folder is not None else []
+    except OSError:  # not made yet
+        names = []
+    # <stem>.<function>-<first line>.py<version>.nbi
+    return {(stem, rest.rsplit("-", 1)[0]) for name in names if name.endswith(".nbi")
+            for stem, _, rest in [name.partition(".")]}
 
 
 def _numba_cache_of(path: Path) -> Path | None:

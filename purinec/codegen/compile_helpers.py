@@ -68,6 +68,10 @@ class Job:
     def compiled_on_disk(self) -> bool:
         return cache.compiled_on_disk(self.source, self.function)
 
+    def key(self) -> tuple[str, str]:
+        """As `cache.compiled_functions` names it."""
+        return cache.kernel_path(self.source).stem, self.function
+
 
 def compile_jobs() -> int:
     """How many processes may compile kernels at once, this one included."""
@@ -88,7 +92,8 @@ def compile_jobs() -> int:
 def helping(jobs: Sequence[Job]) -> Iterator[None]:
     """Within this block, helper processes compile ``jobs`` (those not in Numba's disk
     cache) alongside this process, when there are enough of them and cores to spare."""
-    todo = [job for job in jobs if not job.compiled_on_disk()]
+    compiled = cache.compiled_functions()
+    todo = [job for job in jobs if job.key() not in compiled]
     # Processes share the work through the kernels' lock files (POSIX only).
     worth_it = len(todo) >= MIN_KERNELS and cache.fcntl is not None
     count = min(compile_jobs(), len(todo)) - 1 if worth_it else 0
