@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import os
@@ -33,24 +34,22 @@ def load_model(spec: str, batch: int | None = None, **kwargs) -> Net:
 def offered_args(spec: str, offered: dict) -> dict:
     """Those of ``offered`` (keyword arguments a caller would pass if wanted, such as the
     data set's input_shape and num_classes) that the builder of ``spec`` takes."""
-    from purinec.models import ZOO
-
-    build = ZOO[spec] if spec in ZOO else _load_file(spec)
     try:
-        params = inspect.signature(build).parameters
+        params = inspect.signature(_builder(spec)).parameters
     except (TypeError, ValueError):
         return dict(offered)
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return dict(offered)
-    return {key: value for key, value in offered.items() if key in params}
+    return {key: value for key, value in offered.items() if _takes_keyword(params, key)}
+
+
+def _takes_keyword(params, key: str) -> bool:
+    """Whether a builder with signature ``params`` takes ``key`` as a keyword."""
+    return key in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def default_input_shape(spec: str) -> tuple[int, ...] | None:
     """The ``input_shape`` a zoo model or a Python file's build() takes when given none
     (None if it declares no default)."""
-    from purinec.models import ZOO
-
-    build = ZOO[spec] if spec in ZOO else _load_file(spec)
+    build = _builder(spec)
     try:
         parameter = inspect.signature(build).parameters.get("input_shape")
     except (TypeError, ValueError):
@@ -58,6 +57,13 @@ def default_input_shape(spec: str) -> tuple[int, ...] | None:
     if parameter is None or parameter.default is inspect.Parameter.empty:
         return None
     return tuple(parameter.default)
+
+
+def _builder(spec: str) -> Callable:
+    """The zoo builder named ``spec``, or the build() of the Python file at ``spec``."""
+    from purinec.models import ZOO
+
+    return ZOO[spec] if spec in ZOO else _load_file(spec)
 
 
 def _load_file(spec: str) -> Callable:
@@ -71,6 +77,14 @@ def _load_file(spec: str) -> Callable:
             source = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise ModelError(f"cannot read model file {spec}: {e}") from None
+    return _executed(path, spec, source)
+
+
+@functools.lru_cache(maxsize=16)
+def _executed(path: str, spec: str, source: str) -> Callable:
+    """The build() of model file ``path`` holding ``source``, run once per content: the
+    command line asks about a file's build() before building from it (what it takes,
+    its default input shape), and the file's own top-level code should not run again."""
     try:
         code = compile(source, path, "exec")
     except SyntaxError as e:
@@ -132,7 +146,7 @@ def _call(build: Callable, batch, kwargs: dict, where: str, path: str | None) ->
                 raise ModelError(f"{where} takes no batch argument; define "
                                  f"build(batch, ...)")
         for key, value in kwargs.items():
-            if key in params or var_kw:
+            if _takes_keyword(params, key):
                 call_kwargs[key] = value
             else:
                 raise ModelError(f"{where} takes no argument {key!r}; it takes "
