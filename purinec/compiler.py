@@ -563,8 +563,7 @@ class Program:
         """Evaluate the inference graph; returns its outputs by name. Parameters and
         state stay as they are, even when that graph computes their updates (a training
         graph run as it is, such as a .pir file of one): it then works on copies."""
-        updates = any(name in self.params or name in self.state
-                      for name, _ in self.eval_ir.outputs)
+        updates = bool(updated_variables(self.eval_ir))
         outputs = self._run_eval(self._env(self.eval_ir, feeds, copy_variables=updates))
         return {k: v for k, v in outputs.items()
                 if k not in self.params and k not in self.state}
@@ -756,7 +755,7 @@ def compile(model: Any, target: str = "reference", train: SGD | None = None, *,
     return program
 
 
-def warn_if_idle(spread: Parallel, graph: Graph, stacklevel: int = 3) -> None:
+def warn_if_idle(spread: Parallel, graph: Graph) -> None:
     """Say so when the layout of ``graph`` leaves some of the devices asked for without
     work (a pipeline cuts stages between layers by their work, so an uneven model may
     leave devices over): they would sit idle, and under mpiexec a rank holding only idle
@@ -769,8 +768,7 @@ def warn_if_idle(spread: Parallel, graph: Graph, stacklevel: int = 3) -> None:
             f"{len(spread.devices)} devices given; {', '.join(map(str, idle))} "
             f"{'gets' if len(idle) == 1 else 'get'} no work"
             + (": its layers' work cuts into fewer stages of about equal work (a layer "
-               "is never split)" if spread.strategy == "pipeline" else "")),
-            stacklevel=stacklevel)
+               "is never split)" if spread.strategy == "pipeline" else "")), stacklevel=3)
 
 
 def _pinned_to(graph: Graph, spread: Parallel) -> Parallel:

@@ -7,8 +7,8 @@ takes 11.5 s in one process on a 2-core machine, 6.7 s with a helper. So
 when several kernels are not in Numba's disk cache yet, and hands them the list. Every
 process walks the list in order and takes the next kernel nobody is compiling
 (`cache.one_compiler` without waiting); a helper compiles it into Numba's disk cache,
-the compiling process for its own use. The compiling
-process then waits for the kernels a helper held and loads them from the cache.
+the compiling process for its own use. The compiling process then waits for the
+kernels a helper held and loads them from the cache.
 
 Helpers only ever save time: one that fails, dies or is slow to start leaves its
 kernels to the compiling process (the operating system releases a dead process's
