@@ -384,6 +384,13 @@ def test_a_rank_failing_outside_a_run_ends_the_job(how, message):
     assert f"purinec: rank 1: {message}" in done.stderr, done.stderr
 
 
+def test_a_mistake_every_rank_meets_is_said_once():
+    done = mpirun(2, "fails.py", "-", "everyone")
+    assert done.returncode != 0
+    assert "purinec: rank 0: the same mistake on every rank" in done.stderr, done.stderr
+    assert "rank 1:" not in done.stderr, done.stderr
+
+
 def test_an_interrupted_rank_ends_the_job_with_one_line():
     done = mpirun(2, "fails.py", "-", "interrupt")
     assert done.returncode != 0

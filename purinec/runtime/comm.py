@@ -493,6 +493,12 @@ ABORT_GRACE = 0.5
 
 
 def _abort(here: World, message: str) -> NoReturn:
+    # Every rank meets a mistake in the command or the model (a layout that does not fit
+    # the job, say) at about the same moment. Rank 0 speaks first and the others hold
+    # their tongue a little longer than its grace, so the launcher usually ends them
+    # before they repeat it; a rank failing alone is heard a moment later.
+    if here.rank > 0:
+        time.sleep(2 * ABORT_GRACE)
     print(f"purinec: rank {here.rank}: {message}", file=sys.stderr, flush=True)
     time.sleep(ABORT_GRACE)
     here.comm.Abort(1)

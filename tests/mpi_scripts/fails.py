@@ -1,6 +1,7 @@
 """Rank 1 fails in the way argv[2] names (``raise``: a bug; ``return``: main returns 3;
-``interrupt``: Ctrl-C reaches it; ``die``: the process is killed) while rank 0 waits for it in a barrier that never
-completes; run_guarded (or, for a killed rank, the launcher) must end the whole job."""
+``interrupt``: Ctrl-C reaches it; ``die``: the process is killed) while rank 0 waits for it
+in a barrier that never completes; run_guarded (or, for a killed rank, the launcher) must
+end the whole job. ``everyone``: both ranks meet the same mistake at once."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ import os
 import signal
 import sys
 
+from purinec.errors import PurinecError
 from purinec.runtime import comm
 
 
 def main() -> int:
     world = comm.world()
+    if sys.argv[2] == "everyone":
+        world.comm.Barrier()
+        raise PurinecError("the same mistake on every rank")
     if world.rank == 1:
         if sys.argv[2] == "raise":
             raise ValueError("a bug on rank 1")
