@@ -109,14 +109,16 @@ def compile_kernels(graph: Graph, options: CpuOptions = DEFAULT_OPTIONS
     share its ``fn``. Kernels that other processes are compiling (compile helpers,
     other ranks) are taken last, loaded from Numba's cache once they are done."""
     modules = {node: render_module(node, options) for node in graph.nodes}
-    jobs = {cache.code_of(job.source): job for job in map(_job, modules.values())}
+    sources = {node: module.text() for node, module in modules.items()}
+    jobs = {cache.code_of(source): _job(modules[node], source)
+            for node, source in sources.items()}
     compiled: dict[tuple, Kernel] = {}
     kernels: dict[Node, Kernel] = {}
     with kernel_bar(len(graph.nodes), graph.name) as bar, helping(list(jobs.values())):
         for wait in (False, True):
             for node, module in modules.items():
                 if node not in kernels:
-                    kernel = compile_module(module, compiled, wait)
+                    kernel = compile_module(module, compiled, wait, sources[node])
                     if kernel is not None:
                         kernels[node] = kernel
                         bar.update()
@@ -131,12 +133,13 @@ def compile_node(node: Node, options: CpuOptions = DEFAULT_OPTIONS,
 
 
 def compile_module(module: KernelModule, compiled: dict[tuple, Kernel] | None = None,
-                   wait: bool = True) -> Kernel | None:
+                   wait: bool = True, source: str | None = None) -> Kernel | None:
     """Store ``module`` in the kernel cache, import it and compile its entry function
     for the exact types of its arguments (or load it from Numba's disk cache); or, if
     ``compiled`` holds a kernel with its code, share that kernel's function. Without
-    ``wait``, None if another process is compiling it now."""
-    source = module.text()
+    ``wait``, None if another process is compiling it now. ``source``: the module's
+    text, when the caller has it already (turning a module into text takes a while)."""
+    source = source or module.text()
     job = _job(module, source)
     signature = job.signature()
     nodes = tuple(member for node in module.nodes for member in (node.body or [node]))
