@@ -187,7 +187,8 @@ def onto_ranks(ranks: int, *graphs: Graph) -> list[Graph]:
     devices = layout_devices(*graphs)
     if len(devices) < ranks:
         raise PurinecError(f"the program is laid out over {len(devices)} device(s); it "
-                           f"cannot be spread over {ranks} ranks")
+                           f"cannot be spread over {ranks} ranks: run it on at most "
+                           f"{len(devices)} (mpiexec -n {len(devices)}, or without mpiexec)")
     blocks = [k * ranks // len(devices) for k in range(len(devices))]
     here = {d: Device(d.kind, blocks[:k].count(blocks[k]), blocks[k])
             for k, d in enumerate(devices)}

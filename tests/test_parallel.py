@@ -754,7 +754,8 @@ def test_a_layout_is_dealt_out_over_the_ranks_of_a_job():
     assert 'group="cpu:0,cpu:1,r1/cpu:0,r1/cpu:1"' in str(two)
     # What a program on them says it runs on (compile and train print it), in that order.
     assert Program.devices.fget(types.SimpleNamespace(ir=two)) == layout_devices(two)
-    with pytest.raises(PurinecError, match="over 4 device.*cannot be spread over 5 ranks"):
+    with pytest.raises(PurinecError, match=r"over 4 device.*cannot be spread over 5 ranks: "
+                                           r"run it on at most 4 \(mpiexec -n 4"):
         onto_ranks(5, four)
 
 
