@@ -18,8 +18,8 @@ from purinec.ir.graph import Graph, member_name
 from purinec.ir.parser import parse
 from purinec.ir.types import Device, DistKind, Distribution, DType, TensorType
 from purinec.ir.verify import verify
-from purinec.passes.parallel import (Parallel, conversion_cost, convert, explain,
-                                     parse_devices, partition)
+from purinec.passes.parallel import (Parallel, assign_stages, conversion_cost, convert,
+                                     explain, parse_devices, partition)
 from purinec.runtime.reference import execute
 from tests.mpi_scripts.common import (adopt_weights, assert_output_close, assert_weights_close,
                                       random_net, weight_scales)
@@ -483,6 +483,18 @@ def test_a_pipeline_longer_than_the_model_says_which_devices_sit_idle():
         warnings.simplefilter("error", PurinecWarning)  # every device works: no warning
         purinec.compile("mlp", batch=8, devices=2, parallel="pipeline")
         purinec.compile("mlp", batch=8, devices=6, parallel="data")
+
+
+def test_a_pipeline_gives_no_stage_to_the_flattening_of_its_input():
+    """mlp's first node reshapes the image batch: nearly no work, so the cut by work
+    put it on a stage (and a device) of its own, with a copy of the batch after it."""
+    from purinec.compiler import build_graph, load_source
+
+    graph = assign_stages(build_graph(load_source("mlp", 8), None), tuple(parse_devices("9")))
+    flatten, first_product = graph.nodes[:2]
+    assert flatten.op == "reshape" and first_product.op == "matmul"
+    assert flatten.outputs[0].device == first_product.outputs[0].device
+    assert graph.inputs[0].device == first_product.outputs[0].device
 
 
 def test_a_strategy_over_one_device_says_it_is_the_one_device_program():

@@ -43,16 +43,26 @@ def assign_stages(graph: Graph, devices: tuple[Device, ...],
     costs = [max(node_work(node), 1) for node in new.nodes]
     total = sum(costs)
     done = 0
+    leading: list[Node] = []  # cheap nodes with no producer to follow
     for node, cost in zip(new.nodes, costs):
         stage = min(len(devices) - 1, int((done + cost / 2) / total * len(devices)))
         done += cost
         producer = node.inputs[0].producer if node.inputs else None
-        follows = get_op(node.op).fusion <= FusionKind.injective and producer is not None
-        device = producer.device if follows else devices[stage]
+        cheap = get_op(node.op).fusion <= FusionKind.injective
+        device = producer.device if cheap and producer is not None else devices[stage]
+        if cheap and all(v.producer is None or v.producer in leading for v in node.inputs):
+            leading.append(node)
         device = next((pinned[v.name] for v in node.inputs if v.name in pinned), device)
         for v in node.outputs:
             v.device = device
     readers = new.users()
+    # A cheap node on the inputs (the flattening of an image batch) runs where its first
+    # reader does: on a stage of its own it would cost a device and a copy of the batch.
+    for node in reversed(leading):
+        first_reader = next(iter(readers.get(node.outputs[0]) or ()), None)
+        if first_reader is not None and not any(v.name in pinned for v in node.inputs):
+            for v in node.outputs:
+                v.device = first_reader.outputs[0].device
     for v in new.inputs:
         if readers.get(v):
             v.device = readers[v][0].device
