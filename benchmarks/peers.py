@@ -43,13 +43,14 @@ class Layer:
     """One layer. ``name`` is purinec's layer name (its parameters are ``name.weight``
     and ``name.bias``), ``out`` the IR value holding its output (the blob's name)."""
 
-    kind: str          # conv, ip, relu, maxpool, avgpool
+    kind: str          # conv, ip, relu, maxpool, avgpool, scale
     name: str
     size: int = 0      # conv: output channels; ip: output features
     kernel: int = 0
     stride: int = 1
     pad: int = 0
     out: str = ""
+    factor: float = 1.0  # scale
 
     @property
     def output(self) -> str:
@@ -82,6 +83,10 @@ def _pool(kind, name, kernel, stride):
     return Layer(kind, name, kernel=kernel, stride=stride)
 
 
+def _scale(name, factor):
+    return Layer("scale", name, factor=factor)
+
+
 # purinec/models/{mlp,lenet,cifar}.py, transcribed (num_classes 10, default inputs).
 NETS: dict[str, NetSpec] = {
     "mlp": NetSpec((1, 28, 28), (
@@ -94,7 +99,7 @@ NETS: dict[str, NetSpec] = {
         _ip("ip1", 500), _relu("relu1"),
         _ip("ip2", 10, out="logits"))),
     "cifar_quick": NetSpec((3, 32, 32), (
-        _conv("conv1", 32, 5, pad=2), _pool("maxpool", "pool1", 3, 2), _relu("relu1"),
+        _scale("pixels", 255), _conv("conv1", 32, 5, pad=2), _pool("maxpool", "pool1", 3, 2), _relu("relu1"),
         _conv("conv2", 32, 5, pad=2), _relu("relu2"), _pool("avgpool", "pool2", 3, 2),
         _conv("conv3", 64, 5, pad=2), _relu("relu3"), _pool("avgpool", "pool3", 3, 2),
         _ip("ip1", 64),
@@ -196,6 +201,8 @@ def torch_module(model: str, explicit_ceil_padding: bool = False):
                     x = getattr(self, layer.name)(x.flatten(1))
                 elif layer.kind == "relu":
                     x = F.relu(x)
+                elif layer.kind == "scale":
+                    x = x * layer.factor
                 elif layer.kind == "maxpool":
                     x = F.max_pool2d(x, layer.kernel, layer.stride, ceil_mode=True)
                 elif layer.kind == "avgpool" and explicit_ceil_padding:
@@ -293,6 +300,8 @@ def jax_forward(model: str):
                      + params[f"{layer.name}.bias"])
             elif layer.kind == "relu":
                 x = jnp.maximum(x, 0)
+            elif layer.kind == "scale":
+                x = x * layer.factor
             elif layer.kind == "maxpool":
                 x = pool(x, layer, -jnp.inf, lax.max)
             elif layer.kind == "avgpool":

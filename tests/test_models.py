@@ -171,7 +171,10 @@ def test_cifar_quick(lowered):
     assert g.value("pool2").producer.op == "avg_pool2d"
     assert g.value("pool3").producer.op == "avg_pool2d"
     assert histogram(g) == Counter(conv2d=3, bias_add=5, max_pool2d=1, avg_pool2d=2, relu=3,
-                                   reshape=1, matmul=2, softmax_xent=1, accuracy=1)
+                                   reshape=1, matmul=2, softmax_xent=1, accuracy=1, scale=1)
+    # Images in [0, 1] become Caffe's 0-255 before conv1.
+    assert g.value("pixels").producer.attrs["alpha"] == 255
+    assert g.value("conv1.conv").producer.inputs[0].name == "pixels"
 
 
 def test_nin(lowered):

@@ -198,10 +198,11 @@ def test_a_conversion_the_table_lacks_is_refused_with_the_consumer_named():
 
 
 def _feeds(graph, rng, classes: int = 10):
+    """Random images in [0, 1), as the zoo's models take them, and labels."""
     feeds = {}
     for v in graph.inputs_with_role("data"):
         if v.type.dtype.is_float:
-            feeds[v.name] = rng.standard_normal(v.type.shape).astype(v.type.dtype.numpy)
+            feeds[v.name] = rng.random(v.type.shape).astype(v.type.dtype.numpy)
         else:
             feeds[v.name] = rng.integers(0, classes, v.type.shape).astype(v.type.dtype.numpy)
     return feeds

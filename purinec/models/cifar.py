@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from purinec.bigraph import (Accuracy, AvgPool, Blob, Conv, Dropout, Flatten, GlobalAvgPool,
-                             InnerProduct, MaxPool, Net, ReLU, SoftmaxWithLoss)
+                             InnerProduct, MaxPool, Net, ReLU, Scale, SoftmaxWithLoss)
 from purinec.models._common import check_args
 
 
@@ -11,13 +11,20 @@ def cifar_quick(batch: int = 100, input_shape=(3, 32, 32), num_classes: int = 10
     """Caffe's examples/cifar10/cifar10_quick_train_test.prototxt: conv1 32x5x5 pad 2,
     pool1 max 3/2, relu1, conv2 32x5x5 pad 2, relu2, pool2 avg 3/2, conv3 64x5x5 pad 2,
     relu3, pool3 avg 3/2, ip1 64, ip2 num_classes. Fillers as there: gaussian std
-    0.0001 (conv1), 0.01 (conv2, conv3), 0.1 (ip1, ip2); biases constant 0."""
+    0.0001 (conv1), 0.01 (conv2, conv3), 0.1 (ip1, ip2); biases constant 0.
+
+    It takes images in [0, 1], as purinec's data sets give them, and scales them to
+    Caffe's 0-255 ("pixels") first: with these fillers, inputs in [0, 1] make signals
+    too small to learn from (trained on digits, the loss stays at ln 10), and folding the
+    255 into conv1's filler does not train either, since conv1 then learns 255² times
+    more slowly."""
     batch, input_shape, num_classes = check_args("cifar_quick", batch, input_shape,
                                                  num_classes)
     with Net("cifar_quick") as net:
         data = Blob("data", (batch, *input_shape), "f32")
         label = Blob("label", (batch,), "i32")
         logits = (data
+                  >> Scale("pixels", 255)
                   >> Conv("conv1", 32, 5, pad=2, weight_init="gaussian(0.0001)")
                   >> MaxPool("pool1", 3, 2)
                   >> ReLU("relu1")

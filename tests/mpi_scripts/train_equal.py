@@ -35,8 +35,8 @@ def train_and_save(model, batch, target, out, devices, strategy, classes=10,
                           seed=7)
     rng = np.random.default_rng(1)
 
-    def random_feeds(graph):
-        return {v.name: (rng.standard_normal(v.type.shape).astype(np.float32)
+    def random_feeds(graph):  # images in [0, 1), as the zoo's models take them
+        return {v.name: (rng.random(v.type.shape).astype(np.float32)
                          if v.type.dtype.is_float else
                          rng.integers(0, classes, v.type.shape).astype(v.type.dtype.numpy))
                 for v in graph.inputs_with_role("data")}
