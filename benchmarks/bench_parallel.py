@@ -323,7 +323,8 @@ def main(argv=None) -> int:
                         help="rounds, each timing one device, N in lockstep, then N "
                              "devices (8)")
     parser.add_argument("--mode", default="mpi,threads",
-                        help="mpi: one process per device; threads: devices of one process")
+                        help="mpi: one process per device; threads: devices of one process "
+                             "(default: both)")
     parser.add_argument("--runs", type=int, default=1,
                         help="measure each model and mode this many times, a line each, "
                              "then count the runs that met the goals (1)")

@@ -25,7 +25,7 @@ stages, in pipeline order (autodiff and optimizer only with --train):
   infer_shapes  every output type recomputed from its inputs
   verify        every IR invariant checked (the graph is unchanged)
   stages        with --parallel pipeline: every layer put on a device, in stages of
-                about equal FLOPs
+                about equal work (FLOPs, or memory traffic where that dominates)
   autodiff      the backward graph appended: grad.<param> outputs
   optimizer     SGD's updates appended: new params and momentum histories
   dce           nodes that reach no output removed
@@ -912,10 +912,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_parallel_args(dump)
     dump.add_argument("--rank", type=_non_negative, default=0,
                       help="with --devices over several ranks: whose physical graph to show")
-    dump.add_argument("--llvm", action="store_true",
-                      help="with --stage kernels: the LLVM IR Numba produced")
-    dump.add_argument("--asm", action="store_true",
-                      help="with --stage kernels: the machine code, as assembly")
+    machine_code = dump.add_mutually_exclusive_group()
+    machine_code.add_argument("--llvm", action="store_true",
+                              help="with --stage kernels: the LLVM IR Numba produced")
+    machine_code.add_argument("--asm", action="store_true",
+                              help="with --stage kernels: the machine code, as assembly")
     _add_solver_args(dump)
     dump.set_defaults(func=cmd_dump, parser=dump)
 

@@ -139,7 +139,7 @@ def passes_for(train: SGD | None, target: str = "reference",
     if pipelined:
         passes.append(Pass("stages", lambda g: assign_stages(g, parallel.devices,
                                                              dict(parallel.pinned)),
-                           "put layers on the devices in stages of equal FLOPs"))
+                           "put layers on the devices in stages of equal work"))
     if train is not None:
         passes += [Pass("autodiff", autodiff, "append the backward graph"),
                    Pass("optimizer", train.apply, "append the solver's updates")]

@@ -2,9 +2,8 @@
 
 As in Purine, a device has a compute queue and separate copy queues (inbound and
 outbound), so transfers overlap compute. A task names the queue it runs on; the executor
-serves every queue that has tasks with its own worker thread(s). This issue only creates
-compute tasks; copies and collectives add tasks on the other queues without changing the
-executor.
+serves every queue that has tasks with its own worker thread(s): kernels go to compute
+queues, copies to copy queues, collectives to the comm queue, all counted alike.
 """
 
 from __future__ import annotations
