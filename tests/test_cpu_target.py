@@ -15,13 +15,10 @@ from purinec.runtime.trace import Trace
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SGD = purinec.SGD(lr=0.05, momentum=0.9, weight_decay=5e-4)
 
-# (model, input shape) at batch 2; nin and inception compile ~100 kernels each, minutes
-# on these machines, so they run only when PURINEC_SLOW=1 is set.
+# (model, input shape) at batch 2. nin and inception compile ~100 kernels each: about a
+# minute together with a cold kernel cache on a 2-core machine.
 MODELS = [("mlp", (1, 8, 8)), ("lenet", (1, 28, 28)), ("convnet", (1, 8, 8)),
-          ("cifar_quick", (3, 32, 32))]
-SLOW_MODELS = [("nin", (3, 32, 32)), ("inception", (3, 32, 32))]
-slow = pytest.mark.skipif(not os.environ.get("PURINEC_SLOW"),
-                          reason="compiles minutes of kernels; set PURINEC_SLOW=1")
+          ("cifar_quick", (3, 32, 32)), ("nin", (3, 32, 32)), ("inception", (3, 32, 32))]
 
 
 def feeds(shape, seed, batch=2):
@@ -52,12 +49,6 @@ def check_iterations_match(model, shape):
 
 @pytest.mark.parametrize("model, shape", MODELS, ids=[m for m, _ in MODELS])
 def test_compiled_training_iteration_equals_the_reference(model, shape):
-    check_iterations_match(model, shape)
-
-
-@slow
-@pytest.mark.parametrize("model, shape", SLOW_MODELS, ids=[m for m, _ in SLOW_MODELS])
-def test_compiled_training_iteration_equals_the_reference_big_models(model, shape):
     check_iterations_match(model, shape)
 
 
