@@ -313,8 +313,8 @@ def test_solver_updates_group_horizontally():
 
 
 def test_solver_updates_group_at_most_max_solver_group_at_a_time():
-    # Numba's compile time grows much faster than a kernel's loop count: inception's 41
-    # updates in one kernel took minutes to compile.
+    # Numba's compile time grows faster than a kernel's loop count: inception's 41
+    # updates as one kernel took 58 s to compile, 12 s in groups of 8.
     count = 2 * MAX_SOLVER_GROUP + 1
     g = solver_graph(devices=(CPU0,) * count)
     groups = [n.body for n in fuse(g).nodes if n.op == "fused"]
@@ -433,12 +433,12 @@ def test_lenet_kernel_counts():
     before = training_graph("lenet")
     after = fuse(before)
     verify(after)
-    assert (len(before.nodes), len(after.nodes), len(fused_nodes(after))) == (39, 27, 9)
+    assert (len(before.nodes), len(after.nodes), len(fused_nodes(after))) == (39, 26, 8)
     kernels = [n.attrs["kernel"] for n in fused_nodes(after)]
     assert kernels == ["fused_conv2d_bias_add", "fused_conv2d_bias_add_1",
                        "fused_matmul_bias_add_relu", "fused_matmul_bias_add",
                        "fused_matmul_sgd", "fused_matmul_relu_grad", "fused_matmul_sgd_1",
-                       "fused_sgd_x4", "fused_sgd_x2"]
+                       "fused_sgd_x6"]
     for conv in kernels_of(after, "conv2d"):  # lenet pools right after the bias
         assert [m.op for m in conv.body] == ["conv2d", "bias_add"]
     assert_solver_fused(before, after)
@@ -451,7 +451,7 @@ def test_cifar_quick_kernel_counts():
     before = training_graph("cifar_quick")
     after = fuse(before)
     verify(after)
-    assert (len(before.nodes), len(after.nodes), len(fused_nodes(after))) == (53, 38, 9)
+    assert (len(before.nodes), len(after.nodes), len(fused_nodes(after))) == (53, 37, 8)
     # (the scale of the images to 0-255 is a kernel of its own: it does not fuse into conv1)
     convs = [[m.op for m in n.body] for n in kernels_of(after, "conv2d")]
     assert convs == [["conv2d", "bias_add"], ["conv2d", "bias_add", "relu"],
@@ -465,8 +465,8 @@ def test_cifar_quick_kernel_counts():
 
 
 @pytest.mark.parametrize("model, nodes, fused", [
-    ("mlp", (29, 17), 9), ("convnet", (43, 29), 9), ("nin", (99, 65), 17),
-    ("inception", (229, 150), 36)])
+    ("mlp", (29, 17), 9), ("convnet", (43, 28), 8), ("nin", (99, 63), 15),
+    ("inception", (229, 145), 31)])
 def test_zoo_kernel_counts(model, nodes, fused):
     before = training_graph(model, batch=1)
     after = fuse(before)

@@ -202,15 +202,27 @@ class KernelModule:
 
     def _write_checks(self, out: SourceBuilder) -> None:
         """Argument checks: shapes and dtypes are baked into the body, so an array of
-        another shape must never reach it (it would read or write out of bounds)."""
-        for name, value in self.params:
-            ty = value.type
-            conditions = [f"{name}.itemsize != {ty.dtype.numpy.itemsize}"]
-            if ty.rank:
-                conditions.insert(0, f"{name}.shape != {tuple(ty.shape)!r}")
-            with out.block(f"if {' or '.join(conditions)}:"):
-                out.line(f'raise ValueError("{self.function}: argument {name} must be '
-                         f'{ty}")')
+        another shape must never reach it (it would read or write out of bounds). One
+        test and one raise for all arguments: Numba's compile time grows much faster
+        than the number of raise sites (a raise per argument made a kernel of 80 arrays
+        take 30 s to compile instead of 6)."""
+        def both(names: list[str], expected: list[str]) -> str:
+            return f"{_tuple(names)} != {_tuple(expected)}"
+
+        ranked = [(name, value.type) for name, value in self.params if value.type.rank]
+        conditions = [both([f"{name}.itemsize" for name, _ in self.params],
+                           [str(value.type.dtype.numpy.itemsize) for _, value in self.params])]
+        if ranked:
+            conditions.insert(0, both([f"{name}.shape" for name, _ in ranked],
+                                      [repr(tuple(ty.shape)) for _, ty in ranked]))
+        signature = ", ".join(f"{name} {value.type}" for name, value in self.params)
+        with out.block(f"if {' or '.join(conditions)}:"):
+            out.line(f'raise ValueError("{self.function}: arguments must be {signature}")')
+
+
+def _tuple(items: list[str]) -> str:
+    """Python source of a tuple of ``items``."""
+    return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
 
 
 def _roles(nodes: Sequence[Node], inputs: Sequence[Value], outputs: Sequence[Value]

@@ -76,11 +76,11 @@ DEFAULT_MAX_GROUP_SIZE = 64
 LOOP_KINDS = (FusionKind.elementwise, FusionKind.broadcast)
 ANCHOR = FusionKind.out_elementwise_fusable
 SOLVER_OPS = ("sgd",)
-# Updates per horizontal group. Numba's compile time grows much faster than the number
-# of loops in a kernel (inception's 41 updates as one kernel: over 7 minutes; in
-# groups of 4: 1.3-2.1 s a group, 16 s in all), while fusing saves a kernel launch per
-# update and nothing else: each member is a loop of its own.
-MAX_SOLVER_GROUP = 4
+# Updates per horizontal group. Numba's compile time grows faster than the number of
+# loops in a kernel (inception's 41 updates: 58 s as one kernel, 16 s in groups of 16,
+# 12 s in groups of 8 or 4), while fusing saves a kernel launch per update and nothing
+# else: each member is a loop of its own.
+MAX_SOLVER_GROUP = 8
 
 # Kernel names longer than this keep their first ops and say how many more there are.
 MAX_KERNEL_NAME = 64
