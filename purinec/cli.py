@@ -152,6 +152,21 @@ def _sgd(args):
                   for name, default in SOLVER_DEFAULTS.items()})
 
 
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--input-shape", type=_parse_shape, metavar="C,H,W",
+                        help="shape of one input image, for a zoo model or a build() that "
+                             "takes input_shape (default: the model's)")
+    parser.add_argument("--num-classes", type=_positive, metavar="N",
+                        help="number of classes, for a zoo model or a build() that takes "
+                             "num_classes (default: the model's)")
+
+
+def _model_kwargs(args) -> dict:
+    """The model options given on the command line, for the model's builder."""
+    options = {"input_shape": args.input_shape, "num_classes": args.num_classes}
+    return {name: value for name, value in options.items() if value is not None}
+
+
 def _refuse_options(args, names: tuple[str, ...], why: str) -> None:
     """Fail if any option in ``names`` was given: it cannot apply, and ignoring it would
     silently do something other than what was asked."""
@@ -215,7 +230,7 @@ def cmd_dump(args) -> int:
     if args.model.endswith(".purine"):
         return _dump_artifact(args)
     train = _sgd(args) if args.train else None
-    source = load_source(args.model, args.batch)
+    source = load_source(args.model, args.batch, **_model_kwargs(args))
     placed = functools.cache(lambda: _placement(source))  # lowered once, if at all
     spread = parallel_plan(args.devices, _strategy(args, placed),
                            args.micro_batches) or placed()
@@ -311,6 +326,7 @@ def _dump_artifact(args) -> int:
 
     given = [option for option, value in (
         ("--stage", args.stage), ("--train", args.train), ("--batch", args.batch),
+        ("--input-shape", args.input_shape), ("--num-classes", args.num_classes),
         ("--devices", args.devices), ("--parallel", args.parallel),
         ("--micro-batches", args.micro_batches), ("--explain", args.explain),
         ("--llvm", args.llvm), ("--asm", args.asm),
@@ -414,11 +430,7 @@ def cmd_compile(args) -> int:
                            "recognize artifacts by that suffix)")
     if not args.train:
         _refuse_options(args, SOLVER_OPTIONS, "solver options apply only with --train")
-    model_kwargs = {}
-    if args.input_shape:
-        model_kwargs["input_shape"] = args.input_shape
-    if args.num_classes:
-        model_kwargs["num_classes"] = args.num_classes
+    model_kwargs = _model_kwargs(args)
     start = time.perf_counter()
     program = compile(args.model, target=args.target, train=_sgd(args) if args.train else None,
                       batch=args.batch, seed=args.seed,
@@ -893,6 +905,7 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--train", action="store_true",
                       help="compile the training iteration (backward and SGD)")
     dump.add_argument("--batch", type=_positive, help="batch size (default: the model's)")
+    _add_model_args(dump)
     dump.add_argument("--stage", metavar="NAME|all",
                       help="stage to show (default: the final IR); 'all' shows every stage")
     dump.add_argument("-o", "--output", metavar="DIR|FILE",
@@ -940,10 +953,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_parallel_args(comp)
     comp.add_argument("--seed", type=_non_negative, default=0,
                       help="seed of the initial weights (default 0)")
-    comp.add_argument("--input-shape", type=_parse_shape, metavar="C,H,W",
-                      help="shape of one input image (default: the model's)")
-    comp.add_argument("--num-classes", type=_positive, metavar="N",
-                      help="number of classes (default: the model's)")
+    _add_model_args(comp)
     _add_solver_args(comp)
     comp.set_defaults(func=cmd_compile, parser=comp)
 

@@ -175,6 +175,18 @@ def test_dump_one_stage():
     assert "grad.ip1.weight" in result.stdout and "sgd(" not in result.stdout
 
 
+def test_dump_builds_the_model_for_the_input_shape_and_classes_given(capsys):
+    """As train does for its data set: mlp for digits' 8x8 images and 4 classes."""
+    result = purinec_here(capsys, "dump", "mlp", "--train", "--batch", "2", "--stage",
+                          "autodiff", "--input-shape", "1,8,8", "--num-classes", "4")
+    assert result.returncode == 0, result.stderr
+    assert "%data: f32[2,1,8,8]" in result.stdout
+    assert "%ip1.weight: f32[512,64]" in result.stdout
+    assert "%ip3.weight: f32[4,512]" in result.stdout
+    assert_clean_error(purinec_here(capsys, "dump", "lenet", "--input-shape", "1,8,8"),
+                       "layer conv2", "does not fit input f32[64,20,2,2]")
+
+
 def test_unknown_stage_and_model_are_clear_errors():
     assert_clean_error(purinec("dump", "mlp", "--stage", "fission"), "unknown stage 'fission'")
     assert_clean_error(purinec("dump", "resnet9000"), "resnet9000", "lenet")
@@ -337,6 +349,8 @@ def test_dump_an_artifact_shows_the_ir_it_holds(artifact, tmp_path):
             "model" in refused.stderr), refused.stderr
     refused = purinec("dump", path, "--stage", "fuse")
     assert "--stage applies to a model" in refused.stderr, refused.stderr
+    refused = purinec("dump", path, "--input-shape", "1,8,8")
+    assert "--input-shape applies to a model" in refused.stderr, refused.stderr
 
 
 def test_compile_then_run_in_another_process_gives_the_same_outputs(artifact, tmp_path):
