@@ -419,19 +419,19 @@ def test_a_pipelines_inference_graph_keeps_each_parameter_on_its_training_stage(
     from purinec.bigraph import Accuracy, Blob, InnerProduct, Net, ReLU, SoftmaxWithLoss
 
     with Net("shifts") as net:
-        data, label = Blob("data", (8, 1, 3, 3)), Blob("label", (8,), "i32")
-        logits = (data >> InnerProduct("ip0", 4) >> ReLU("relu0") >> InnerProduct("out", 40)
+        data, label = Blob("data", (8, 1, 7, 7)), Blob("label", (8,), "i32")
+        logits = (data >> InnerProduct("ip0", 2) >> ReLU("relu0") >> InnerProduct("out", 4)
                   >> Blob("logits"))
         net.outputs = [logits, [logits, label] >> SoftmaxWithLoss("loss"),
                        [logits, label] >> Accuracy("accuracy")]
-    with pytest.warns(PurinecWarning, match="cpu:2 gets no work"):  # two layers, 3 devices
+    with pytest.warns(PurinecWarning, match="cpu:1 gets no work"):  # two layers, 3 devices
         program = purinec.compile(net, train=SGD, devices=3, parallel="pipeline")
     trained = {v.name: v.dist for v in program.ir.inputs_with_role("param")}
     used = {v.name: v.dist for v in program.eval_ir.inputs_with_role("param")}
-    assert used == trained
+    assert used == trained and len({d.group for d in trained.values()}) == 2
     # Laid out by their own work, the graphs would disagree: refused by name.
     monkeypatch.setattr(purinec.compiler, "_pinned_to", lambda graph, spread: spread)
-    with pytest.raises(PurinecError, match=r"param out.weight: graph shifts.train reads it "
+    with pytest.raises(PurinecError, match=r"param ip0.weight: graph shifts.train reads it "
                                            r"as replicated\[cpu:0\] but graph shifts reads "
                                            r"it as replicated\[cpu:1\]"):
         purinec.compile(net, train=SGD, devices=3, parallel="pipeline")
@@ -476,7 +476,6 @@ def test_a_pipeline_longer_than_the_model_says_which_devices_sit_idle():
     used = [str(d) for d in program.devices]
     idle = [f"cpu:{i}" for i in range(6) if f"cpu:{i}" not in used]
     assert 1 < len(used) < 6
-    assert sorted(used) == [f"cpu:{i}" for i in range(len(used))]  # the first ones
     assert str(warned[0].message) == (
         f"pipeline parallelism puts mlp on {len(used)} of the 6 devices given; "
         f"{', '.join(idle)} {'gets' if len(idle) == 1 else 'get'} no work: its layers' "
@@ -497,10 +496,6 @@ def test_a_pipeline_gives_no_stage_to_the_flattening_of_its_input():
     assert flatten.op == "reshape" and first_product.op == "matmul"
     assert flatten.outputs[0].device == first_product.outputs[0].device
     assert graph.inputs[0].device == first_product.outputs[0].device
-    # mlp has three layers of note: its stages take the first three of the nine devices
-    # (cut into nine parts by work, its layers' middles fall into parts 2, 6 and 8).
-    assert [str(n.outputs[0].device) for n in graph.nodes if n.op == "matmul"] == [
-        "cpu:0", "cpu:1", "cpu:2"]
 
 
 def test_a_strategy_over_one_device_says_it_is_the_one_device_program():

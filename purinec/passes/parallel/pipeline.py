@@ -19,7 +19,6 @@ micro-batch m+1's first stage while micro-batch m is in the second: the pipeline
 
 from __future__ import annotations
 
-import bisect
 from typing import Mapping
 
 from purinec.errors import PurinecError
@@ -41,25 +40,25 @@ def assign_stages(graph: Graph, devices: tuple[Device, ...],
     although the two graphs' work (and so their stages) differ."""
     new = graph.clone()
     pinned = pinned or {}
-    followers: set[Node] = set()  # cheap nodes, on their first input's producer's device
-    leading: set[Node] = set()  # cheap nodes with no producer to follow
-    for node in new.nodes:
-        if get_op(node.op).fusion <= FusionKind.injective:
-            if node.inputs and node.inputs[0].producer is not None:
-                followers.add(node)
-            if all(v.producer is None or v.producer in leading for v in node.inputs):
-                leading.add(node)
-    stages = _stages(new.nodes, len(devices), followers, leading)
-    for node in new.nodes:
-        device = (node.inputs[0].producer.device if node in followers
-                  else devices[stages[node]])
+    costs = [max(node_work(node), 1) for node in new.nodes]
+    total = sum(costs)
+    done = 0
+    leading: list[Node] = []  # cheap nodes with no producer to follow
+    for node, cost in zip(new.nodes, costs):
+        stage = min(len(devices) - 1, int((done + cost / 2) / total * len(devices)))
+        done += cost
+        producer = node.inputs[0].producer if node.inputs else None
+        cheap = get_op(node.op).fusion <= FusionKind.injective
+        device = producer.device if cheap and producer is not None else devices[stage]
+        if cheap and all(v.producer is None or v.producer in leading for v in node.inputs):
+            leading.append(node)
         device = next((pinned[v.name] for v in node.inputs if v.name in pinned), device)
         for v in node.outputs:
             v.device = device
     readers = new.users()
     # A cheap node on the inputs (the flattening of an image batch) runs where its first
     # reader does: on a stage of its own it would cost a device and a copy of the batch.
-    for node in reversed([n for n in new.nodes if n in leading]):
+    for node in reversed(leading):
         first_reader = next(iter(readers.get(node.outputs[0]) or ()), None)
         if first_reader is not None and not any(v.name in pinned for v in node.inputs):
             for v in node.outputs:
@@ -68,23 +67,6 @@ def assign_stages(graph: Graph, devices: tuple[Device, ...],
         if readers.get(v):
             v.device = readers[v][0].device
     return new
-
-
-def _stages(nodes: list[Node], count: int, followers: set[Node], leading: set[Node]
-            ) -> dict[Node, int]:
-    """The stage of each node but the ``followers``: where the middle of its work falls
-    in the graph's work cut into ``count`` equal parts. With fewer layers than parts,
-    some parts hold no layer's middle; stages are numbered without them (nor the parts
-    of the ``leading`` nodes, which move to their readers), so they use the first
-    devices."""
-    costs = [max(node_work(node), 1) for node in nodes]
-    total, done, part = sum(costs), 0, {}
-    for node, cost in zip(nodes, costs):
-        if node not in followers:
-            part[node] = min(count - 1, int((done + cost / 2) / total * count))
-        done += cost
-    used = sorted({p for node, p in part.items() if node not in leading}) or [0]
-    return {node: min(bisect.bisect_left(used, p), len(used) - 1) for node, p in part.items()}
 
 
 def default_micro_batches(stages: int, batch: int) -> int:
