@@ -18,9 +18,9 @@ grouped with union-find in three steps; every merge passes the same checks (belo
 3. Solver updates, horizontally. The `sgd` nodes still alone (one per parameter; those
    fed by a matmul joined its epilogue in step 1) become one fused node per device of
    independent members, in chunks of at most `MAX_SOLVER_GROUP` (and
-   ``max_group_size``), when no path joins
-   two of them and no two share an input (so each member may update its own weight and
-   history in place without disturbing another). Updates whose gradients arrive from
+   ``max_group_size``), when no path joins two of them and no two share an input (so
+   each member may update its own weight and history in place without disturbing
+   another). Updates whose gradients arrive from
    different communication nodes (allreduces of a data-parallel graph) stay apart: one
    fused update would wait for the last gradient, while apart each runs when its own
    arrives, filling the wait for the next.
