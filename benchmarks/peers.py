@@ -99,7 +99,8 @@ NETS: dict[str, NetSpec] = {
         _ip("ip1", 500), _relu("relu1"),
         _ip("ip2", 10, out="logits"))),
     "cifar_quick": NetSpec((3, 32, 32), (
-        _scale("pixels", 255), _conv("conv1", 32, 5, pad=2), _pool("maxpool", "pool1", 3, 2), _relu("relu1"),
+        _scale("pixels", 255),
+        _conv("conv1", 32, 5, pad=2), _pool("maxpool", "pool1", 3, 2), _relu("relu1"),
         _conv("conv2", 32, 5, pad=2), _relu("relu2"), _pool("avgpool", "pool2", 3, 2),
         _conv("conv3", 64, 5, pad=2), _relu("relu3"), _pool("avgpool", "pool3", 3, 2),
         _ip("ip1", 64),

@@ -317,10 +317,11 @@ def test_solver_updates_group_at_most_max_solver_group_at_a_time():
     # updates as one kernel took 58 s to compile, 12 s in groups of 8.
     count = 2 * MAX_SOLVER_GROUP + 1
     g = solver_graph(devices=(CPU0,) * count)
-    groups = [n.body for n in fuse(g).nodes if n.op == "fused"]
+    after = fuse(g)
+    groups = [n.body for n in after.nodes if n.op == "fused"]
     assert [len(body) for body in groups] == [MAX_SOLVER_GROUP, MAX_SOLVER_GROUP]
     assert {m.op for body in groups for m in body} == {"sgd"}
-    assert_same_results(g, fuse(g))
+    assert_same_results(g, after)
 
 
 def test_solver_updates_group_by_the_communication_their_gradients_arrive_from():
@@ -417,8 +418,8 @@ def kernels_of(g: Graph, op: str) -> list[Node]:
 
 
 def assert_solver_fused(before: Graph, after: Graph) -> None:
-    """Every sgd is in a matmul's epilogue or in a horizontal group of MAX_SOLVER_GROUP,
-    but for one smaller group (or one sgd alone), the rest."""
+    """Every sgd is in a matmul's epilogue or in a horizontal group of MAX_SOLVER_GROUP
+    updates, except one group that takes the rest (or one sgd left alone)."""
     sgd_kernels = kernels_of(after, "sgd")
     horizontal = [n for n in sgd_kernels if all(m.op == "sgd" for m in n.body or [n])]
     sizes = sorted(len(n.body or [n]) for n in horizontal)

@@ -20,10 +20,10 @@ grouped with union-find in three steps; every merge passes the same checks (belo
    independent members, in chunks of at most `MAX_SOLVER_GROUP` (and
    ``max_group_size``), when no path joins two of them and no two share an input (so
    each member may update its own weight and history in place without disturbing
-   another). Updates whose gradients arrive from
-   different communication nodes (allreduces of a data-parallel graph) stay apart: one
-   fused update would wait for the last gradient, while apart each runs when its own
-   arrives, filling the wait for the next.
+   another). Updates whose gradients arrive from different communication nodes
+   (allreduces of a data-parallel graph) stay apart: one fused update would wait for
+   the last gradient, while apart each runs when its own arrives, filling the wait for
+   the next.
 
 The checks. Every value that would flow inside the merged group, from a producer to a
 consumer: the consumer is elementwise or broadcast (nothing fuses into a conv2d or
