@@ -671,7 +671,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = [m for m in args.models if m not in MODELS]
     if unknown:
         p.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
-    from purinec.compiler import TARGETS
+    from purinec.targets import TARGETS
 
     args.targets = _names(args.targets) if args.targets else list(TARGETS)
     unknown = [t for t in args.targets if t not in TARGETS]
@@ -701,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker_main(args.worker)
     peers, notes = installed_peers(args.peers)
-    from purinec.compiler import TARGETS
+    from purinec.targets import TARGETS
 
     if "cpu" not in TARGETS:
         notes.append("purinec's cpu target is not registered in this build; only "

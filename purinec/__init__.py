@@ -6,9 +6,11 @@
     program.save("mlp.purine")           # later, in any process: purinec.load("mlp.purine")
 """
 
-from purinec.compiler import STAGES, Program, compile, load
+from purinec.compiler import compile, load
 from purinec.errors import ArtifactError, IRSyntaxError, PurinecError, PurinecWarning
 from purinec.passes.optimizer import SGD
+from purinec.passes.pipeline import STAGES
+from purinec.program import Program
 
 __version__ = "0.1.0"
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import importlib.util
 import io
 import json
 import os
@@ -34,17 +33,21 @@ import zipfile
 import zlib
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
-from purinec.compiler import (TARGETS, Program, check_weights, is_distributed, layout_ranks,
-                              onto_ranks)
 from purinec.errors import ArtifactError, PurinecError, VerifyError
 from purinec.fileio import write_atomically
 from purinec.ir.graph import Graph
 from purinec.ir.parser import parse
+from purinec.layout import is_distributed, layout_ranks, onto_ranks
 from purinec.runtime import comm
+from purinec.targets import TARGETS
+from purinec.weights import check_weights
+
+if TYPE_CHECKING:
+    from purinec.program import Program
 
 FORMAT = "purinec-artifact"
 # Bump when a reader of the old version could misread the new layout. 2: manifest.sha256.
@@ -129,9 +132,9 @@ _kernel_sources_of: weakref.WeakKeyDictionary[Program, dict[str, bytes]] = \
 
 
 def _kernel_sources(program: Program) -> dict[str, bytes]:
-    """The generated kernel sources of every graph, by member name. Only the cpu target
-    generates source; the hook stays quiet where its code generator is not installed."""
-    if program.target != "cpu" or importlib.util.find_spec("purinec.codegen.cpu") is None:
+    """The generated kernel sources of every graph, by member name: none for a target
+    that generates no code, or that cannot run here."""
+    if TARGETS[program.target].missing():
         return {}
     if program not in _kernel_sources_of:
         _kernel_sources_of[program] = _generate_kernel_sources(program)
@@ -139,11 +142,9 @@ def _kernel_sources(program: Program) -> dict[str, bytes]:
 
 
 def _generate_kernel_sources(program: Program) -> dict[str, bytes]:
-    from purinec.compiler import generated_kernels
-
     sources: dict[str, bytes] = {}
     for graph in program.executed_graphs():
-        for kernel in generated_kernels(graph).values():
+        for kernel in TARGETS[program.target].generated(graph).values():
             stem = f"{KERNELS}{_file_name(graph.name)}/{_file_name(kernel.name)}"
             source = kernel.source.encode()
             name, n = f"{stem}.py", 1
@@ -208,9 +209,21 @@ def _write_zip(f: BinaryIO, manifest: str, members: dict[str, bytes]) -> None:
 
 # -- loading ----------------------------------------------------------------------------
 
-def load(path: str | os.PathLike, target: str | None = None, trace: Any = None) -> Program:
-    """Read, check and rebuild the program saved at ``path``. ``target`` overrides the
-    target it was compiled for (the IR is the same for every target)."""
+@dataclass
+class Loaded:
+    """What a program is rebuilt from (`purinec.load` makes the `Program`)."""
+
+    graph: Graph
+    eval_graph: Graph | None
+    target: str
+    params: dict[str, np.ndarray]
+    state: dict[str, np.ndarray]
+    metadata: dict
+
+
+def read_program(path: str | os.PathLike, target: str | None = None) -> Loaded:
+    """Read and check the program saved at ``path``. ``target`` overrides the target it
+    was compiled for (the IR is the same for every target)."""
     path = os.fspath(path)
     manifest, members, graph, eval_graph = _read(path)
     weights = _read_weights(path, members[WEIGHTS])
@@ -230,8 +243,8 @@ def load(path: str | os.PathLike, target: str | None = None, trace: Any = None) 
         # devices dealt out over this job's ranks (a checkpoint resumes anywhere).
         graph, eval_graph = (onto_ranks(ranks, graph) + [None] if eval_graph is None
                              else onto_ranks(ranks, graph, eval_graph))
-    return Program.from_ir(graph, eval_graph, target, weights["param"], weights["state"],
-                           trace=trace, metadata=manifest["metadata"])
+    return Loaded(graph, eval_graph, target, weights["param"], weights["state"],
+                  manifest["metadata"])
 
 
 def read_ir(path: str | os.PathLike) -> tuple[Graph, Graph | None]:

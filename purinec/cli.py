@@ -113,7 +113,7 @@ def _placement(source):
     (lowering it takes milliseconds; compile() lowers it again)."""
     from purinec.compiler import placement
     from purinec.ir.graph import Graph
-    from purinec.passes.lower import lower
+    from purinec.bigraph.lower import lower
 
     return placement(source if isinstance(source, Graph) else lower(source, mode="inference"))
 

@@ -9,7 +9,8 @@ from typing import Callable
 
 import numpy as np
 
-from purinec.compiler import Program, load
+from purinec.compiler import load
+from purinec.program import Program
 from purinec.data import Dataset, batches
 from purinec.errors import ArtifactError, DataError, TrainingError
 

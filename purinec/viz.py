@@ -21,13 +21,9 @@ from typing import Any, Iterable
 from purinec.errors import PurinecError
 from purinec.fileio import atomic_write_text, replacing
 from purinec.ir.graph import Graph, Node, Value
-from purinec.ir.ops import COMM_OPS
+from purinec.ir.ops import Trait, op_has
 from purinec.ir.types import Device
 from purinec.runtime.devices import COMM, COMPUTE, COPY_IN, COPY_OUT, QUEUE_KINDS
-
-# Ops drawn as data movement: the collectives and copies, and `slice`, which the
-# partitioner inserts to take a device's piece of a tensor.
-MOVEMENT_OPS = (*COMM_OPS, "slice")
 
 # (border and edge colour, fill colour) per device, in sorted device order: ColorBrewer's
 # Dark2 with its matching Pastel2, distinct in print and for most colour-blind readers.
@@ -120,7 +116,7 @@ def _node_line(index: int, node: Node, colours: dict) -> str:
     border, fill = colours[node.device]
     attrs = dict(shape="box", label=_label(_node_text(node)), color=quote(border),
                  fillcolor=quote(fill))
-    if node.op in MOVEMENT_OPS:
+    if _moves_data(node):
         # Data movement gets a double, heavy border: the eye finds it among the compute.
         attrs.update(style=quote("filled,bold"), peripheries="2", penwidth="2")
     elif node.body is not None:
@@ -132,10 +128,16 @@ def _node_line(index: int, node: Node, colours: dict) -> str:
     return f"  {node_id(index)} " + _attrs(**attrs) + ";"
 
 
+def _moves_data(node: Node) -> bool:
+    """Drawn as data movement: the collectives and copies, and the partitioner's
+    `slice` of a device's piece: every op the runtime runs on the host."""
+    return op_has(node.op, Trait.host)
+
+
 def _node_text(node: Node) -> list[str]:
     if node.body is not None:
         return [node.attrs["kernel"], " ".join(member.op for member in node.body)]
-    if node.op in MOVEMENT_OPS:
+    if _moves_data(node):
         return [node.op, *(f"{k}={_attr_text(v)}" for k, v in node.attrs.items())]
     return [node.op]
 
@@ -250,7 +252,7 @@ def _task_kind(lane: TraceLane, event: dict) -> str:
     op = str(event.get("name", "")).split(" ", 1)[0]
     if op == "copy":
         return COPY_KIND
-    return COMM_KIND if op in COMM_OPS else COMPUTE_KIND
+    return COMM_KIND if op_has(op, Trait.communicates) else COMPUTE_KIND
 
 
 def _events(trace_events: Any) -> list[dict]:

@@ -1,7 +1,6 @@
 """.purine artifacts: what they hold, that they load bitwise, and what they refuse."""
 
 import hashlib
-import importlib.machinery
 import io
 import json
 import os
@@ -18,7 +17,8 @@ import pytest
 
 import purinec
 from purinec import artifact
-from purinec.compiler import TARGETS, Program
+from purinec.program import Program
+from purinec.targets import TARGETS
 from purinec.data import synthetic
 from purinec.errors import ArtifactError, PurinecError
 from purinec.ir.init import initial_value
@@ -162,29 +162,36 @@ def test_inference_program_has_no_eval_member(model_file, tmp_path):
     assert loaded.eval_ir is loaded.ir and not loaded.trainable
 
 
-def test_kernel_sources_come_from_the_cpu_code_generator(trained, tmp_path, monkeypatch):
-    """For the cpu target the artifact carries compile_kernels' sources, for reading only:
-    loading regenerates kernels from the IR and never reads them."""
-    kernel = types.SimpleNamespace
-    fake = types.ModuleType("purinec.codegen.cpu")
-    fake.__spec__ = importlib.machinery.ModuleSpec("purinec.codegen.cpu", None)
-    fake.compile_kernels = lambda graph: {
-        node: kernel(name=f"{node.op}/{node.name}", source=f"# from %{node.name}\n")
-        for node in graph.nodes}
-    monkeypatch.setitem(sys.modules, "purinec.codegen.cpu", fake)
-    monkeypatch.setitem(TARGETS, "cpu", TARGETS["reference"])
-    program = Program.from_ir(trained.ir, trained.eval_ir, "cpu", dict(trained.params),
+def test_kernel_sources_come_from_the_targets_code_generator(trained, tmp_path, monkeypatch):
+    """The artifact carries the sources a target generated, for reading only: loading
+    regenerates kernels from the IR and never reads them."""
+    from purinec.targets.reference import ReferenceTarget
+
+    class Printed(ReferenceTarget):  # the reference's results, with sources to show
+        name = "printed"
+        sources = True
+
+        def generated(self, graph):
+            if not self.sources:
+                raise AssertionError("loading asked for the kernels' source")
+            return {node: types.SimpleNamespace(name=f"{node.op}/{node.name}",
+                                                source=f"# from %{node.name}\n")
+                    for node in graph.nodes}
+
+    target = Printed()
+    monkeypatch.setitem(TARGETS, "printed", target)
+    program = Program.from_ir(trained.ir, trained.eval_ir, "printed", dict(trained.params),
                               dict(trained.state))
-    result = program.save(tmp_path / "cpu.purine")
-    members = read_zip(tmp_path / "cpu.purine")
+    result = program.save(tmp_path / "printed.purine")
+    members = read_zip(tmp_path / "printed.purine")
     kernels = sorted(n for n in members if n.startswith("kernels/"))
     assert result.kernels == len(kernels) == len(trained.ir.nodes) + len(trained.eval_ir.nodes)
     assert "kernels/tiny.train/matmul_ip1.matmul.py" in kernels
     assert members["kernels/tiny.train/matmul_ip1.matmul.py"] == b"# from %ip1.matmul\n"
 
-    fake.compile_kernels = None  # loading must not need the kernels' source
-    loaded = purinec.load(tmp_path / "cpu.purine")
-    assert loaded.target == "cpu"
+    target.sources = False  # loading must not need the kernels' source
+    loaded = purinec.load(tmp_path / "printed.purine")
+    assert loaded.target == "printed"
 
 
 # -- what is read back -------------------------------------------------------------------

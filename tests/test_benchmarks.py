@@ -16,7 +16,7 @@ from purinec.ir import Graph, TensorType
 from purinec.ir.graph import Node
 from purinec.ir.ops import REGISTRY
 from purinec.ir.types import DType
-from purinec.passes.cost import FLOPS_PER_BYTE, RULES, flops, flops_by_node, node_flops, node_work
+from purinec.passes.cost import FLOPS_PER_BYTE, flops, flops_by_node, node_flops, node_work
 
 F32 = DType.f32
 
@@ -113,13 +113,9 @@ def test_a_fused_graph_costs_what_the_unfused_one_does():
     assert flops(fused) == flops(graph)
 
 
-def test_every_registered_op_has_a_flop_rule():
-    assert sorted(set(REGISTRY) - set(RULES)) == []
-
-
-def test_an_op_without_a_rule_is_named():
+def test_an_unknown_op_is_named():
     node = Node("mystery", [], [])
-    with pytest.raises(PurinecError, match="no FLOP rule for op 'mystery'"):
+    with pytest.raises(PurinecError, match="unknown op 'mystery'"):
         node_flops(node)
 
 

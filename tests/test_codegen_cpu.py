@@ -668,9 +668,9 @@ def test_every_generated_line_maps_back_to_its_ir_node():
 
 
 def test_every_registered_op_has_a_cpu_renderer():
-    from purinec.runtime.collectives import HOST_OPS  # run by the runtime, not kernels
+    from purinec.ir.ops import Trait, ops_with  # host ops run in the runtime, not kernels
 
-    assert sorted(set(REGISTRY) - set(RENDERERS) - set(HOST_OPS)) == []
+    assert sorted(set(REGISTRY) - set(RENDERERS) - ops_with(Trait.host)) == []
 
 
 def test_an_op_without_a_renderer_is_a_clear_error(monkeypatch):

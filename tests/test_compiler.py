@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 
 import purinec
-from purinec.compiler import STAGES, build_graph, load_source
+from purinec.compiler import build_graph, load_source
+from purinec.passes.pipeline import STAGES
 from purinec.data import load_dataset
 from purinec.errors import ExecutionError, PurinecError
 from purinec.ir import parse
 from purinec.models import ZOO
-from purinec.passes.lower import lower
+from purinec.bigraph.lower import lower
 from purinec.train import evaluate, train
 
 
@@ -131,16 +132,15 @@ def test_every_stage_of_every_zoo_model_round_trips(name, training):
 @pytest.mark.parametrize("name", sorted(ZOO))
 @pytest.mark.parametrize("strategy", ["data", "ps", "pipeline"])
 def test_every_parallel_stage_of_every_zoo_model_round_trips(name, strategy):
-    from purinec.compiler import physical_passes
+    from purinec.compiler import pipeline_for
     from purinec.passes.parallel import Parallel, parse_devices
-    from purinec.passes.pipeline import run_passes
 
     seen = []
     check = _round_trip_check(name, seen)
     spread = Parallel(parse_devices("2"), strategy)
     logical = build_graph(load_source(name, batch=4), purinec.SGD(lr=0.01), check, "cpu",
                           spread)
-    run_passes(logical, physical_passes(0, "cpu"), check)
+    pipeline_for("cpu").run_physical(logical, check)
     expected = [s for s in STAGES if strategy == "pipeline" or
                 s not in ("stages", "microbatch")]
     assert seen == expected
@@ -335,8 +335,8 @@ def test_a_training_pir_that_leaves_a_parameter_out_says_so(tmp_path):
 def test_a_trace_goes_to_targets_that_record_them(monkeypatch):
     """A target that records traces gets the trace; Program.close (or leaving a with
     block) lets it finish. Others refuse a trace instead of ignoring it."""
-    from purinec.compiler import TARGETS, Target
     from purinec.runtime.reference import execute
+    from purinec.targets import TARGETS, Target
 
     events = []
 
@@ -351,8 +351,14 @@ def test_a_trace_goes_to_targets_that_record_them(monkeypatch):
         def close(self):
             events.append(("close", self.graph.name, self.trace))
 
-    monkeypatch.setitem(TARGETS, "traced", Target("traced", TracingExecutable,
-                                                  records_traces=True))
+    class Traced(Target):
+        name = "traced"
+        records_traces = True
+
+        def executable(self, graph, trace=None):
+            return TracingExecutable(graph, trace)
+
+    monkeypatch.setitem(TARGETS, "traced", Traced())
     options = dict(batch=2, input_shape=(1, 2, 2), num_classes=3)
     recorder = object()  # what the target records into; Program passes it through
     with purinec.compile("mlp", target="traced", trace=recorder, **options) as program:

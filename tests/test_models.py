@@ -10,7 +10,7 @@ from purinec.bigraph import Net
 from purinec.errors import ModelError
 from purinec.ir.types import CPU0, DType, TensorType
 from purinec.models import ZOO, InceptionModule, load_model
-from purinec.passes.lower import lower
+from purinec.bigraph.lower import lower
 
 DEFAULT_BATCH = {"mlp": 64, "lenet": 64, "convnet": 32, "cifar_quick": 100, "nin": 128,
                  "inception": 64}
@@ -255,8 +255,8 @@ def test_load_model_by_name():
     net = load_model("lenet", batch=16)
     g = lower(net)
     assert g.input("data").type.shape == (16, 1, 28, 28)
-    assert load_model("cifar_quick").lower().input("data").type.shape[0] == 100
-    g = load_model("mlp", batch=4, num_classes=3).lower()
+    assert lower(load_model("cifar_quick")).input("data").type.shape[0] == 100
+    g = lower(load_model("mlp", batch=4, num_classes=3))
     assert g.output("logits").type.shape == (4, 3)
     with pytest.raises(ModelError, match="model mlp takes no argument 'width'"):
         load_model("mlp", width=3)

@@ -98,8 +98,8 @@ def test_a_parameter_servers_conversions_keep_the_logical_tensor(devices, server
     """partial over the group -> whole on its server (reduce), whole on the server ->
     whole on every member (broadcast), and pieces -> whole on the server (allgather,
     then the server's own piece), in process on both targets' kernels."""
-    from purinec.compiler import host_kernels
     from purinec.runtime.executor import Executable
+    from purinec.runtime.host import host_kernels
 
     group = tuple(Device("cpu", i) for i in range(devices))
     alone = Distribution(DistKind.replicated, (group[server],))
@@ -326,12 +326,12 @@ def _assert_every_device_gets_the_servers_weights(program: purinec.Program, feed
     """One more step of a ps program, its broadcasts' outputs returned too: every
     device's copy of every new weight, sent as soon as the server made it, is bitwise
     the server's."""
-    from purinec.compiler import get_target
+    from purinec.targets import get_target
 
     physical = parse(str(program.physical_ir))
     copies = [n for n in physical.nodes if n.op == "broadcast"]
     physical.set_outputs(physical.outputs + [(v.name, v) for n in copies for v in n.outputs])
-    run = get_target(program.target).build(physical, None)
+    run = get_target(program.target).executable(physical)
     seen = {}
 
     def capture(env):
@@ -733,7 +733,8 @@ def test_a_distributed_program_saves_and_loads_bitwise(tmp_path):
 def test_a_layout_over_ranks_runs_in_one_process(strategy):
     """What a checkpoint of an MPI job holds (a graph laid out over two ranks), moved
     onto this process's devices, trains and evaluates as one device does."""
-    from purinec.compiler import build_graph, layout_ranks, load_source, onto_ranks
+    from purinec.compiler import build_graph, load_source
+    from purinec.layout import layout_ranks, onto_ranks
 
     parallel = Parallel(parse_devices("r0/cpu:0,r1/cpu:0"), strategy)
     graphs = [build_graph(load_source("lenet", 12), train, parallel=parallel)
@@ -756,7 +757,9 @@ def test_a_layout_over_ranks_runs_in_one_process(strategy):
 
 
 def test_a_layout_is_dealt_out_over_the_ranks_of_a_job():
-    from purinec.compiler import Program, build_graph, layout_devices, load_source, onto_ranks
+    from purinec.compiler import build_graph, load_source
+    from purinec.layout import layout_devices, onto_ranks
+    from purinec.program import Program
 
     four = build_graph(load_source("mlp", 8), SGD,
                        parallel=Parallel(parse_devices("4"), "data"))
@@ -857,8 +860,8 @@ def test_reduces_onto_one_server_are_bucketed_and_sum_as_before():
     verify(merged)
     assert [(n.op, n.attrs.get("root"), len(n.outputs)) for n in merged.nodes] == [
         ("matmul", None, 1), ("reduce", "cpu:0", 1), ("reduce", "cpu:1", 2)]
-    from purinec.compiler import host_kernels
     from purinec.runtime.executor import Executable
+    from purinec.runtime.host import host_kernels
     from purinec.runtime.plan import reference_kernels
 
     before, after = partition(g, 0), partition(merged, 0)

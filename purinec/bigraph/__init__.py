@@ -11,7 +11,7 @@ hierarchical names and locations, Caffe-style layers, and `Net`.
                   >> InnerProduct("ip1", 10) >> Blob("logits"))
         loss = [logits, label] >> SoftmaxWithLoss("loss")
         net.outputs = [logits, loss]
-    graph = net.lower("train")      # a purinec.ir.Graph
+    graph = lower(net, "train")     # a purinec.ir.Graph
 """
 
 from purinec.bigraph.core import (Blob, Blobs, Element, Graph, Layer, LayerShapeError, Lazy,
@@ -21,9 +21,10 @@ from purinec.bigraph.layers import (LRN, Accuracy, AvgPool, Bias, Concat, Conv, 
                                     DropoutOp, Eltwise, Flatten, FlattenOp, GlobalAvgPool,
                                     InnerProduct, MaxPool, ReLU, Scale, Sigmoid, Softmax,
                                     SoftmaxWithLoss, Split, TanH)
+from purinec.bigraph.lower import lower
 
 __all__ = ["Blob", "Blobs", "Element", "Graph", "Layer", "LayerShapeError", "Lazy", "Location",
            "Net", "NetStructure", "Op", "analyze", "connect", "current_scope", "resolve",
            "LRN", "Accuracy", "AvgPool", "Bias", "Concat", "Conv", "Dropout", "DropoutOp",
            "Eltwise", "Flatten", "FlattenOp", "GlobalAvgPool", "InnerProduct", "MaxPool",
-           "ReLU", "Scale", "Sigmoid", "Softmax", "SoftmaxWithLoss", "Split", "TanH"]
+           "ReLU", "Scale", "Sigmoid", "Softmax", "SoftmaxWithLoss", "Split", "TanH", "lower"]

@@ -4,7 +4,7 @@ A network is a bipartite graph: `Blob` nodes (tensors) and `Op` nodes (registry 
 joined with ``>>``. Composites (`Graph`, `Layer`, `Net`) own children and give them
 hierarchical names (``conv1.weight``) and a `Location` they inherit. Shapes of
 intermediate blobs, and of parameters whose shape follows from an input (`Lazy`), are
-inferred when the net is lowered to IR (`purinec.passes.lower`).
+inferred when the net is lowered to IR (`purinec.bigraph.lower`).
 
 The forms of ``>>`` (a list on the left is an op's inputs, in order)::
 
@@ -442,7 +442,7 @@ class Op(Element):
 
     def lower(self, ctx, inputs: list) -> list:
         """Emit IR for this op into the lowering context ``ctx`` (see
-        `purinec.passes.lower.Lowering`); returns one IR value per output blob."""
+        `purinec.bigraph.lower.Lowering`); returns one IR value per output blob."""
         return ctx.emit(self, self.op_name, inputs, ctx.resolve_attrs(self),
                         [b.path for b in self.outputs])
 
@@ -772,12 +772,6 @@ class Net(Graph):
     def bottom(self) -> list[Blob]:
         return [b for b in self.descendants() if isinstance(b, Blob) and b.producer is None
                 and b.role in (None, "data") and not b._top_of]
-
-    def lower(self, mode: str = "inference"):
-        """Lower to a `purinec.ir.Graph`; see `purinec.passes.lower.lower`."""
-        from purinec.passes.lower import lower
-
-        return lower(self, mode)
 
     def structure(self) -> "NetStructure":
         """Validate the net and return its ops in topological order (see `analyze`)."""

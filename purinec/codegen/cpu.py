@@ -14,7 +14,7 @@ source, comments included) around the same ``fn``.
 
 Renderers live in `purinec.codegen.cpu_ops`, `cpu_conv`, `cpu_pool` and `cpu_fused`, and
 are found through `RENDERERS` (op name -> function, ``fused`` included). Elementwise ops
-go through the scalar rules and loop emitter of `purinec.codegen.elementwise`, which
+go through the element expressions and loop emitter of `purinec.codegen.elementwise`, which
 fused nodes reuse for their loops and epilogues; a fused node's kernel is one module
 named after it (``fused_conv2d_relu``) whose comments quote each member. Big kernels run
 in blocks on several threads (`purinec.codegen.cpu_runtime`); `set_threads(n)` bounds
@@ -35,12 +35,11 @@ from purinec.codegen.compile_helpers import Job, helping
 from purinec.codegen import cpu_conv, cpu_fused, cpu_ops, cpu_pool  # noqa: F401  (renderers)
 from purinec.codegen.cpu_runtime import NUMPY_BLAS, Blocked, limit_blas_threads, set_threads
 from purinec.codegen.cpu_module import DEFAULT_OPTIONS, RENDERERS, CpuOptions, KernelModule
-from purinec.codegen.elementwise import SCALAR_RULES
 from purinec.codegen.kernel import CodegenError, Kernel
 from purinec.codegen.progress import kernel_bar
 from purinec.ir.graph import Graph, Node, Value
 
-__all__ = ["compile_kernels", "compile_node", "render", "RENDERERS", "SCALAR_RULES",
+__all__ = ["compile_kernels", "compile_node", "render", "RENDERERS",
            "CpuOptions", "set_threads"]
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@
 * horizontal: members of several shapes that do not read one another (the solver's
   updates), one loop each.
 
-The loops come from the scalar rules and loop emitter of `purinec.codegen.elementwise`,
+The loops come from the element expressions and loop emitter of `purinec.codegen.elementwise`,
 the ones single elementwise nodes use.
 """
 
@@ -20,6 +20,7 @@ from purinec.codegen.cpu_ops import span_of
 from purinec.codegen.elementwise import emit_loop
 from purinec.codegen.kernel import CodegenError
 from purinec.ir.graph import Node, Value
+from purinec.ir.ops import Trait, op_has
 
 
 @renders("fused")
@@ -29,7 +30,7 @@ def render_fused(node: Node, m: KernelModule) -> None:
     several shapes that do not read one another (the solver's updates), one loop each."""
     arrays = dict(zip(node.inputs, m.inputs)) | dict(zip(node.outputs, m.outputs))
     body = node.body
-    if body[0].op in _ANCHORS:
+    if op_has(body[0].op, Trait.epilogue_anchor):
         _render_epilogue(node, m, arrays)
         return
     if len({v.type.shape for member in body for v in member.outputs}) == 1:
@@ -47,32 +48,50 @@ def render_fused(node: Node, m: KernelModule) -> None:
             emit_loop(m, [member], arrays, outputs)
 
 
-_ANCHORS = ("conv2d", "matmul")
-
-
 def _render_epilogue(node: Node, m: KernelModule, arrays: dict[Value, str]) -> None:
-    """The anchor (conv2d or matmul), then the elementwise members on each of its
-    images (or rows) as soon as it is computed. An anchor output nobody outside reads
-    lives in a scratch array only."""
+    """The anchor, then the elementwise members on each of its images (or rows) as soon
+    as it is computed. An anchor output nobody outside reads lives in a scratch array
+    only."""
+    anchor = node.body[0]
+    (produced,) = anchor.outputs
+    outputs = [v for v in node.outputs if v is not produced]
+    if not outputs:
+        raise CodegenError(f"fused node {node!r}: its epilogue exports nothing")
+    try:
+        render = EPILOGUES[anchor.op]
+    except KeyError:
+        raise CodegenError(f"fused node {node!r}: the cpu target has no epilogue renderer "
+                           f"for anchor op {anchor.op}") from None
+    render(node, m, arrays, outputs)
+
+
+def _conv2d_epilogue(node: Node, m: KernelModule, arrays: dict[Value, str],
+                     outputs: list[Value]) -> None:
+    """The convolution image by image, each image's epilogue right after it."""
     anchor, rest = node.body[0], node.body[1:]
     (produced,) = anchor.outputs
     exported = produced in node.outputs
-    outputs = [v for v in node.outputs if v is not produced]
-    ins = [arrays[v] for v in anchor.inputs]
-    if not outputs:
-        raise CodegenError(f"fused node {node!r}: its epilogue exports nothing")
-    if anchor.op == "conv2d":
-        def epilogue(n: str, scratch: str | None) -> None:
-            local = dict(arrays)
-            if scratch is not None:
-                local[produced] = scratch
-            emit_loop(m, rest, local, outputs, outer=n,
-                      local=frozenset([produced]) if scratch else frozenset())
-        with m.body.origin(anchor):
-            emit_conv2d(anchor, m, *ins, arrays[produced] if exported else None, epilogue)
-        return
+
+    def epilogue(n: str, scratch: str | None) -> None:
+        local = dict(arrays)
+        if scratch is not None:
+            local[produced] = scratch
+        emit_loop(m, rest, local, outputs, outer=n,
+                  local=frozenset([produced]) if scratch else frozenset())
     with m.body.origin(anchor):
-        lo, hi, by_columns = emit_matmul(anchor, m, *ins,
+        emit_conv2d(anchor, m, *[arrays[v] for v in anchor.inputs],
+                    arrays[produced] if exported else None, epilogue)
+
+
+def _matmul_epilogue(node: Node, m: KernelModule, arrays: dict[Value, str],
+                     outputs: list[Value]) -> None:
+    """The product (in blocks of rows or columns), then the epilogue on each row of
+    the block."""
+    anchor, rest = node.body[0], node.body[1:]
+    (produced,) = anchor.outputs
+    exported = produced in node.outputs
+    with m.body.origin(anchor):
+        lo, hi, by_columns = emit_matmul(anchor, m, *[arrays[v] for v in anchor.inputs],
                                          arrays[produced] if exported else None)
     r = m.fresh("r")
     rows = produced.type.shape[0]
@@ -84,3 +103,7 @@ def _render_epilogue(node: Node, m: KernelModule, arrays: dict[Value, str]) -> N
         emit_loop(m, rest, local, outputs, outer=r,
                   local=frozenset() if exported else frozenset([produced]),
                   columns=(lo, hi) if by_columns and lo != "0" else None)
+
+
+# The renderer of each epilogue anchor's op (`Trait.epilogue_anchor`) and its epilogue.
+EPILOGUES = {"conv2d": _conv2d_epilogue, "matmul": _matmul_epilogue}

@@ -6,7 +6,7 @@ their own: `purinec.codegen.cpu_conv` (matrix products and convolutions, through
 BLAS), `purinec.codegen.cpu_pool` (pooling and LRN) and `purinec.codegen.cpu_fused`
 (fused nodes). Here:
 
-* elementwise and broadcast ops: one loop nest from their scalar rules
+* elementwise and broadcast ops: one loop nest from their element expressions
   (`purinec.codegen.elementwise`), the same emitter fused nodes use;
 * data movement (``reshape``, ``concat``, ``split``): row copies;
 * ``reduce_sum``: kept axes outside, summed axes inside, four partial sums;
@@ -24,8 +24,9 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from purinec.codegen.cpu_module import KernelModule, literal, numpy_name, renders
-from purinec.codegen.elementwise import SCALAR_RULES, emit_loop
+from purinec.codegen.elementwise import emit_loop
 from purinec.ir.graph import Node
+from purinec.ir.ops import REGISTRY
 from purinec.ir.types import DType
 
 # ---------------------------------------------------------------------------------------
@@ -84,10 +85,10 @@ def split_loop(m: KernelModule, var: str, count: int, work: int) -> Iterator[str
 
 
 # ---------------------------------------------------------------------------------------
-# Elementwise and broadcast ops: one loop from their scalar rules.
+# Elementwise and broadcast ops: one loop from their element expressions.
 
 
-@renders(*SCALAR_RULES)
+@renders(*(name for name, opdef in REGISTRY.items() if opdef.expr is not None))
 def render_elementwise(node: Node, m: KernelModule) -> None:
     arrays = dict(zip(node.inputs, m.inputs)) | dict(zip(node.outputs, m.outputs))
     emit_loop(m, [node], arrays, node.outputs)

@@ -1,11 +1,11 @@
-"""Elementwise ops as scalar expressions, and the loop emitter that composes them.
+"""The CPU's loop emitter: elementwise ops, alone or fused, as Numba loops.
 
-Each elementwise or broadcast op has a *scalar rule*: given the names of scalar locals
-holding one element of each input, it returns one expression per output. `emit_loop`
+Each elementwise or broadcast op has an *element expression* (`OpDef.expr`, see
+`purinec.ir.expr`): from one expression per input element, one per output. `emit_loop`
 renders any group of such nodes whose outputs share one shape, a single node or a fused
 chain alike, as one loop nest: it loads each element of each outside input once,
-evaluates the members' rules in order (each result bound to a local), and stores the
-group's outputs. Broadcast inputs (a bias along one axis, a 0-d scalar, a size-1 axis)
+prints the members' expressions in order (each result bound to a local; through
+`CPU_FUNCTIONS`, the CPU's spelling of each function), and stores the group's outputs. Broadcast inputs (a bias along one axis, a 0-d scalar, a size-1 axis)
 are indexed by the loop variables of the axes they vary along and loaded in the
 outermost loop where they are known, so nothing is recomputed or re-read per element.
 
@@ -20,165 +20,40 @@ written otherwise.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 from purinec.codegen.cpu_module import HELPERS, KernelModule, literal, numpy_name
+from purinec.codegen.expr_print import print_exprs
 from purinec.codegen.kernel import CodegenError
+from purinec.ir.expr import U64, Arg, Call, Const, walk
 from purinec.ir.graph import Node, Value
-from purinec.ir.nnref import splitmix64
+from purinec.ir.ops import get_op
 from purinec.ir.types import DType
 
 # ---------------------------------------------------------------------------------------
-# Scalar rules.
+# How the CPU prints element expressions (purinec.ir.expr): Numba-compiled Python.
 
 
-@dataclass
-class ScalarContext:
-    """What a scalar rule may use besides its operands.
-
-    ``index``: the element's flat C-order index in the loop's shape. ``let(expr)``
-    binds ``expr`` to a new local inside the loop body and returns its name (for values a
-    rule uses twice); ``hoist(expr)`` does the same before the loops, for values that
-    depend only on 0-d inputs and constants.
-    """
-
-    module: KernelModule
-    index: str
-    body: list[tuple[str, str]] = field(default_factory=list)
-    prologue: list[tuple[str, str]] = field(default_factory=list)
-
-    def let(self, expr: str, hint: str = "t") -> str:
-        name = self.module.fresh(hint)
-        self.body.append((name, expr))
-        return name
-
-    def hoist(self, expr: str, hint: str = "c") -> str:
-        name = self.module.fresh(hint)
-        self.prologue.append((name, expr))
-        return name
+def _cast(call: Call, args: list[str]) -> str:
+    return f"{numpy_name(DType(call.dtype))}({args[0]})"
 
 
-ScalarRule = Callable[[Node, ScalarContext, list[str]], list[str]]
-
-SCALAR_RULES: dict[str, ScalarRule] = {}
-
-
-def scalar_rule(*ops: str):
-    """Register the decorated function as the scalar rule of ``ops``."""
-    def register(fn: ScalarRule) -> ScalarRule:
-        for op in ops:
-            SCALAR_RULES[op] = fn
-        return fn
-    return register
+CPU_FUNCTIONS = {
+    "add": "{0} + {1}", "sub": "{0} - {1}", "mul": "{0} * {1}", "div": "{0} / {1}",
+    "neg": "-{0}",
+    "lt": "{0} < {1}", "le": "{0} <= {1}", "gt": "{0} > {1}", "ne": "{0} != {1}",
+    "or": "{0} or {1}", "select": "{1} if {0} else {2}",
+    "exp": "np.exp({0})", "tanh": "np.tanh({0})", "cast": _cast,
+    "u64": "np.uint64(np.int64({0}))", "xor": "{0} ^ {1}", "shr": "{0} >> {1}",
+    "mix64": "splitmix64({0})",
+}
 
 
-def _dtype(node: Node) -> DType:
-    return node.outputs[0].type.dtype
-
-
-def _c(node: Node, value) -> str:
-    """A constant in the node's output dtype."""
-    return literal(value, _dtype(node))
-
-
-@scalar_rule("relu")
-def _relu(node, ctx, args):
-    (x,), zero = args, _c(node, 0)
-    return [f"{x} if not {x} <= {zero} else {zero}"]  # NaN passes through, as np.maximum
-
-
-@scalar_rule("sigmoid")
-def _sigmoid(node, ctx, args):
-    (x,), one = args, _c(node, 1)
-    return [f"{one} / ({one} + np.exp(-{x}))"]
-
-
-@scalar_rule("tanh")
-def _tanh(node, ctx, args):
-    return [f"np.tanh({args[0]})"]
-
-
-@scalar_rule("scale")
-def _scale(node, ctx, args):
-    return [f"{args[0]} * {_c(node, node.attrs['alpha'])}"]
-
-
-@scalar_rule("add_scalar")
-def _add_scalar(node, ctx, args):
-    value = _c(node, node.attrs["value"])
-    if _dtype(node) is DType.bool:  # NumPy's bool + bool is "or"
-        return [f"{args[0]} or {value}"]
-    return [f"{args[0]} + {value}"]
-
-
-@scalar_rule("cast")
-def _cast(node, ctx, args):
-    (x,) = args
-    src, dst = node.inputs[0].type.dtype, _dtype(node)
-    if dst is DType.bool:
-        return [f"{x} != 0"]
-    if src is DType.bool:
-        return [f"{_c(node, 1)} if {x} else {_c(node, 0)}"]
-    return [f"{numpy_name(dst)}({x})"]
-
-
-@scalar_rule("add", "bias_add")
-def _add(node, ctx, args):
-    return [f"{args[0]} + {args[1]}"]
-
-
-@scalar_rule("sub")
-def _sub(node, ctx, args):
-    return [f"{args[0]} - {args[1]}"]
-
-
-@scalar_rule("mul")
-def _mul(node, ctx, args):
-    return [f"{args[0]} * {args[1]}"]
-
-
-@scalar_rule("relu_grad")
-def _relu_grad(node, ctx, args):
-    (x, gy), zero = args, _c(node, 0)
-    return [f"{gy} if {x} > {zero} else {zero}"]
-
-
-@scalar_rule("sigmoid_grad")
-def _sigmoid_grad(node, ctx, args):
-    (y, gy), one = args, _c(node, 1)
-    return [f"{gy} * {y} * ({one} - {y})"]
-
-
-@scalar_rule("tanh_grad")
-def _tanh_grad(node, ctx, args):
-    (y, gy), one = args, _c(node, 1)
-    return [f"{gy} * ({one} - {y} * {y})"]
-
-
-@scalar_rule("broadcast_to")
-def _broadcast_to(node, ctx, args):
-    return [args[0]]
-
-
-@scalar_rule("global_avg_pool_grad")
-def _global_avg_pool_grad(node, ctx, args):
-    _, _, h, w = node.attrs["input_shape"]
-    return [f"{args[0]} / {_c(node, h * w)}"]
-
-
-@scalar_rule("fill")
-def _fill(node, ctx, args):
-    return [_c(node, node.attrs["value"])]
-
-
-@scalar_rule("sgd")
-def _sgd(node, ctx, args):
-    w, h, g = args
-    lr, momentum, decay = (_c(node, node.attrs[k]) for k in ("lr", "momentum", "weight_decay"))
-    update = ctx.let(f"{momentum} * {h} + {lr} * ({g} + {decay} * {w})", "update")
-    return [f"{w} - {update}", update]
+def _cpu_literal(const: Const) -> str:
+    if const.dtype == U64:
+        return f"np.uint64({int(const.value)})"
+    return literal(const.value, DType(const.dtype))
 
 
 HELPERS["splitmix64"] = '''\
@@ -191,22 +66,6 @@ def splitmix64(z):
     return z ^ (z >> np.uint64(31))'''
 
 
-@scalar_rule("dropout_mask")
-def _dropout_mask(node, ctx, args):
-    """nnref.dropout_mask bit for bit: ``key = splitmix64(splitmix64(seed) ^ iteration)``
-    (iteration in two's complement modulo 2**64), ``h = splitmix64(key ^ i)``, dropped
-    where ``(h >> 11) < ceil(p * 2**53)``, the exact integer form of ``u < p``."""
-    (iteration,) = args
-    mix = ctx.module.helper("splitmix64")
-    p = node.attrs["p"]
-    seeded = splitmix64(node.attrs["seed"] & 0xFFFFFFFFFFFFFFFF)
-    key = ctx.hoist(f"{mix}(np.uint64({seeded}) ^ np.uint64(np.int64({iteration})))", "key")
-    bits = ctx.let(f"{mix}({key} ^ np.uint64({ctx.index})) >> np.uint64(11)", "bits")
-    threshold = math.ceil(p * 2.0 ** 53)  # exact: p * 2**53 is a float64 product by 2**53
-    keep = _c(node, 1.0 / (1.0 - p))
-    return [f"{_c(node, 0)} if {bits} < np.uint64({threshold}) else {keep}"]
-
-
 # ---------------------------------------------------------------------------------------
 # How each input of an elementwise or broadcast op lines up with its output.
 
@@ -214,11 +73,14 @@ def _dropout_mask(node, ctx, args):
 def input_axes(node: Node, i: int) -> tuple[int | None, ...]:
     """For each axis of input ``i``, the output axis it runs along, or None where the
     input has size 1 and is broadcast. NumPy's right-aligned broadcasting, except for
-    ``bias_add``'s bias, which runs along the ``axis`` attribute."""
+    an input its op aligns otherwise (`OpDef.aligned`: ``bias_add``'s bias runs along
+    its ``axis`` attribute)."""
     value = node.inputs[i]
     out_shape = node.outputs[0].type.shape
-    if node.op == "bias_add" and i == 1:
-        return (node.attrs["axis"],)
+    aligned = get_op(node.op).aligned
+    axes = aligned(node.attrs, i) if aligned is not None else None
+    if axes is not None:
+        return axes
     shape = value.type.shape
     offset = len(out_shape) - len(shape)
     if offset < 0:
@@ -307,17 +169,25 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
                          for k, v in enumerate(loop_vars)], extents)
     if first:
         index = f"({outer} * {_prod(shape[1:])} + {index})"
-    ctx = ScalarContext(module, index)
+    # Each member's statements in the loop body; what depends on no per-element operand
+    # goes into the prologue, before the loops.
+    prologue: list[tuple[str, str]] = []
     results: dict[Value, str] = {}
     statements: list[tuple[Node, list[tuple[str, str]]]] = []
+
+    def bind(source: str, hoist: bool, hint: str = "t") -> str:
+        name = module.fresh("c" if hoist else hint)
+        (prologue if hoist else statements[-1][1]).append((name, source))
+        return name
+
     for node in members:
-        ctx.body = []
-        args = [results[v] if v in produced else loads[(v, _varying_axes(node, i))].element
+        statements.append((node, []))
+        args = [(results[v], False) if v in produced
+                else _loaded(loads[v, _varying_axes(node, i)])
                 for i, v in enumerate(node.inputs)]
-        exprs = SCALAR_RULES[node.op](node, ctx, args)
-        for value, expr in zip(node.outputs, exprs):
-            results[value] = ctx.let(expr, value.name)
-        statements.append((node, ctx.body))
+        texts = _print_expressions(module, node, args, index, bind)
+        for value, text in zip(node.outputs, texts):
+            results[value] = bind(text, False, value.name)
 
     body = module.body
     count = (f"{bounds[1]} - {block_start}" if block_start else bounds[1]) if extents else ""
@@ -336,7 +206,7 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
         for op in loads.values():
             if not op.merged:  # the same element everywhere: read it once
                 body.line(f"{op.element} = {op.view}[0]")
-        for name, expr in ctx.prologue:
+        for name, expr in prologue:
             body.line(f"{name} = {expr}")
 
     def nest(store_views: dict[int, str]) -> None:
@@ -407,9 +277,23 @@ def _index(op: _Operand, loop_vars: list[str]) -> str:
     return ", ".join(loop_vars[k] for k in op.merged) if op.merged else "0"
 
 
+def _loaded(load: _Operand) -> tuple[str, bool]:
+    """A loaded element's local, and whether it is the same at every element."""
+    return load.element, not load.merged
+
+
+def _print_expressions(module: KernelModule, node: Node, args: list[tuple[str, bool]],
+                       index: str, bind) -> list[str]:
+    """The source of each output of ``node``'s element expression over ``args``."""
+    exprs = get_op(node.op).expr(node, [Arg(i) for i in range(len(args))])
+    if any(isinstance(e, Call) and e.fn == "mix64" for e in walk(exprs)):
+        module.helper("splitmix64")
+    return print_exprs(exprs, args, CPU_FUNCTIONS, _cpu_literal, index, bind)
+
+
 def _check_group(members: Sequence[Node], outputs: Sequence[Value], shape) -> None:
     for node in members:
-        if node.op not in SCALAR_RULES:
+        if get_op(node.op).expr is None:
             raise CodegenError(f"{node!r}: op {node.op} is not elementwise; it cannot be "
                                f"part of a loop")
         for value in node.outputs:

@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from purinec.ir.ops import get_op
+from purinec.ir.printer import print_graph
 from purinec.ir.types import CPU0, Device, Distribution, TensorType
 
 # Value names: what a user's hierarchical names can look like (``net.conv1.weight``).
@@ -133,8 +135,6 @@ class Graph:
                   device: Device | None = None, loc: str | None = None) -> Node:
         """A node as `add_node` builds it (its output names claimed in this graph), but
         not appended: for the members of a fused node's body."""
-        from purinec.ir.ops import get_op
-
         inputs = list(inputs)
         opdef = get_op(op)
         attrs = opdef.complete_attrs(attrs or {})
@@ -255,8 +255,6 @@ class Graph:
         self._names.update(v.name for node in self.flat_nodes() for v in node.outputs)
 
     def __str__(self) -> str:
-        from purinec.ir.printer import print_graph
-
         return print_graph(self)
 
     def __repr__(self) -> str:

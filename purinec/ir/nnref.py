@@ -8,7 +8,7 @@ the (first float) input; arithmetic happens in that dtype.
 
 Layouts: activations are NCHW, convolution weights OIHW, i.e. ``(Cout, Cin/groups, kh,
 kw)``. Pooling follows Caffe exactly (ceil-mode output size from
-`purinec.ir.ops.pool_output_size`, max windows clipped to the input, Caffe's
+`pool_output_size`, max windows clipped to the input, Caffe's
 average-pool divisor).
 """
 
@@ -92,10 +92,19 @@ def conv2d_grad_weight(x, gy, stride, pad, groups, kernel):
 # Pooling (Caffe semantics).
 
 
-def _pool_size(size, kernel, stride, pad):
-    from purinec.ir.ops import pool_output_size  # ops imports this module
+def pool_output_size(size: int, kernel: int, stride: int, pad: int) -> int:
+    """Caffe's pooled size: ceil mode, and the last window must start inside the input
+    (plus the leading pad)."""
+    out = -(-(size + 2 * pad - kernel) // stride) + 1
+    # Caffe tests this only when some pad is nonzero; without pad it can fire only when
+    # kernel < stride, where Caffe's last window would be empty (and its average 0/0).
+    if (out - 1) * stride >= size + pad:
+        out -= 1
+    return out
 
-    return pool_output_size(size, kernel, stride, pad)
+
+def conv_output_size(size: int, kernel: int, stride: int, pad: int) -> int:
+    return (size + 2 * pad - kernel) // stride + 1
 
 
 def _pool_windows(h, w, kernel, stride, pad):
@@ -103,7 +112,7 @@ def _pool_windows(h, w, kernel, stride, pad):
     clipped to the input, and Caffe's average divisor (the window clipped only to the
     padded input, before clipping to the input)."""
     (kh, kw), (sh, sw), (ph, pw) = kernel, stride, pad
-    oh, ow = _pool_size(h, kh, sh, ph), _pool_size(w, kw, sw, pw)
+    oh, ow = pool_output_size(h, kh, sh, ph), pool_output_size(w, kw, sw, pw)
     for p in range(oh):
         hs = p * sh - ph
         he = min(hs + kh, h + ph)
@@ -116,8 +125,8 @@ def _pool_windows(h, w, kernel, stride, pad):
 
 def _pool_out(x, kernel, stride, pad):
     n, c, h, w = x.shape
-    oh = _pool_size(h, kernel[0], stride[0], pad[0])
-    ow = _pool_size(w, kernel[1], stride[1], pad[1])
+    oh = pool_output_size(h, kernel[0], stride[0], pad[0])
+    ow = pool_output_size(w, kernel[1], stride[1], pad[1])
     return np.zeros((n, c, oh, ow), dtype=x.dtype)
 
 

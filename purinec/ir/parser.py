@@ -32,7 +32,6 @@ a fused node's inputs are exactly what its members read, which is
 
 from __future__ import annotations
 
-import difflib
 import json
 import re
 from dataclasses import dataclass
@@ -41,7 +40,9 @@ from typing import Any
 from purinec.errors import IRSyntaxError, PurinecError, UnknownOpError, VerifyError
 from purinec.ir.graph import FUSED, INPUT_ROLES, NAME_RE, Graph, Node, Value
 from purinec.ir.init import parse_init
+from purinec.ir.ops import coerce_attr, get_op, unknown_op_message
 from purinec.ir.types import DEVICE_KINDS, Device, Distribution, DistKind, DType, TensorType
+from purinec.ir.verify import verify
 
 # -- tokens -----------------------------------------------------------------------------
 
@@ -161,16 +162,6 @@ def tokenize(text: str, source: str = "<ir>") -> tuple[list[Token], dict[int, Co
     return tokens, comments
 
 
-def unknown_op_message(name: str) -> str:
-    """``unknown op 'rleu'; did you mean relu?``, naming close registry entries."""
-    from purinec.ir.ops import REGISTRY
-
-    close = difflib.get_close_matches(name, list(REGISTRY), n=4, cutoff=0.7)
-    close += [n for n in sorted(REGISTRY) if n.startswith(name[:3]) and n not in close]
-    hint = f"; did you mean {', '.join(close[:5])}?" if close else ""
-    return f"unknown op '{name}'{hint}"
-
-
 # -- parser -----------------------------------------------------------------------------
 
 
@@ -208,8 +199,6 @@ class _Parser:
         self.node_lines: dict[int, int] = {}  # id() of every node -> the line it starts on
 
     def verify(self, graph: Graph) -> None:
-        from purinec.ir.verify import verify
-
         try:
             verify(graph)
         except VerifyError as err:
@@ -507,16 +496,12 @@ class _Parser:
         return comment.text
 
     def lookup_op(self, tok: Token):
-        from purinec.ir.ops import get_op
-
         try:
             return get_op(tok.text)
         except UnknownOpError:
             raise self.error(unknown_op_message(tok.text), tok) from None
 
     def parse_attrs(self, opdef, op_tok: Token) -> dict:
-        from purinec.ir.ops import _coerce_attr
-
         attrs: dict[str, Any] = {}
         if not self.is_punct("{"):
             return self.complete(opdef, attrs, op_tok)
@@ -535,7 +520,7 @@ class _Parser:
                 value_tok = self.peek()
                 value = self.parse_literal()
                 try:
-                    attrs[key] = _coerce_attr(opdef.name, key, opdef.attrs[key].kind, value)
+                    attrs[key] = coerce_attr(opdef.name, key, opdef.attrs[key].kind, value)
                 except VerifyError as e:
                     raise self.error(str(e), value_tok) from None
                 if not self.is_punct(","):

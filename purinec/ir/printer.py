@@ -34,11 +34,14 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from purinec.ir.graph import Graph, Node, Value
+from purinec.ir.ops import REGISTRY
+
+if TYPE_CHECKING:
+    from purinec.ir.graph import Graph, Node, Value
 
 
 def print_graph(graph: Graph) -> str:
@@ -115,8 +118,6 @@ def format_return(outputs) -> str:
 
 def _ordered_attrs(node: Node) -> list[tuple[str, Any]]:
     """Attributes in the op's schema order; any the schema does not know come last."""
-    from purinec.ir.ops import REGISTRY
-
     opdef = REGISTRY.get(node.op)
     order = list(opdef.attrs) if opdef is not None else []
     known = [(k, node.attrs[k]) for k in order if k in node.attrs]

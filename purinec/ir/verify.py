@@ -30,6 +30,7 @@ import networkx as nx
 from purinec.errors import PurinecError, ShapeError, UnknownOpError, VerifyError
 from purinec.ir.graph import FUSED, INPUT_ROLES, NAME_RE, Graph, Node, Value, external_inputs
 from purinec.ir.init import parse_init
+from purinec.ir.ops import get_op, unknown_op_message
 from purinec.ir.types import DEVICE_KINDS, Device, Distribution, TensorType
 
 
@@ -127,9 +128,6 @@ class _Verifier:
 
     def check_op(self, where: str, node: Node):
         """The node's op, arity, attributes and location; returns its OpDef."""
-        from purinec.ir.ops import get_op
-        from purinec.ir.parser import unknown_op_message
-
         try:
             opdef = get_op(node.op)
         except UnknownOpError:

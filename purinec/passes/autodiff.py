@@ -9,8 +9,8 @@ pass and one output ``grad.<input>`` per ``wrt`` input. The algorithm:
    input that is an integer, constant data, or off the path to the loss.
 2. **Seed.** The loss (a float scalar) gets the gradient ``fill(1.0)``.
 3. **Reverse sweep.** Nodes are visited in reverse topological order. A node with an
-   active output is on the path, so its op must be differentiable; its rule in
-   `GRADIENT_RULES` gets the summed gradients of its outputs (None where an output has
+   active output is on the path, so its op must be differentiable; its gradient rule
+   (`OpDef.gradient`, defined with the op in `purinec.ir.ops`) gets the summed gradients of its outputs (None where an output has
    none) and returns one gradient per input (None where not needed). Backward nodes
    are placed on the forward node's device and carry its source ``loc``; those that
    compute a graph input's (a parameter's) gradient come before the rest of what the
@@ -26,19 +26,18 @@ pass and one output ``grad.<input>`` per ``wrt`` input. The algorithm:
 A rule is ``rule(graph, node, output_grads, needs=None) -> list[Value | None]``, one
 entry per input. ``needs[i]`` says whether input ``i`` needs a gradient; rules build
 nothing for the others (``None``: every input that can have one). Rules add nodes with
-`emit`, which places them on the forward node's device with its loc.
+`purinec.ir.ops.helpers.emit`, which places them on the forward node's device with its
+loc.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 from purinec.errors import AutodiffError
 from purinec.ir.graph import Graph, Node, Value
 from purinec.ir.ops import get_op
-
-Rule = Callable[[Graph, Node, list, list], list]
-GRADIENT_RULES: dict[str, Rule] = {}
+from purinec.ir.ops.registry import GradientRule
 
 
 def autodiff(graph: Graph, loss: str = "loss", wrt: Sequence[str] | None = None) -> Graph:
@@ -165,17 +164,15 @@ def _final_gradients_first(nodes: list[Node], start: int, final: list[Value]) ->
         nodes[start:] = first[::-1] + [n for n in nodes[start:] if n not in chosen]
 
 
-def _rule_for(node: Node, needs: list[bool]) -> Rule:
+def _rule_for(node: Node, needs: list[bool]) -> GradientRule:
     opdef = get_op(node.op)
-    if not opdef.differentiable or node.op not in GRADIENT_RULES:
-        why = ("is not differentiable" if not opdef.differentiable
-               else "has no gradient rule")
+    if opdef.gradient is None:
         wanted = ", ".join(f"%{v.name}" for v, n in zip(node.inputs, needs) if n)
         where = f" at {node.loc}" if node.loc else ""
         raise AutodiffError(f"autodiff: node %{node.name} ({node.op}){where} lies between a "
-                            f"differentiated input and the loss, but op {node.op} {why} "
-                            f"(gradient needed for {wanted})")
-    return GRADIENT_RULES[node.op]
+                            f"differentiated input and the loss, but op {node.op} is not "
+                            f"differentiable (gradient needed for {wanted})")
+    return opdef.gradient
 
 
 def _finish(g: Graph, v: Value, partials, owner, grads) -> Value | None:
@@ -201,266 +198,3 @@ def _rename(g: Graph, v: Value, base: str) -> None:
     g._names.discard(v.name)  # the graph's set of claimed names; see Graph.fresh_name
     v.name = g.fresh_name(base)
     g._names.add(v.name)
-
-
-# ---------------------------------------------------------------------------------------
-# Helpers for rules.
-
-
-def emit(g: Graph, node: Node, op: str, inputs: Sequence[Value], attrs: dict | None = None,
-         n_outputs: int = 1) -> list[Value]:
-    """Add a backward node for forward ``node``: same device and loc, fresh names
-    ``<node>.bwd``, ``<node>.bwd.1``, ... (final gradients are renamed ``grad.<v>``)."""
-    return g.add_node(op, list(inputs), attrs, names=_fresh_names(g, f"{node.name}.bwd",
-                                                                   n_outputs),
-                      device=node.device, loc=node.loc).outputs
-
-
-def _fresh_names(g: Graph, base: str, n: int) -> list[str]:
-    """``n`` distinct unclaimed names: ``base``, ``base.1``, ... (skipping used ones)."""
-    names: list[str] = []
-    i = 0
-    while len(names) < n:
-        name = base if i == 0 else f"{base}.{i}"
-        if g.fresh_name(name) == name:
-            names.append(name)
-        i += 1
-    return names
-
-
-def emit1(g: Graph, node: Node, op: str, inputs: Sequence[Value],
-          attrs: dict | None = None) -> Value:
-    return emit(g, node, op, inputs, attrs)[0]
-
-
-def zeros_like(g: Graph, node: Node, v: Value) -> Value:
-    return emit1(g, node, "fill", [], {"shape": list(v.type.shape),
-                                       "dtype": str(v.type.dtype), "value": 0.0})
-
-
-def rule(*ops: str):
-    """Register the decorated function as the gradient rule of ``ops``."""
-    def register(fn: Rule) -> Rule:
-        for op in ops:
-            GRADIENT_RULES[op] = fn
-        return fn
-    return register
-
-
-def _only(needs, *builders):
-    """Per input: call its builder if the input needs a gradient (all do when ``needs``
-    is None), else None."""
-    if needs is None:
-        needs = [True] * len(builders)
-    return [b() if need else None for need, b in zip(needs, builders)]
-
-
-# ---------------------------------------------------------------------------------------
-# The rules, one per differentiable op.
-
-
-@rule("relu")
-def _relu(g, node, gys, needs=None):
-    """gx = gy * (x > 0)."""
-    return _only(needs, lambda: emit1(g, node, "relu_grad", [node.inputs[0], gys[0]]))
-
-
-@rule("sigmoid", "tanh")
-def _sigmoid_tanh(g, node, gys, needs=None):
-    """From the output: sigmoid_grad(y, gy) = gy y (1-y); tanh_grad(y, gy) = gy (1-y^2)."""
-    op = node.op + "_grad"
-    return _only(needs, lambda: emit1(g, node, op, [node.outputs[0], gys[0]]))
-
-
-@rule("scale")
-def _scale(g, node, gys, needs=None):
-    """gx = alpha * gy."""
-    return _only(needs, lambda: emit1(g, node, "scale", [gys[0]],
-                                      {"alpha": node.attrs["alpha"]}))
-
-
-@rule("add_scalar")
-def _add_scalar(g, node, gys, needs=None):
-    """gx = gy (passed through)."""
-    return _only(needs, lambda: gys[0])
-
-
-@rule("add")
-def _add(g, node, gys, needs=None):
-    """ga = gb = gy (passed through)."""
-    return _only(needs, lambda: gys[0], lambda: gys[0])
-
-
-@rule("sub")
-def _sub(g, node, gys, needs=None):
-    """ga = gy, gb = -gy."""
-    return _only(needs, lambda: gys[0],
-                 lambda: emit1(g, node, "scale", [gys[0]], {"alpha": -1.0}))
-
-
-@rule("mul")
-def _mul(g, node, gys, needs=None):
-    """ga = gy * b, gb = gy * a."""
-    a, b = node.inputs
-    return _only(needs, lambda: emit1(g, node, "mul", [gys[0], b]),
-                 lambda: emit1(g, node, "mul", [gys[0], a]))
-
-
-@rule("bias_add")
-def _bias_add(g, node, gys, needs=None):
-    """gx = gy; gb = gy summed over every axis but ``axis``."""
-    axis = node.attrs["axis"]
-    others = [a for a in range(gys[0].type.rank) if a != axis]
-    return _only(needs, lambda: gys[0],
-                 lambda: emit1(g, node, "reduce_sum", [gys[0]], {"axes": others}))
-
-
-@rule("reduce_sum")
-def _reduce_sum(g, node, gys, needs=None):
-    """gx = gy with the reduced axes restored (reshape to keepdims form) and broadcast."""
-    x = node.inputs[0]
-    kept = [1 if a in node.attrs["axes"] else d for a, d in enumerate(x.type.shape)]
-
-    def build():
-        gy = gys[0]
-        if list(gy.type.shape) != kept:
-            gy = emit1(g, node, "reshape", [gy], {"shape": kept})
-        if kept == list(x.type.shape):
-            return gy
-        return emit1(g, node, "broadcast_to", [gy], {"shape": list(x.type.shape)})
-    return _only(needs, build)
-
-
-@rule("broadcast_to")
-def _broadcast_to(g, node, gys, needs=None):
-    """gx = gy summed over the broadcast axes (leading ones, and those where x has 1),
-    reshaped to x's shape."""
-    x, gy = node.inputs[0], gys[0]
-    shape = node.attrs["shape"]
-    lead = len(shape) - x.type.rank
-    axes = [a for a in range(len(shape))
-            if a < lead or (x.type.shape[a - lead] == 1 and shape[a] != 1)]
-
-    def build():
-        out = gy
-        if axes:
-            out = emit1(g, node, "reduce_sum", [out], {"axes": axes})
-        if out.type.shape != x.type.shape:
-            out = emit1(g, node, "reshape", [out], {"shape": list(x.type.shape)})
-        return out
-    return _only(needs, build)
-
-
-@rule("reshape")
-def _reshape(g, node, gys, needs=None):
-    """gx = reshape(gy, shape of x)."""
-    x = node.inputs[0]
-    return _only(needs, lambda: emit1(g, node, "reshape", [gys[0]],
-                                      {"shape": list(x.type.shape)}))
-
-
-@rule("concat")
-def _concat(g, node, gys, needs=None):
-    """gxs = split(gy) into the inputs' sizes along ``axis`` (one node)."""
-    axis = node.attrs["axis"]
-    sections = [v.type.shape[axis] for v in node.inputs]
-    if len(sections) == 1:
-        return _only(needs, lambda: gys[0])
-    parts = emit(g, node, "split", [gys[0]], {"axis": axis, "sections": sections},
-                 n_outputs=len(sections))
-    return [p if need else None for p, need in zip(parts, needs)]
-
-
-@rule("split")
-def _split(g, node, gys, needs=None):
-    """gx = concat of the outputs' gradients, zeros where an output has none."""
-    def build():
-        parts = [gy if gy is not None else zeros_like(g, node, y)
-                 for y, gy in zip(node.outputs, gys)]
-        if len(parts) == 1:
-            return parts[0]
-        return emit1(g, node, "concat", parts, {"axis": node.attrs["axis"]})
-    return _only(needs, build)
-
-
-# For C = op(A) op(B): (inputs, trans_a, trans_b) of the matmuls giving gA and gB, by
-# (trans_a, trans_b); "a", "b" are the forward inputs and "g" is gC.
-_MATMUL_GRADS = {
-    (False, False): ((("g", "b"), False, True), (("a", "g"), True, False)),
-    (False, True): ((("g", "b"), False, False), (("g", "a"), True, False)),
-    (True, False): ((("b", "g"), False, True), (("a", "g"), False, False)),
-    (True, True): ((("b", "g"), True, True), (("g", "a"), True, True)),
-}
-
-
-@rule("matmul")
-def _matmul(g, node, gys, needs=None):
-    """C = op(A) op(B): gA and gB are matmuls of gC with B and A (table above)."""
-    env = {"a": node.inputs[0], "b": node.inputs[1], "g": gys[0]}
-    specs = _MATMUL_GRADS[(node.attrs["trans_a"], node.attrs["trans_b"])]
-
-    def builder(spec):
-        names, ta, tb = spec
-        return lambda: emit1(g, node, "matmul", [env[n] for n in names],
-                             {"trans_a": ta, "trans_b": tb})
-    return _only(needs, *(builder(s) for s in specs))
-
-
-@rule("conv2d")
-def _conv2d(g, node, gys, needs=None):
-    """gx = conv2d_grad_input(gy, w), gw = conv2d_grad_weight(x, gy)."""
-    x, w = node.inputs
-    conv = {k: node.attrs[k] for k in ("stride", "pad", "groups")}
-    return _only(
-        needs,
-        lambda: emit1(g, node, "conv2d_grad_input", [gys[0], w],
-                      {**conv, "input_shape": list(x.type.shape)}),
-        lambda: emit1(g, node, "conv2d_grad_weight", [x, gys[0]],
-                      {**conv, "kernel": list(w.type.shape[2:])}))
-
-
-def _pool_attrs(node):
-    return {k: node.attrs[k] for k in ("kernel", "stride", "pad")}
-
-
-@rule("max_pool2d")
-def _max_pool2d(g, node, gys, needs=None):
-    """gx = max_pool2d_grad(x, y, gy): gy routed to each window's first maximum."""
-    args = [node.inputs[0], node.outputs[0], gys[0]]
-    return _only(needs, lambda: emit1(g, node, "max_pool2d_grad", args, _pool_attrs(node)))
-
-
-@rule("avg_pool2d")
-def _avg_pool2d(g, node, gys, needs=None):
-    """gx = avg_pool2d_grad(gy), the adjoint of the average."""
-    attrs = {**_pool_attrs(node), "input_shape": list(node.inputs[0].type.shape)}
-    return _only(needs, lambda: emit1(g, node, "avg_pool2d_grad", [gys[0]], attrs))
-
-
-@rule("global_avg_pool")
-def _global_avg_pool(g, node, gys, needs=None):
-    """gx = gy / (H*W) broadcast over H and W."""
-    attrs = {"input_shape": list(node.inputs[0].type.shape)}
-    return _only(needs, lambda: emit1(g, node, "global_avg_pool_grad", [gys[0]], attrs))
-
-
-@rule("lrn")
-def _lrn(g, node, gys, needs=None):
-    """gx = lrn_grad(x, gy) with the forward attributes."""
-    return _only(needs, lambda: emit1(g, node, "lrn_grad", [node.inputs[0], gys[0]],
-                                      dict(node.attrs)))
-
-
-@rule("softmax")
-def _softmax(g, node, gys, needs=None):
-    """gx = y * (gy - sum(gy * y, axis))."""
-    return _only(needs, lambda: emit1(g, node, "softmax_grad", [node.outputs[0], gys[0]],
-                                      {"axis": node.attrs["axis"]}))
-
-
-@rule("softmax_xent")
-def _softmax_xent(g, node, gys, needs=None):
-    """glogits = (softmax(logits) - onehot(label)) * gy / batch; labels get none."""
-    logits, label = node.inputs
-    return _only(needs, lambda: emit1(g, node, "softmax_xent_grad", [logits, label, gys[0]]),
-                 lambda: None)

@@ -69,13 +69,12 @@ import networkx as nx
 
 from purinec.errors import PurinecError
 from purinec.ir.graph import FUSED, Graph, Node, Value, external_inputs
-from purinec.ir.ops import COMM_OPS, FusionKind, get_op, spans_ranks
+from purinec.ir.ops import FusionKind, Trait, get_op, op_has, spans_ranks
 
 DEFAULT_MAX_GROUP_SIZE = 64
 
 LOOP_KINDS = (FusionKind.elementwise, FusionKind.broadcast)
 ANCHOR = FusionKind.out_elementwise_fusable
-SOLVER_OPS = ("sgd",)
 # Updates per horizontal group. Numba's compile time grows faster than the number of
 # loops in a kernel (inception's 41 updates: 58 s as one kernel, 16 s in groups of 16,
 # 12 s in groups of 8 or 4), while fusing saves a kernel launch per update and nothing
@@ -227,10 +226,11 @@ class _Planner:
         open_groups: dict = {}
         limit = min(self.max_group_size, MAX_SOLVER_GROUP)
         for i, node in enumerate(self.nodes):
-            if node.op not in SOLVER_OPS or len(self.members[self.find(i)]) != 1:
+            if not op_has(node.op, Trait.solver_update) or len(self.members[self.find(i)]) != 1:
                 continue
             arrival = tuple(sorted({id(v.producer) for v in node.inputs
-                                    if v.producer is not None and v.producer.op in COMM_OPS}))
+                                    if v.producer is not None
+                                    and op_has(v.producer.op, Trait.communicates)}))
             groups = open_groups.setdefault((node.device, arrival), [])
             home = next((r for r in groups if self.independent(r, i)
                          and len(self.members[r]) < limit), None)

@@ -18,25 +18,15 @@ from purinec.ir.graph import Node
 from purinec.ir.ops import broadcast_types
 from purinec.ir.types import TensorType
 
-# Ops whose kernels live here rather than in a code generator.
-HOST_OPS = ("copy", "slice", "allreduce", "allgather", "reduce", "broadcast", "send", "recv")
-
-
 def host_kernel(node: Node) -> Callable:
-    """The in-process kernel of a HOST_OPS node: ``fn(*inputs, *outputs)``."""
-    if node.op == "copy":
-        return _copy
-    if node.op == "slice":
-        return _slicer(node.attrs["axis"], node.attrs["start"], node.attrs["stop"])
-    if node.op == "allreduce":
-        return _allreducer(node.attrs["tensors"])
-    if node.op == "allgather":
-        return _allgatherer(node.attrs["axis"])
-    if node.op == "reduce":
-        return _reducer(node.attrs["tensors"])
-    if node.op == "broadcast":
-        return _broadcaster(len(broadcast_types(node.attrs)))
-    raise ValueError(f"no host kernel for op {node.op}")
+    """The in-process kernel of a node whose op runs on the host (`Trait.host`) within
+    one process: ``fn(*inputs, *outputs)``. (Across ranks, `comm.comm_kernels`.)"""
+    try:
+        make = _HOST_KERNELS[node.op]
+    except KeyError:
+        raise PurinecError(f"no in-process kernel for op {node.op} (node %{node.name}); "
+                           f"it moves data between ranks") from None
+    return make(node.attrs)
 
 
 def _copy(x: np.ndarray, y: np.ndarray) -> None:
@@ -211,3 +201,13 @@ def _copy_then_add(copies: Copies, adds: list[tuple[np.ndarray, np.ndarray]]) ->
     copies()
     for total, x in adds:
         np.add(total, x, out=total)
+
+
+_HOST_KERNELS: dict[str, Callable[[dict], Callable]] = {
+    "copy": lambda attrs: _copy,
+    "slice": lambda attrs: _slicer(attrs["axis"], attrs["start"], attrs["stop"]),
+    "allreduce": lambda attrs: _allreducer(attrs["tensors"]),
+    "allgather": lambda attrs: _allgatherer(attrs["axis"]),
+    "reduce": lambda attrs: _reducer(attrs["tensors"]),
+    "broadcast": lambda attrs: _broadcaster(len(broadcast_types(attrs))),
+}

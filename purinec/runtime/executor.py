@@ -136,6 +136,8 @@ class Executable:
     ``workers`` is the number of threads per compute queue; ``trace`` records every task.
     ``worker_init(lane)`` runs once in each worker thread as it starts (and on the calling
     thread at each inline run), e.g. to give each device its share of cores.
+    ``arenas`` allocates the memory planner's arenas (default: the process's memory;
+    a target's own, `purinec.targets.base.Target.arenas`).
     ``order``, a random.Random, is a test hook: run every task on the calling thread,
     picking each next one at random among those ready, to check the plan is correct under
     any order its counts allow.
@@ -145,12 +147,12 @@ class Executable:
                  schedule: Sequence[Node] | None = None,
                  may_alias: Callable[[Node, Value, Value], bool] = may_alias, workers: int = 1,
                  trace: Trace | None = None, order: random.Random | None = None,
-                 worker_init: Callable[[Lane], None] | None = None):
+                 worker_init: Callable[[Lane], None] | None = None, arenas=None):
         if trace is not None and not isinstance(trace, Trace):
             raise PurinecError(f"trace={trace!r}: give a purinec.runtime.trace.Trace, or "
                                f"None")
         self.graph = graph
-        self.plan = Plan(graph, kernels, schedule, may_alias)
+        self.plan = Plan(graph, kernels, schedule, may_alias, arenas)
         self.executor = CountingExecutor(self.plan, workers, worker_init)
         self.trace = trace
         self.order = order

@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 
 from purinec.errors import VerifyError
 from purinec.ir.graph import Graph, Node, Value
-from purinec.ir.ops import COMM_OPS, REGISTRY, FusionKind
+from purinec.ir.ops import REGISTRY, FusionKind, Trait, op_has
 from purinec.ir.types import Device
 
 ALIGNMENT = 64
@@ -50,7 +50,7 @@ VARIABLE_ROLES = ("param", "state")
 def is_view(node: Node) -> bool:
     """Nodes whose output is a zero-copy view of their input: no kernel runs for them.
     A reshape onto another device moves data, so it stays a kernel."""
-    return node.op == "reshape" and node.outputs[0].device == node.inputs[0].device
+    return op_has(node.op, Trait.view) and node.outputs[0].device == node.inputs[0].device
 
 
 def elementwise(node: Node) -> bool:
@@ -60,8 +60,7 @@ def elementwise(node: Node) -> bool:
 
 def in_place(node: Node) -> bool:
     """Whether ``node``'s op is marked `in_place` in the registry (see `may_alias`)."""
-    opdef = REGISTRY.get(node.op)
-    return node.body is None and opdef is not None and opdef.in_place
+    return node.body is None and op_has(node.op, Trait.in_place)
 
 
 def may_alias(node: Node, output: Value, input: Value) -> bool:
@@ -286,7 +285,7 @@ def _keep_in_flight_inputs(schedule: list[Node], class_of) -> None:
         for v in node.inputs:
             first_read[v] = position[node]
     for node in schedule:
-        if node.op not in COMM_OPS:
+        if not op_has(node.op, Trait.communicates):
             continue
         needed = min((first_read.get(v, len(schedule)) for v in node.outputs),
                      default=len(schedule))

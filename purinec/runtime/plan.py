@@ -20,7 +20,7 @@ import numpy as np
 
 from purinec.errors import ExecutionError, PurinecError
 from purinec.ir.graph import Graph, Node, Value
-from purinec.ir.ops import COMM_OPS, get_op
+from purinec.ir.ops import Trait, get_op, op_has
 from purinec.runtime.devices import COMM, COMPUTE, COPY_IN, QueueId
 from purinec.runtime.memory import (ALIGNMENT, ARENA, COPY, EXTERNAL, FRESH, VARIABLE,
                                     MemoryPlan, is_view, may_alias, plan_memory)
@@ -57,7 +57,8 @@ class Task:
 def queue_of(node: Node) -> QueueId:
     """Copies run on their destination's inbound copy queue and collectives on the
     communication queue, so neither waits behind (or blocks) a device's compute."""
-    kind = (COPY_IN if node.op == "copy" else COMM if node.op in COMM_OPS else COMPUTE)
+    kind = (COPY_IN if node.op == "copy" else
+            COMM if op_has(node.op, Trait.communicates) else COMPUTE)
     return QueueId(node.device, kind)
 
 
@@ -75,10 +76,11 @@ class Plan:
 
     def __init__(self, graph: Graph, kernels: Mapping[Node, Callable],
                  schedule: Sequence[Node] | None = None,
-                 may_alias: Callable[[Node, Value, Value], bool] = may_alias):
+                 may_alias: Callable[[Node, Value, Value], bool] = may_alias,
+                 arenas=None):
         self.graph = graph
         self.memory: MemoryPlan = plan_memory(graph, schedule, may_alias)
-        self._arena_source = _arena_source(kernels)
+        self._arena_source = _arena_source(kernels, arenas or FreshArenas)
         self.arenas = self._arena_source.allocate(self.memory.arena_bytes)
         self._static = self._arena_views()
         self.tasks = self._make_tasks(kernels)
@@ -279,15 +281,15 @@ class _Sources:
             source.release()
 
 
-def _arena_source(kernels: Mapping[Node, Callable]):
+def _arena_source(kernels: Mapping[Node, Callable], target_arenas):
     """What allocates the arenas (``allocate(sizes)``: each device's bytes) and gives
     their memory back (``release()``): the kernels' ``arena_allocator`` where they have
     one (those of `purinec.runtime.shm` need the arenas where other ranks can see them),
-    else fresh memory."""
+    else the target's (``FreshArenas``: the process's own memory)."""
     sources = {getattr(fn, "arena_allocator", None) for fn in kernels.values()}
     sources.discard(None)
     if not sources:
-        return FreshArenas
+        return target_arenas
     return sources.pop() if len(sources) == 1 else _Sources(sources)
 
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 import itertools
 
 from purinec.ir.graph import Graph, Node
+from purinec.ir.ops import Trait, op_has
 from purinec.passes.cost import node_work
 
-BUCKETED = ("allreduce", "reduce", "broadcast")
 BUCKET_BYTES = 1 << 19
 BUCKET_SPAN = 0.05  # of the graph's work, from a bucket's first member to its last
 
@@ -33,7 +33,7 @@ def bucket(graph: Graph, limit: int = BUCKET_BYTES) -> Graph:
     groups: list[list[Node]] = []
     filling: dict[tuple, list[Node]] = {}  # the latest bucket of each kind
     for node in new.nodes:
-        if node.op not in BUCKETED:
+        if not op_has(node.op, Trait.bucketable):
             continue
         key = _kind(node)
         current = filling.get(key)

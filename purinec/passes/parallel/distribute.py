@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from purinec.errors import PurinecError
 from purinec.ir.graph import Graph, Node, Value
-from purinec.ir.ops import SplitSignature, get_op
+from purinec.ir.ops import SplitSignature, Trait, get_op, op_has
 from purinec.ir.types import Device, DistKind, Distribution, TensorType
 from purinec.passes.cost import FLOPS_PER_BYTE, node_flops
 from purinec.passes.parallel.boxing import conversion_cost, convert
@@ -57,16 +57,13 @@ STRATEGIES = {
                  "between devices (used when a model places its layers itself)",
 }
 
-# Where a parameter read by these ops is split for model parallelism: the axis holding
-# the output features (matmul's b, after its transpose) or output channels.
-OUTPUT_AXIS = {
-    ("matmul", 1): lambda attrs: 0 if attrs["trans_b"] else 1,
-    ("conv2d", 1): lambda attrs: 0,
-    ("bias_add", 1): lambda attrs: 0,
-}
-
 # The strategies a user picks ("placement" follows a model's own placement).
 USER_STRATEGIES = ("data", "ps", "model", "hybrid", "pipeline")
+
+
+def _updates(node: Node) -> bool:
+    """Whether ``node`` is a solver's update of the variable it reads first."""
+    return op_has(node.op, Trait.solver_update)
 
 
 def check_micro_batches(micro_batches: int, strategy: str | None) -> None:
@@ -157,7 +154,7 @@ class Distributor:
         axes: dict[str, int] = {}
         for node in self.source.nodes:
             for position, v in enumerate(node.inputs):
-                rule = OUTPUT_AXIS.get((node.op, position))
+                rule = get_op(node.op).model_split.get(position)
                 if rule is None or v.role != "param":
                     continue
                 if self.parallel.strategy == "hybrid" and not self._feeds_matmul(
@@ -165,7 +162,7 @@ class Distributor:
                     continue
                 axes.setdefault(v.name, rule(node.attrs))  # as the forward pass reads it
         for node in self.source.nodes:  # the momentum is laid out like its weight
-            if node.op == "sgd" and node.inputs[0].name in axes:
+            if _updates(node) and node.inputs[0].name in axes:
                 axes[node.inputs[1].name] = axes[node.inputs[0].name]
         return {name: axis for name, axis in axes.items()
                 if self.source.input(name).type.shape[axis] >= len(self.group)}
@@ -184,7 +181,7 @@ class Distributor:
             servers[param.name] = device
             load[device] += param.type.nbytes
         for node in self.source.nodes:  # the momentum lives with its weight
-            if node.op == "sgd" and node.inputs[0].name in servers:
+            if _updates(node) and node.inputs[0].name in servers:
                 servers[node.inputs[1].name] = servers[node.inputs[0].name]
         return servers
 
@@ -262,7 +259,7 @@ class Distributor:
         if node.body is not None:
             raise PurinecError(f"parallelize runs before fusion; node {node!r} is fused")
         inputs = [self.mapping[v] for v in node.inputs]
-        updated = node.inputs[0].name if node.op == "sgd" else None
+        updated = node.inputs[0].name if _updates(node) else None
         self.group = self._group_for(node.device, updated)
         signature = self._choose(node, inputs)
         why = f"{node.op} %{node.outputs[0].name}" if node.outputs else node.op

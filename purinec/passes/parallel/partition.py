@@ -13,22 +13,15 @@ member on this rank.
 
 A mean over the batch rows (loss, accuracy, and the 1/batch of the loss gradient) on a
 piece of the rows is weighted by the piece's share of the rows, which makes the pieces'
-results partial sums of the whole batch's mean (see ROW_MEANS).
+results partial sums of the whole batch's mean (`OpDef.row_mean`).
 """
 
 from __future__ import annotations
 
 from purinec.errors import PurinecError
 from purinec.ir.graph import Graph, Node, Value, member_name
+from purinec.ir.ops import get_op
 from purinec.ir.types import DistKind, Distribution
-
-# Ops that average over the rows of their first input: the output to weight, or (for a
-# gradient) the input holding the upstream gradient to weight.
-ROW_MEANS = {"softmax_xent": ("output", 0), "accuracy": ("output", 0),
-             "softmax_xent_grad": ("input", 2)}
-
-# Attributes that spell a node's (first) output shape; a piece gets its own shape.
-SHAPE_ATTRS = ("shape", "input_shape")
 
 
 def partition(graph: Graph, rank: int = 0) -> Graph:
@@ -187,7 +180,7 @@ class Partitioner:
         inputs = [self.piece(v, k) for v in node.inputs]
         attrs = self._local_attrs(node, k)
         weight = self._row_share(node, k)
-        where = ROW_MEANS.get(node.op)
+        where = get_op(node.op).row_mean
         if weight is not None and where[0] == "input":
             inputs[where[1]] = self._scaled(inputs[where[1]], weight, device, node.loc)
         if weight is not None and where[0] == "output":
@@ -206,7 +199,7 @@ class Partitioner:
 
     def _row_share(self, node: Node, k: int) -> float | None:
         """For a row mean over a piece of the rows: the piece's share of them."""
-        if node.op not in ROW_MEANS:
+        if get_op(node.op).row_mean is None:
             return None
         dist = _dist(node.inputs[0])
         if dist.kind is not DistKind.split:
@@ -217,13 +210,13 @@ class Partitioner:
     def _local_attrs(self, node: Node, k: int) -> dict:
         attrs = dict(node.attrs)
         out = node.outputs[0] if node.outputs else None
-        for key in SHAPE_ATTRS:
-            if key not in attrs or out is None:
-                continue
-            if list(attrs[key]) != list(out.type.shape):
-                raise PurinecError(f"node {node!r}: cannot partition attribute {key}="
-                                   f"{attrs[key]}, which is not its output's shape")
-            attrs[key] = list(_dist(out).local_type(out.type, k).shape)
+        key = get_op(node.op).shape_attr
+        if key is None or out is None:
+            return attrs
+        if list(attrs[key]) != list(out.type.shape):
+            raise PurinecError(f"node {node!r}: cannot partition attribute {key}="
+                               f"{attrs[key]}, which is not its output's shape")
+        attrs[key] = list(_dist(out).local_type(out.type, k).shape)
         return attrs
 
 

@@ -1,0 +1,354 @@
+"""`Program`: a compiled model, ready to run, train, inspect and save."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import warnings
+from collections.abc import MutableMapping
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+
+from purinec.errors import ExecutionError, PurinecError, PurinecWarning, UnknownNameError
+from purinec.ir.graph import Graph, Value
+from purinec.ir.init import initial_value
+from purinec.ir.types import Device, DType, TensorType
+from purinec.layout import check_device_kinds, is_distributed, layout_devices, layout_ranks, rank_of
+from purinec.passes.pipeline import Pipeline, StageHook
+from purinec.runtime.distributed import DistributedExecutable, Replicas
+from purinec.targets import get_target
+from purinec.weights import check_weights, variables
+
+
+class TensorStore(MutableMapping):
+    """Named arrays with fixed types: assigning checks the shape and casts the dtype.
+
+    Reading gives a read-only view, which follows the updates a step makes in place. New
+    values are set by assignment only: a distributed program keeps a replica of each
+    variable per device, refreshed when it is assigned, and a write into the array
+    itself would reach one device and leave the others computing with the old values.
+    """
+
+    def __init__(self, kind: str, arrays: dict[str, np.ndarray]):
+        self._kind = kind
+        self._arrays = arrays
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        self._check_known(name)
+        view = self._arrays[name].view()
+        view.flags.writeable = False
+        return view
+
+    def _check_known(self, name: str) -> None:
+        if name not in self._arrays:
+            raise UnknownNameError(f"no {self._kind} named {name!r}; the program has "
+                                   f"{', '.join(self._arrays) or 'none'}")
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._arrays  # (Mapping's would make a view to find out)
+
+    def __setitem__(self, name: str, value) -> None:
+        self._check_known(name)
+        current = self._arrays[name]
+        array = np.asarray(value)
+        # Integers may become floats; nothing else changes kind (strings, complex
+        # numbers, objects; floats into integers would be rounded).
+        allowed = {"f": "iuf", "i": "iu", "u": "iu"}.get(current.dtype.kind, "b")
+        if array.dtype.kind not in allowed:
+            raise PurinecError(f"{self._kind} {name} is {current.dtype}, got an array of "
+                               f"{array.dtype}")
+        if array.shape != current.shape:
+            raise PurinecError(f"{self._kind} {name} has shape {list(current.shape)}, "
+                               f"got an array of shape {list(array.shape)}")
+        self._arrays[name] = array.astype(current.dtype, copy=True)
+
+    def _follow(self, name: str, value: np.ndarray) -> None:
+        """Keep a step's new value of ``name`` in the array the views look at (a target
+        that updated it in place has put it there already)."""
+        current = self._arrays[name]
+        if not np.may_share_memory(value, current):
+            np.copyto(current, value)
+
+    def __delitem__(self, name: str) -> None:
+        raise PurinecError(f"cannot delete {self._kind} {name!r}: the program needs it")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._arrays)
+
+    def __repr__(self) -> str:
+        return (f"<{self._kind} arrays: "
+                f"{', '.join(map(self._describe, self._arrays)) or 'none'}>")
+
+    def _describe(self, name: str) -> str:
+        array = self._arrays[name]
+        return f"{name} {TensorType(array.shape, DType.from_numpy(array.dtype))}"
+
+    def __len__(self) -> int:
+        return len(self._arrays)
+
+
+class Program:
+    """A compiled model: run it, train it, read and set its parameters.
+
+    ``ir`` is the final IR of the main graph (the training iteration when compiled with
+    ``train=``). ``run`` evaluates the inference graph and leaves every parameter as it
+    is; ``step`` runs one training iteration and keeps the updated parameters and state.
+
+    Built from final IR, no pipeline runs here: ``params`` and ``state`` given as dicts
+    must match the IR's inputs exactly; left out (None) they are filled by the IR's
+    ``init`` fillers, seeded by ``seed``. ``trace``, a `purinec.runtime.trace.Trace`,
+    goes to the target's executables, which record every task into it; a target whose
+    factory takes no ``trace`` keyword refuses one rather than ignore it.
+    ``metadata`` is free JSON-able information that `save` stores (a checkpoint's epoch).
+    """
+
+    def __init__(self, graph: Graph, eval_graph: Graph | None = None,
+                 target: str = "reference", seed: int = 0,
+                 params: Mapping[str, np.ndarray] | None = None,
+                 state: Mapping[str, np.ndarray] | None = None,
+                 trace: Any = None, metadata: dict | None = None,
+                 after: StageHook | None = None):
+        plugin = get_target(target)
+        if trace is not None and not plugin.records_traces:
+            raise PurinecError(f"target {target} does not record traces; run without a trace "
+                               f"or on a target that records them")
+        check_device_kinds(plugin, layout_devices(graph, eval_graph or graph),
+                           f"devices of graph {graph.name}")
+        self.ir = graph
+        self.eval_ir = eval_graph or graph
+        self.target = target
+        self.metadata = dict(metadata or {})
+        graphs = [graph] if self.eval_ir is graph else [graph, self.eval_ir]
+        _check_variables_stay(graph, self.eval_ir)
+        rng = np.random.default_rng(seed)
+        self.params = TensorStore("parameter", _initial_arrays(graphs, "param", params, rng))
+        self.state = TensorStore("state", _initial_arrays(graphs, "state", state, rng))
+        # What this rank runs, when the program is distributed.
+        self.physical_ir: Graph | None = None
+        self.physical_eval_ir: Graph | None = None
+        self._replicas = Replicas()  # shared by the distributed executables
+        self._run_main = self._executable(graph, trace, after)
+        self._run_eval = (self._run_main if self.eval_ir is graph
+                          else self._executable(self.eval_ir, trace))
+        self.last_outputs: dict[str, np.ndarray] = {}  # of the latest step
+        if self.trainable:
+            _warn_if_frozen(graph, self.params)
+        self._partial_weights = False  # weights split over ranks, not gathered since
+
+    @classmethod
+    def from_ir(cls, graph: Graph, eval_graph: Graph | None = None, target: str = "reference",
+                params: Mapping[str, np.ndarray] | None = None,
+                state: Mapping[str, np.ndarray] | None = None, *, seed: int = 0,
+                trace: Any = None, metadata: dict | None = None) -> "Program":
+        """A program from final IR and (optionally) its weights, with no pipeline run."""
+        return cls(graph, eval_graph, target, seed, params, state, trace, metadata)
+
+    def _executable(self, graph: Graph, trace: Any, after: StageHook | None = None):
+        target = get_target(self.target)
+        if not is_distributed(graph):
+            return target.executable(graph, trace)
+        # The job is the one the main graph is laid out for: the inference graph of a
+        # pipeline may live on the first stages' ranks only.
+        rank = rank_of(self.ir)
+        pipeline = Pipeline(target_passes=tuple(target.passes()), rank=rank)
+        physical = pipeline.run_physical(graph, after)
+        if graph is self.ir:
+            self.physical_ir = physical
+        if graph is self.eval_ir:
+            self.physical_eval_ir = physical
+        return DistributedExecutable(graph, target.executable(physical, trace), rank,
+                                     layout_ranks(self.ir), self._replicas)
+
+    def executed_graphs(self) -> list[Graph]:
+        """The graphs this process runs: the final IR, or this rank's physical graphs."""
+        graphs = [self.physical_ir or self.ir, self.physical_eval_ir or self.eval_ir]
+        return graphs[:1] if self.eval_ir is self.ir else graphs
+
+    @property
+    def devices(self) -> list[Device]:
+        """Every device the program runs on (on every rank), in rank order."""
+        return layout_devices(self.ir)
+
+    def _runs(self) -> list:
+        """The executables of the training and inference graphs (one, when the same)."""
+        return list({id(r): r for r in (self._run_main, self._run_eval)}.values())
+
+    @property
+    def communication(self) -> str | None:
+        """How this rank exchanges data with other ranks: "shared memory" (ranks of one
+        machine), "MPI", "shared memory and MPI", or None when it does not."""
+        from purinec.runtime import comm
+
+        kernels = []
+        for run in self._runs():
+            plan = getattr(getattr(run, "physical", run), "plan", None)
+            kernels += [task.fn for task in plan.tasks] if plan is not None else []
+        return comm.describe(kernels)
+
+    @property
+    def trainable(self) -> bool:
+        return any(name in self.params for name, _ in self.ir.outputs)
+
+    def _env(self, graph: Graph, feeds: Mapping[str, Any], copy_variables: bool = False
+             ) -> dict[str, np.ndarray]:
+        if not isinstance(feeds, Mapping):
+            raise ExecutionError(f"feeds: give a dict of input name -> array (graph "
+                                 f"{graph.name} takes "
+                                 f"{', '.join(v.name for v in graph.inputs_with_role('data'))}"
+                                 f"), got a {type(feeds).__name__}")
+        data = graph.inputs_with_role("data")
+        names = {v.name for v in data}
+        unknown = sorted(set(feeds) - names)
+        missing = sorted(names - set(feeds))
+        if unknown or missing:
+            raise ExecutionError(
+                f"graph {graph.name} takes inputs {', '.join(sorted(names)) or 'none'}"
+                + (f"; missing {', '.join(missing)}" if missing else "")
+                + (f"; unknown {', '.join(unknown)}" if unknown else ""))
+        env: dict[str, np.ndarray] = {}
+        for v in data:
+            array = np.asarray(feeds[v.name])
+            want = v.type.dtype.numpy
+            if array.shape != v.type.shape:
+                raise ExecutionError(f"input {v.name}: expected {v.type}, got an array of "
+                                     f"shape {list(array.shape)}")
+            if array.dtype.kind != want.kind and not (array.dtype.kind in "iu" and
+                                                      want.kind in "iu"):
+                raise ExecutionError(f"input {v.name}: expected {v.type}, got {array.dtype}")
+            if want.kind in "iu" and not np.can_cast(array.dtype, want) and array.size:
+                _check_fits(v, array, np.iinfo(want))
+            env[v.name] = array.astype(want, order="C", copy=False)
+        for store in (self.params, self.state):
+            # The arrays themselves: a step updates them in place.
+            env.update({name: array.copy() for name, array in store._arrays.items()}
+                       if copy_variables else store._arrays)
+        return env
+
+    def run(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Evaluate the inference graph; returns its outputs by name. Parameters and
+        state stay as they are, even when that graph computes their updates (a training
+        graph run as it is, such as a .pir file of one): it then works on copies."""
+        updates = bool(updated_variables(self.eval_ir))
+        outputs = self._run_eval(self._env(self.eval_ir, feeds, copy_variables=updates))
+        return {k: v for k, v in outputs.items()
+                if k not in self.params and k not in self.state}
+
+    def step(self, feeds: Mapping[str, Any]) -> float:
+        """Run one training iteration, keep the new parameters and state; return the loss."""
+        if not self.trainable:
+            raise PurinecError("this program was compiled for inference; compile with "
+                               "train=purinec.SGD(...) to train it")
+        outputs = self._run_main(self._env(self.ir, feeds))
+        self._partial_weights = getattr(self._run_main, "spans_ranks", False)
+        for name, value in outputs.items():
+            for store in (self.params, self.state):
+                if name in store:
+                    store._follow(name, value)
+        self.last_outputs = outputs
+        return float(outputs["loss"])
+
+    def gather_weights(self) -> None:
+        """Make every parameter and state array whole on this rank. Needed only when a
+        strategy splits weights over MPI ranks (model, hybrid): after a step each rank
+        holds its own pieces. Collective: every rank of the job must call it."""
+        gather = getattr(self._run_main, "gather_variables", None)
+        if gather is not None:
+            gather({**self.params._arrays, **self.state._arrays})
+        self._partial_weights = False
+
+    def save(self, path: str | os.PathLike, metadata: dict | None = None):
+        """Write this program (IR, weights, kernel sources) to a ``.purine`` artifact,
+        atomically. ``metadata`` is merged into `self.metadata` and stored with it.
+        Returns a `purinec.artifact.Saved` describing what was written."""
+        from purinec.artifact import save
+
+        if self._partial_weights:
+            raise PurinecError("this rank holds only its pieces of weights split over MPI "
+                               "ranks: call gather_weights() on every rank before saving")
+        merged = {**self.metadata, **(metadata or {})}
+        saved = save(self, path, merged)
+        self.metadata = merged
+        return saved
+
+    def close(self) -> None:
+        """Release what the target holds (worker threads; a trace is written out)."""
+        for run in self._runs():
+            close = getattr(run, "close", None)
+            if close is not None:
+                close()
+
+    def __repr__(self) -> str:
+        graphs = (self.ir.name if self.eval_ir is self.ir
+                  else f"{self.ir.name} and {self.eval_ir.name}")
+        return (f"<Program {graphs}, target {self.target}, on "
+                f"{','.join(map(str, self.devices))}, {len(self.params)} parameter(s)>")
+
+    def __enter__(self) -> "Program":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _check_fits(v: Value, array: np.ndarray, limits: np.iinfo) -> None:
+    """Integers cast to ``v``'s narrower type must keep their values (NumPy wraps them
+    around: a label 2**32 + 3 would become 3)."""
+    low, high = array.min(), array.max()
+    if low < limits.min or high > limits.max:
+        raise ExecutionError(f"input {v.name}: values from {low} to {high} do not fit "
+                             f"{v.type} ({limits.min} to {limits.max})")
+
+
+def updated_variables(graph: Graph) -> list[str]:
+    """The params and state whose next value ``graph`` returns (an output of the name):
+    none for an inference graph, all of them for a training iteration."""
+    names = {v.name for v in graph.inputs_with_role("param", "state")}
+    return [name for name, _ in graph.outputs if name in names]
+
+
+def _warn_if_frozen(graph: Graph, params: TensorStore) -> None:
+    """A training graph updates a parameter by returning an output of its name; say so
+    when some are left out (a misspelt output name in a .pir file, most likely)."""
+    outputs = [name for name, _ in graph.outputs]
+    frozen = [name for name in params if name not in outputs]
+    if not frozen:
+        return
+    spare = [name for name in outputs if name not in params]
+    hints = [f"output {close[0]} for {name}?" for name in frozen
+             for close in [difflib.get_close_matches(name, spare, n=1)] if close]
+    warnings.warn(PurinecWarning(
+        f"graph {graph.name} updates some parameters but leaves {', '.join(frozen)} as "
+        f"{'it is' if len(frozen) == 1 else 'they are'}: no output has "
+        f"{'its' if len(frozen) == 1 else 'their'} name"
+        + (f" (did you mean {' '.join(hints)})" if hints else "")), stacklevel=4)
+
+
+def _check_variables_stay(graph: Graph, eval_graph: Graph) -> None:
+    """Every variable must be laid out alike wherever a program's graphs read or write
+    it: over MPI ranks, only the ranks a step's new value is made on hold it."""
+    where = {}
+    for g in (graph, eval_graph):
+        variables = g.inputs_with_role("param", "state")
+        updates = {name: v for name, v in g.outputs}
+        for v in variables:
+            for seen, how in ((v, f"graph {g.name} reads it as"),
+                              (updates.get(v.name), f"graph {g.name} makes it as")):
+                if seen is None or seen.dist is None:
+                    continue
+                first = where.setdefault(v.name, (seen.dist, how))
+                if first[0] != seen.dist:
+                    raise PurinecError(
+                        f"{v.role} {v.name}: {first[1]} {first[0]} but {how} {seen.dist}; "
+                        f"a program must keep each variable in one place (compile the "
+                        f"model again)")
+
+
+def _initial_arrays(graphs: list[Graph], role: str, given: Mapping[str, np.ndarray] | None,
+                    rng: np.random.Generator) -> dict[str, np.ndarray]:
+    if given is not None:
+        check_weights(graphs, role, given)
+        # Copies: a target may update them in place, and they are the program's own.
+        return {name: np.array(given[name], order="C", copy=True) for name in given}
+    return {name: initial_value(v.init, v.type, rng)
+            for name, v in variables(*graphs).items() if v.role == role}

@@ -1,0 +1,104 @@
+"""What a target is: the one interface between the compiler and a kind of hardware.
+
+The compiler, `Program`, artifacts and the command line know targets only through this
+class and the registry below; nothing outside a target's own module names one. A target
+says:
+
+* ``name``, ``doc``: how users pick it (``target=``, ``--target``) and one line on what
+  it is; ``device_kinds``: the devices its kernels run on (``cpu``, ``gpu``);
+* `missing()`: what it needs that this machine lacks (a package, a GPU), or None;
+* `passes()`: the passes it adds at the end of the pipeline (the cpu target fuses);
+* `kernels(graph)`: a compute kernel ``fn(*inputs, *outputs)`` for every node it runs
+  (the host's copies and collectives come from the runtime, `runtime.host`), and
+  `generated(graph)`: the kernels it generates code for, each with its ``name``,
+  readable ``source`` and ``fn`` (`codegen.kernel.Kernel`; for dumps and artifacts;
+  empty for a target that generates no code);
+* ``arenas``: the memory of the planner's arenas (``allocate(sizes)``: each device's
+  bytes, and ``release()``); a target whose memory is not the host's also copies its
+  inputs in and its results out inside its executable;
+* `worker_setup(graph)`: what each device's worker thread does as it starts (a share of
+  the cores, a GPU made current);
+* ``records_traces``: whether its executables record a `runtime.trace.Trace`;
+* `executable(graph, trace)`: the runnable program of one graph, ``exe(env) ->
+  outputs`` (the contract is in docs/architecture.md). Completion is the runtime's
+  dependency counting: a kernel is done when its call returns (a target with
+  asynchronous devices makes its kernels wait on their completion events there).
+
+The default `executable` runs `kernels` and the host kernels under the counting runtime
+(`runtime.executor.Executable`), which is what a target built from kernels wants.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from purinec.errors import PurinecError
+from purinec.ir.graph import Graph, Node
+from purinec.passes.pipeline import Pass
+from purinec.runtime.devices import Lane
+from purinec.runtime.host import host_kernels
+from purinec.runtime.plan import FreshArenas
+
+Runnable = Callable[[Mapping[str, np.ndarray]], dict]
+
+
+class Target:
+    """A kind of hardware the compiler emits kernels for; see the module doc. Subclasses
+    set the class attributes and override what differs."""
+
+    name: str = ""
+    doc: str = ""
+    device_kinds: tuple[str, ...] = ("cpu",)
+    records_traces: bool = False
+    arenas: Any = FreshArenas
+
+    def missing(self) -> str | None:
+        return None
+
+    def passes(self) -> list[Pass]:
+        return []
+
+    def kernels(self, graph: Graph) -> dict[Node, Callable]:
+        raise NotImplementedError(f"target {self.name} defines no kernels")
+
+    def generated(self, graph: Graph) -> dict:
+        return {}
+
+    def worker_setup(self, graph: Graph) -> Callable[[Lane], None] | None:
+        return None
+
+    def executable(self, graph: Graph, trace: Any = None) -> Runnable:
+        from purinec.runtime.executor import Executable
+
+        kernels = {**self.kernels(graph), **host_kernels(graph)}
+        return Executable(graph, kernels, trace=trace, worker_init=self.worker_setup(graph),
+                          arenas=self.arenas)
+
+    def __repr__(self) -> str:
+        return f"<target {self.name}: {self.doc}>"
+
+
+TARGETS: dict[str, Target] = {}
+
+
+def register_target(target: Target) -> Target:
+    """Make ``target`` available by its name."""
+    if not target.name:
+        raise PurinecError(f"{target!r} has no name")
+    TARGETS[target.name] = target
+    return target
+
+
+def get_target(name: str) -> Target:
+    """The target named ``name``, ready to run here (or a PurinecError saying what is
+    missing and how to get it)."""
+    try:
+        target = TARGETS[name]
+    except KeyError:
+        raise PurinecError(f"unknown target {name!r}; available: {', '.join(TARGETS)}") from None
+    missing = target.missing()
+    if missing:
+        raise PurinecError(f"target {name} cannot run here: {missing}")
+    return target

@@ -1,0 +1,39 @@
+"""The cpu target: fused Numba kernels (`purinec.codegen`) run by the dependency-counting
+runtime, one worker thread per device with a share of the cores."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from purinec.ir.graph import Graph
+from purinec.passes.fuse import fuse
+from purinec.passes.pipeline import Pass
+from purinec.runtime.host import without_host_nodes
+from purinec.targets.base import Target
+
+
+class CpuTarget(Target):
+    name = "cpu"
+    doc = "fused Numba kernels run by the dependency-counting runtime"
+    records_traces = True
+
+    def passes(self) -> list[Pass]:
+        return [Pass("fuse", fuse, "group nodes into fused kernels")]
+
+    def generated(self, graph: Graph) -> dict:
+        from purinec.codegen.cpu import compile_kernels  # Numba: only when compiling
+
+        return compile_kernels(without_host_nodes(graph))
+
+    def kernels(self, graph: Graph) -> dict:
+        return {node: kernel.fn for node, kernel in self.generated(graph).items()}
+
+    def worker_setup(self, graph: Graph) -> Callable:
+        """Each device's compute threads get an equal share of the cores this process
+        may use (with the other ranks on this machine), so devices working at once do
+        not oversubscribe them."""
+        from purinec.codegen.cpu_runtime import process_cpus, set_threads
+
+        devices = {v.device for node in graph.nodes for v in node.outputs}
+        share = max(1, process_cpus() // max(1, len(devices)))
+        return lambda lane: set_threads(share)
