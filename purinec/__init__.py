@@ -11,8 +11,7 @@ from purinec.errors import ArtifactError, IRSyntaxError, PurinecError, PurinecWa
 from purinec.passes.optimizer import SGD
 from purinec.passes.pipeline import STAGES
 from purinec.program import Program
-
-__version__ = "0.1.0"
+from purinec.version import __version__
 
 __all__ = ["compile", "load", "Program", "SGD", "STAGES", "PurinecError", "PurinecWarning",
            "IRSyntaxError", "ArtifactError", "__version__"]

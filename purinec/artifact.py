@@ -44,6 +44,7 @@ from purinec.ir.parser import parse
 from purinec.layout import is_distributed, layout_ranks, onto_ranks
 from purinec.runtime import comm
 from purinec.targets import TARGETS
+from purinec.version import __version__
 from purinec.weights import check_weights
 
 if TYPE_CHECKING:
@@ -168,7 +169,7 @@ def _manifest(program: Program, members: dict[str, bytes], metadata: dict
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "purinec_version": _this_version(),
+        "purinec_version": __version__,
         "numpy_version": np.__version__,
         "numba_version": _installed_version("numba"),
         "target": program.target,
@@ -182,12 +183,6 @@ def _manifest(program: Program, members: dict[str, bytes], metadata: dict
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def _this_version() -> str:
-    import purinec
-
-    return purinec.__version__
 
 
 def _installed_version(package: str) -> str | None:
@@ -320,7 +315,7 @@ def _read_manifest(path: str, zf: zipfile.ZipFile) -> dict[str, Any]:
     if version > FORMAT_VERSION:
         raise ArtifactError(
             f"{path} has artifact format version {version}, newer than the version "
-            f"{FORMAT_VERSION} this purinec ({_this_version()}) reads; it was "
+            f"{FORMAT_VERSION} this purinec ({__version__}) reads; it was "
             f"written by purinec {manifest.get('purinec_version', '?')}: upgrade purinec")
     if version >= HASHED_MANIFEST_SINCE:
         digest = _read_member(path, zf, MANIFEST_HASH).decode("ascii", "replace").strip()

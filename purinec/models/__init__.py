@@ -12,15 +12,7 @@ from purinec.models.inception import InceptionModule, inception
 from purinec.models.lenet import lenet
 from purinec.models.loader import load_model
 from purinec.models.mlp import mlp
-
-ZOO = {
-    "mlp": mlp,
-    "lenet": lenet,
-    "convnet": convnet,
-    "cifar_quick": cifar_quick,
-    "nin": nin,
-    "inception": inception,
-}
+from purinec.models.zoo import ZOO
 
 __all__ = ["ZOO", "load_model", "mlp", "lenet", "convnet", "cifar_quick", "nin", "inception",
            "InceptionModule"]

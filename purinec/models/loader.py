@@ -13,13 +13,12 @@ from typing import Callable
 
 from purinec.bigraph import Net
 from purinec.errors import ModelError, PurinecError
+from purinec.models.zoo import ZOO
 
 def load_model(spec: str, batch: int | None = None, **kwargs) -> Net:
     """Build a `Net` from ``spec``: a name in `ZOO` or a path to a ``.py`` file that
     defines ``build(batch, ...)``. ``batch`` None means the builder's default;
     every keyword must be one the builder takes (see `offered_args`)."""
-    from purinec.models import ZOO
-
     if not isinstance(spec, str) or not spec:
         raise ModelError(f"a model is a zoo name or a .py file, got {spec!r}")
     if spec in ZOO:
@@ -61,8 +60,6 @@ def default_input_shape(spec: str) -> tuple[int, ...] | None:
 
 def _builder(spec: str) -> Callable:
     """The zoo builder named ``spec``, or the build() of the Python file at ``spec``."""
-    from purinec.models import ZOO
-
     return ZOO[spec] if spec in ZOO else _load_file(spec)
 
 

@@ -12,9 +12,6 @@ from purinec.ir.ops.registry import (REGISTRY, Attr, FusionKind, OpDef, SplitSig
                                      coerce_attr, get_op, missing_facets, op_has, ops_with, register,
                                      unknown_op_message)
 
-FAMILIES = (elementwise, shape, linalg, pooling, normalization, losses, solvers,
-            communication, fused)
-
-__all__ = ["REGISTRY", "Attr", "FAMILIES", "FusionKind", "OpDef", "SplitSignature", "Trait",
+__all__ = ["REGISTRY", "Attr", "FusionKind", "OpDef", "SplitSignature", "Trait",
            "broadcast_types", "coerce_attr", "conv_output_size", "get_op", "missing_facets",
            "op_has", "ops_with", "pool_output_size", "register", "spans_ranks", "unknown_op_message"]
