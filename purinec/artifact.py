@@ -135,7 +135,8 @@ _kernel_sources_of: weakref.WeakKeyDictionary[Program, dict[str, bytes]] = \
 def _kernel_sources(program: Program) -> dict[str, bytes]:
     """The generated kernel sources of every graph, by member name: none for a target
     that generates no code, or that cannot run here."""
-    if TARGETS[program.target].missing():
+    target = TARGETS[program.target]
+    if not target.generates_code or target.missing():
         return {}
     if program not in _kernel_sources_of:
         _kernel_sources_of[program] = _generate_kernel_sources(program)

@@ -169,6 +169,7 @@ def test_kernel_sources_come_from_the_targets_code_generator(trained, tmp_path, 
 
     class Printed(ReferenceTarget):  # the reference's results, with sources to show
         name = "printed"
+        generates_code = True
         sources = True
 
         def generated(self, graph):

@@ -369,6 +369,7 @@ def test_a_trace_goes_to_targets_that_record_them(monkeypatch):
         purinec.compile("mlp", trace=recorder, **options)
 
 
+@pytest.mark.slow
 def test_convnet_reaches_97_percent_on_digits_with_the_cpu_target():
     """The README's main job, asserted: compiled CPU kernels train the convnet."""
     data = load_dataset("digits")

@@ -12,6 +12,8 @@ import pytest
 import purinec
 from purinec.runtime.trace import Trace
 
+pytestmark = pytest.mark.slow  # compiles every zoo model's training step
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SGD = purinec.SGD(lr=0.05, momentum=0.9, weight_decay=5e-4)
 

@@ -29,6 +29,8 @@ from purinec.runtime.collectives import PerArrays
 from purinec.runtime.executor import Executable
 from tests.mpi_scripts.common import assert_output_close, assert_weights_close
 
+pytestmark = [pytest.mark.slow, pytest.mark.mpi]
+
 SCRIPTS = Path(__file__).parent / "mpi_scripts"
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 TIMEOUT = 120  # seconds; a hung job fails the test instead of the suite

@@ -69,6 +69,7 @@ class ToyArenas:
 class Toy(Target):
     name = "toy"
     doc = "NumPy kernels printed from element expressions"
+    generates_code = True
     arenas = ToyArenas
 
     def __init__(self):

@@ -11,8 +11,8 @@ says:
 * `kernels(graph)`: a compute kernel ``fn(*inputs, *outputs)`` for every node it runs
   (the host's copies and collectives come from the runtime, `runtime.host`), and
   `generated(graph)`: the kernels it generates code for, each with its ``name``,
-  readable ``source`` and ``fn`` (`codegen.kernel.Kernel`; for dumps and artifacts;
-  empty for a target that generates no code);
+  readable ``source`` and ``fn`` (`codegen.kernel.Kernel`; for dumps and artifacts),
+  when ``generates_code``;
 * ``arenas``: the memory of the planner's arenas (``allocate(sizes)``: each device's
   bytes, and ``release()``); a target whose memory is not the host's also copies its
   inputs in and its results out inside its executable;
@@ -52,6 +52,7 @@ class Target:
     doc: str = ""
     device_kinds: tuple[str, ...] = ("cpu",)
     records_traces: bool = False
+    generates_code: bool = False
     arenas: Any = FreshArenas
 
     def missing(self) -> str | None:

@@ -16,6 +16,7 @@ class CpuTarget(Target):
     name = "cpu"
     doc = "fused Numba kernels run by the dependency-counting runtime"
     records_traces = True
+    generates_code = True
 
     def passes(self) -> list[Pass]:
         return [Pass("fuse", fuse, "group nodes into fused kernels")]
