@@ -1,4 +1,5 @@
-"""The `purinec` command."""
+"""The `purinec` command. The training session behind `purinec train` is
+`purinec.train`'s."""
 
 from __future__ import annotations
 
@@ -16,8 +17,12 @@ import numpy as np
 
 from purinec.codegen.progress import kernel_progress
 from purinec import __version__
-from purinec.errors import PurinecError, PurinecWarning
+from purinec.errors import PurinecError, PurinecWarning, refuse_options
 from purinec.fileio import atomic_write_text
+from purinec.job import (check_spans_the_job, default_strategy, is_reporting_rank, on_devices,
+                         placement_of, spread_options, wait_for_every_rank)
+from purinec.train import (DEFAULT_TARGET, SOLVER_DEFAULTS, SOLVER_OPTIONS, default_sgd,
+                           num_classes, refuse_fixed_options, resume_training, train_model)
 
 STAGE_HELP = """\
 stages, in pipeline order (autodiff and optimizer only with --train):
@@ -42,12 +47,6 @@ stages, in pipeline order (autodiff and optimizer only with --train):
 MODEL_HELP = ("a zoo name (mlp, lenet, convnet, cifar_quick, nin, inception), a Python file "
               "defining build(batch), or a .pir IR file")
 
-
-SOLVER_OPTIONS = ("lr", "momentum", "weight_decay")
-# Every command compiles for the fused Numba kernels unless told otherwise: the first
-# compile of a model fills the kernel cache (seconds to minutes, with a progress bar on a
-# terminal), later ones load from it.
-DEFAULT_TARGET = "cpu"
 TARGETS_HELP = "cpu (fused Numba kernels) or reference (NumPy, one op at a time)"
 
 PARALLEL_HELP = """\
@@ -86,41 +85,10 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
 
 
 def _parallel_kwargs(args, **model_kwargs) -> dict:
-    """compile()'s devices and strategy, as given, or `_strategy`'s default."""
-    from purinec.compiler import load_source
-
-    strategy = _strategy(
-        args, lambda: _placement(load_source(args.model, args.batch, **model_kwargs)))
-    return {"devices": args.devices, "parallel": strategy,
-            "micro_batches": args.micro_batches}
-
-
-def _strategy(args, placement: Callable[[], object]) -> str | None:
-    """--parallel, or under mpiexec, with neither --devices nor --parallel, "data" for a
-    model that does not place its layers itself (``placement()`` says whether it does):
-    every rank runs the command, and on one device each the ranks would all repeat rank
-    0's work, and only rank 0 reports."""
-    from purinec.runtime import comm
-
-    if (args.parallel is None and args.devices is None and comm.world().size > 1
-            and placement() is None):
-        return "data"
-    return args.parallel
-
-
-def _placement(source):
-    """The `Parallel` of a model that puts its layers on several devices itself, or None
-    (lowering it takes milliseconds; compile() lowers it again)."""
-    from purinec.compiler import placement
-    from purinec.ir.graph import Graph
-    from purinec.passes.lower import lower
-
-    return placement(source if isinstance(source, Graph) else lower(source, mode="inference"))
-
-
-# The command line's solver, the same for dump, compile and train (so dump shows what
-# compile builds): livelier than `SGD()`'s defaults, for the short runs people start here.
-SOLVER_DEFAULTS = {"lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4}
+    """compile()'s devices and strategy, as given, or `purinec.job.default_strategy`'s
+    default."""
+    return spread_options(args.model, args.batch, args.devices, args.parallel,
+                          args.micro_batches, **model_kwargs)
 
 
 def _add_solver_args(p: argparse.ArgumentParser) -> None:
@@ -134,22 +102,10 @@ def _add_solver_args(p: argparse.ArgumentParser) -> None:
                    help=f"L2 weight decay (default {SOLVER_DEFAULTS['weight_decay']})")
 
 
-def _on_devices(program) -> str:
-    """`` on N devices (...)`` for a program on several devices, with how this rank
-    exchanges data with the others when it does; else nothing."""
-    devices = program.devices
-    if len(devices) == 1:
-        return ""
-    how = program.communication
-    between = "" if how is None else f"; ranks exchange through {how}"
-    return f" on {len(devices)} devices ({','.join(map(str, devices))}{between})"
-
-
 def _sgd(args):
-    from purinec.passes.optimizer import SGD
-
-    return SGD(**{name: default if getattr(args, name) is None else getattr(args, name)
-                  for name, default in SOLVER_DEFAULTS.items()})
+    """The solver the options ask for: the same for dump, compile and train, so that dump
+    shows what compile and train build."""
+    return default_sgd(args.lr, args.momentum, args.weight_decay)
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -167,34 +123,8 @@ def _model_kwargs(args) -> dict:
     return {name: value for name, value in options.items() if value is not None}
 
 
-def _refuse_options(args, names: tuple[str, ...], why: str) -> None:
-    """Fail if any option in ``names`` was given: it cannot apply, and ignoring it would
-    silently do something other than what was asked."""
-    given = [n for n in names if getattr(args, n, None) is not None]
-    if given:
-        flags = ", ".join("--" + n.replace("_", "-") for n in given)
-        raise PurinecError(f"{flags}: {why}")
-
-
 def _is_artifact(spec: str | None) -> bool:
     return bool(spec) and spec.endswith(".purine")
-
-
-def _check_spans_the_job(program, path: str) -> None:
-    """Under mpiexec, refuse an artifact whose program leaves ranks without devices (one
-    compiled for one device): every rank would run all of it alone, N copies of the
-    work, which is never what the job was started for. (A program laid out over
-    devices is dealt out over the job's ranks when loaded.)"""
-    from purinec.runtime import comm
-
-    ranks = comm.world().size
-    used = {device.rank for device in program.devices}
-    if len(used) < ranks:
-        devices = ",".join(str(d) for d in program.devices)
-        raise PurinecError(f"{path} runs on {devices}, not over {ranks} ranks: under mpiexec "
-                           "every rank would run all of it alone; run it without mpiexec, "
-                           "or compile or train the MODEL under mpiexec (data parallelism "
-                           "over the ranks)")
 
 
 def _parse_shape(text: str) -> tuple[int, ...]:
@@ -231,9 +161,9 @@ def cmd_dump(args) -> int:
         return _dump_artifact(args)
     train = _sgd(args) if args.train else None
     source = load_source(args.model, args.batch, **_model_kwargs(args))
-    placed = functools.cache(lambda: _placement(source))  # lowered once, if at all
-    spread = parallel_plan(args.devices, _strategy(args, placed),
-                           args.micro_batches) or placed()
+    placed = functools.cache(lambda: placement_of(source))  # lowered once, if at all
+    strategy = default_strategy(args.parallel, args.devices, placed)
+    spread = parallel_plan(args.devices, strategy, args.micro_batches) or placed()
     if spread is None:
         if args.rank:
             raise PurinecError(f"--rank {args.rank}: the program runs on one device of "
@@ -429,13 +359,13 @@ def cmd_compile(args) -> int:
         raise PurinecError(f"-o {args.output}: name the artifact FILE.purine (run and train "
                            "recognize artifacts by that suffix)")
     if not args.train:
-        _refuse_options(args, SOLVER_OPTIONS, "solver options apply only with --train")
+        refuse_options(vars(args), SOLVER_OPTIONS, "solver options apply only with --train")
     model_kwargs = _model_kwargs(args)
     start = time.perf_counter()
     program = compile(args.model, target=args.target, train=_sgd(args) if args.train else None,
                       batch=args.batch, seed=args.seed,
                       **_parallel_kwargs(args, **model_kwargs), **model_kwargs)
-    _wait_for_every_rank()
+    wait_for_every_rank()
     compiled = time.perf_counter() - start
     try:
         saved = program.save(args.output)
@@ -443,7 +373,7 @@ def cmd_compile(args) -> int:
         program.close()
     graphs = program.ir.name + ("" if program.eval_ir is program.ir
                                 else f" and {program.eval_ir.name}")
-    print(f"compiled {graphs}{_on_devices(program)} in {compiled:.2f} s")
+    print(f"compiled {graphs}{on_devices(program)} in {compiled:.2f} s")
     print(saved)
     return 0
 
@@ -485,14 +415,14 @@ def cmd_run(args) -> int:
 
         trace = Trace()
     if _is_artifact(args.model):
-        _refuse_options(args, ("batch", "devices", "parallel", "micro_batches"),
-                        f"{args.model} was compiled with a fixed batch and devices")
+        refuse_options(vars(args), ("batch", "devices", "parallel", "micro_batches"),
+                       f"{args.model} was compiled with a fixed batch and devices")
         program = load(args.model, args.target, trace=trace)
-        _check_spans_the_job(program, args.model)
+        check_spans_the_job(program, args.model)
     else:
         program = compile(args.model, target=args.target or DEFAULT_TARGET, batch=args.batch,
                           seed=args.seed, trace=trace, **_parallel_kwargs(args))
-    _wait_for_every_rank()  # else the first iteration's time would include the wait
+    wait_for_every_rank()  # else the first iteration's time would include the wait
     try:
         feeds = _feeds(program.eval_ir, args.input, args.seed)
         times, outputs = [], {}
@@ -560,7 +490,7 @@ def _feeds(graph, specs: list[str], seed: int) -> dict[str, np.ndarray]:
         raise PurinecError(f"--input {unknown[0]}: graph {graph.name} has no input of that "
                            f"name; it takes {', '.join(inputs)}")
     rng = np.random.default_rng(seed)
-    classes = _classes(graph) or 10
+    classes = num_classes(graph) or 10
     for v in graph.inputs_with_role("data"):
         if v.name in feeds:
             continue
@@ -576,12 +506,6 @@ def _feeds(graph, specs: list[str], seed: int) -> dict[str, np.ndarray]:
             what = f"integers in [0, {classes})"
         print(f"input {v.name}: no --input given, using random {v.type} ({what})")
     return feeds
-
-
-def _classes(graph) -> int | None:
-    """The number of classes, when the graph returns logits."""
-    logits = dict(graph.outputs).get("logits")
-    return logits.type.shape[-1] if logits is not None and logits.type.rank else None
 
 
 def _load_npy(path: str, what: str) -> np.ndarray:
@@ -617,7 +541,7 @@ def _summary(name: str, value: np.ndarray) -> str:
 
 def _timing(times: list[float], program) -> str:
     ms = [t * 1e3 for t in times]
-    where = f"on target {program.target}{_on_devices(program)}"
+    where = f"on target {program.target}{on_devices(program)}"
     if len(ms) == 1:
         return f"1 iteration {where}: {ms[0]:.3f} ms"
     return (f"{len(ms)} iterations {where}: first {ms[0]:.3f} ms, then median "
@@ -625,15 +549,35 @@ def _timing(times: list[float], program) -> str:
 
 
 def cmd_train(args) -> int:
-    from purinec.data import load_dataset
-    from purinec.train import Checkpoint, check_batch, train
+    _check_train_options(args)
+    trace = None
+    if args.timeline:
+        from purinec.runtime.trace import Trace
 
+        trace = Trace()
+    # Flushed line by line: the epochs of a long run show as they end, in a log too.
+    session = {"epochs": args.epochs, "target": args.target, "checkpoint": args.checkpoint,
+               "progress": _shows_progress(args),
+               "report": functools.partial(print, flush=True)}
+    if args.resume:
+        resume_training(args.resume, model=args.model, data=args.data, seed=args.seed,
+                        **session)
+    else:
+        train_model(args.model, data=args.data, batch=args.batch, seed=args.seed,
+                    lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
+                    devices=args.devices, parallel=args.parallel,
+                    micro_batches=args.micro_batches, trace=trace, **session)
+    if trace is not None:
+        _write_traces(trace, None, args.timeline)
+    return 0
+
+
+def _check_train_options(args) -> None:
+    """Refuse options that contradict each other, or files that could not be written,
+    before any work (a long run must not end in an error about one of them)."""
     artifact = args.resume or (args.model if _is_artifact(args.model) else None)
     if artifact:
-        _refuse_options(args, SOLVER_OPTIONS + ("batch", "devices", "parallel",
-                                                "micro_batches"),
-                        f"{artifact} has its solver, batch and devices fixed in its IR; "
-                        "compile the model again to change them")
+        refuse_fixed_options(vars(args), artifact)
     elif args.model is None:
         raise PurinecError("give a MODEL to train, or --resume CHECKPOINT")
     if args.resume and args.timeline:
@@ -647,242 +591,13 @@ def cmd_train(args) -> int:
         from purinec.compiler import as_devices
 
         as_devices(args.devices)
-    trace = None
-    if args.timeline:
-        from purinec.runtime.trace import Trace
-
-        trace = Trace()
-    if args.resume:
-        program, data_spec, seed, done = _resume(args)
-        checkpoint_path = args.checkpoint or args.resume
-        if done >= args.epochs:
-            program.close()
-            print(f"{args.resume} is at epoch {done}; nothing to train for --epochs "
-                  f"{args.epochs}")
-            return 0
-    else:
-        data_spec = args.data or "digits"
-        seed = 0 if args.seed is None else args.seed
-        done = 0
-        checkpoint_path = args.checkpoint
-    data = load_dataset(data_spec, seed=seed)
-    print(data)
-    if args.batch is not None:
-        check_batch(data, args.batch)  # before compiling for it
-    if not args.resume:
-        program, data = _training_program(args, data_spec, data, seed, trace)
-    data = _built_in_data_for(program, data_spec, data)
-    _check_fits(program, data, args.resume or args.model)
-    batch = program.ir.input("data").type.shape[0]
-
-    def end_of_epoch(e):
-        if trace is not None and e.epoch < args.epochs:
-            trace.clear()  # the timeline shows the last epoch: memory stays bounded
-        train_accuracy = ("" if np.isnan(e.train_accuracy)  # (a model with no accuracy op)
-                          else f"  train accuracy {e.train_accuracy:.4f}")
-        print(f"epoch {e.epoch:3d}  loss {e.loss:.4f}{train_accuracy}"
-              f"  test accuracy {e.test_accuracy:.4f}", flush=True)
-        if checkpoint_path:
-            program.gather_weights()  # every rank: weights may be split over ranks
-        if checkpoint_path and _reporting_rank():
-            Checkpoint(e.epoch, seed, data_spec).save(program, checkpoint_path)
-            print(f"             checkpoint {checkpoint_path} (epoch {e.epoch})", flush=True)
-
-    start = time.perf_counter()
-    try:
-        result = train(program, data, args.epochs, batch, seed=seed,
-                       progress=_shows_progress(args),
-                       start_epoch=done, on_epoch_end=end_of_epoch)
-    finally:
-        program.close()
-    print(f"trained {len(result.epochs)} epoch(s) in {time.perf_counter() - start:.1f} s: "
-          f"test accuracy {result.final.test_accuracy:.4f}")
-    if trace is not None:
-        _write_traces(trace, None, args.timeline)
-    return 0
-
-
-def _wait_for_every_rank() -> None:
-    """Under mpiexec, wait until every rank has its program: the ranks of a pipeline
-    compile different kernels (lenet over 2 ranks, cold cache: 12 and 51), and the
-    time reported for compiling should cover the slowest rank rather than show up in
-    the first step."""
-    from purinec.runtime import comm
-
-    comm.world().wait_for_all()
-
-
-def _reporting_rank() -> bool:
-    """Whether this process is the one that writes files: rank 0 of an MPI job (every
-    rank holds the same replicated weights)."""
-    from purinec.runtime import comm
-
-    return comm.world().rank == 0
 
 
 def _shows_progress(args) -> bool:
     """Whether progress bars (compiling kernels, training) are drawn: on rank 0, when
     stderr is a terminal (unless --quiet) or with --progress."""
-    return _reporting_rank() and (getattr(args, "progress", False) or
-                                  sys.stderr.isatty() and not getattr(args, "quiet", False))
-
-
-def _resume(args):
-    """The checkpoint's program and where it stands; options that would contradict it
-    are refused rather than ignored."""
-    from purinec.train import Checkpoint
-
-    program, checkpoint = Checkpoint.load(args.resume, args.target)
-    _check_spans_the_job(program, args.resume)
-    for option, given, saved in (("--data", args.data, checkpoint.data),
-                                 ("--seed", args.seed, checkpoint.seed)):
-        if given is not None and given != saved:
-            raise PurinecError(f"{option} {given}: {args.resume} was trained with {option} "
-                               f"{saved}; resuming needs the same (leave {option} out)")
-    from purinec.models import ZOO
-
-    trained = program.ir.name.removesuffix(".train")
-    if args.model in ZOO and args.model != trained:
-        raise PurinecError(f"{args.resume} holds {trained}, not {args.model}: leave MODEL out "
-                           f"to resume it, or train {args.model} without --resume")
-    note = f" (MODEL {args.model} is not recompiled)" if args.model else ""
-    print(f"resuming {program.ir.name} from {args.resume} after epoch {checkpoint.epoch}"
-          f"{_on_devices(program)}{note}")
-    return program, checkpoint.data, checkpoint.seed, checkpoint.epoch
-
-
-def _training_program(args, data_spec: str, data, seed, trace=None):
-    """MODEL's training iteration compiled for ``data``, or loaded from an artifact, and
-    the data: a built-in set that a model cannot take at its own size (images too small
-    for its layers) comes at the model's default input shape instead."""
-    from purinec.compiler import compile, load
-    from purinec.errors import ShapeError
-    from purinec.models.loader import offered_args
-
-    start = time.perf_counter()
-    if _is_artifact(args.model):
-        program = load(args.model, args.target, trace=trace)
-        _check_spans_the_job(program, args.model)
-        if not program.trainable:
-            raise PurinecError(f"{args.model} holds an inference program; compile it with "
-                               "`purinec compile MODEL --train -o FILE.purine` to train it")
-        what = "loaded"
-    else:
-        solver = None if _is_training_pir(args) else _sgd(args)
-
-        def compiled(data):
-            model_kwargs = {}
-            if not args.model.endswith(".pir"):  # the data set's, where build() takes them
-                model_kwargs = offered_args(args.model, {"input_shape": data.input_shape,
-                                                         "num_classes": data.num_classes})
-            return compile(args.model, target=args.target or DEFAULT_TARGET, train=solver,
-                           batch=args.batch, seed=seed, trace=trace,
-                           **_parallel_kwargs(args, **model_kwargs), **model_kwargs)
-
-        try:
-            program = compiled(data)
-        except ShapeError as err:
-            shape = _default_input_shape(args.model, data_spec)
-            if shape is None or shape == data.input_shape:
-                raise
-            from purinec.data import resized
-
-            scaled = resized(data, shape)
-            try:  # at the model's own input shape, if the size was what it could not take
-                program = compiled(scaled)
-            except ShapeError:
-                raise err from None  # a bug of the model's, whatever the size
-            print(f"{data.name}: images scaled to {list(shape)}: {args.model} cannot take "
-                  f"them at {list(data.input_shape)} ({err})")
-            data = scaled
-        what = "compiled"
-    _wait_for_every_rank()
-    print(f"{what} {program.ir.name} for target {program.target}{_on_devices(program)} in "
-          f"{time.perf_counter() - start:.2f} s ({len(program.ir.nodes)} nodes, "
-          f"{sum(p.size for p in program.params.values()):,} parameters)")
-    return program, data
-
-
-def _is_training_pir(args) -> bool:
-    """Whether MODEL is a .pir file of a whole training iteration (a dump of the
-    optimizer stage or later), which trains as it is, its solver fixed in its IR."""
-    from purinec.compiler import load_source, updated_variables
-
-    if not args.model.endswith(".pir") or not updated_variables(load_source(args.model)):
-        return False
-    _refuse_options(args, SOLVER_OPTIONS, f"{args.model} is a training iteration with its "
-                    f"solver in its IR; edit the sgd nodes' attributes to change it")
-    return True
-
-
-def _default_input_shape(model: str, data_spec: str) -> tuple[int, ...] | None:
-    """The input shape to make the built-in data set ``data_spec`` at for ``model``, if
-    the model declares one (None for data read from files: those are what they are)."""
-    from purinec.data import DATASETS
-    from purinec.models.loader import default_input_shape
-
-    if data_spec not in DATASETS or model.endswith(".pir"):
-        return None
-    return default_input_shape(model)
-
-
-def _built_in_data_for(program, data_spec: str, data):
-    """A built-in data set scaled up to the images ``program`` takes (one loaded or
-    resumed from a model that needed larger images than the built-in sets'). Smaller
-    is not made: `_check_fits` refuses the program."""
-    from purinec.data import DATASETS
-
-    try:
-        shape = tuple(program.ir.input("data").type.shape[1:])
-    except KeyError:
-        return data  # _check_fits says what is wrong
-    have = data.input_shape
-    if (data_spec not in DATASETS or shape == have or len(shape) != 3 or
-            shape[1] < have[1] or shape[2] < have[2]):
-        return data
-    return _resized(data, shape, f"what {program.ir.name} takes")
-
-
-def _resized(data, shape: tuple[int, ...], why: str):
-    from purinec.data import resized
-
-    print(f"{data.name}: images scaled to {list(shape)}: {why}")
-    return resized(data, shape)
-
-
-def _check_fits(program, data, model: str) -> None:
-    """The program's data input and logits must fit the data set's images and classes,
-    and its inference graph must give the logits that evaluating reads."""
-    from purinec.errors import DataError
-
-    try:
-        shape = program.ir.input("data").type.shape
-    except KeyError:
-        raise DataError(f"{program.ir.name} has no input named data to feed images to") from None
-    if "logits" not in dict(program.eval_ir.outputs):
-        raise DataError(f"{model}: its inference graph has no output named logits, which "
-                        f"the test accuracy reads (it has "
-                        f"{', '.join(n for n, _ in program.eval_ir.outputs) or 'none'}); "
-                        f"name the blob of class scores logits")
-    if tuple(shape[1:]) != data.input_shape:
-        raise DataError(f"{program.ir.name} takes images of shape {list(shape[1:])}, but "
-                        f"{data.name} has {list(data.input_shape)}; "
-                        + _fit_hint(model, "input_shape", "--input-shape C,H,W"))
-    classes = _classes(program.eval_ir)
-    if classes is not None and classes < data.num_classes:
-        raise DataError(f"{program.ir.name} predicts {classes} classes, but {data.name} has "
-                        f"{data.num_classes}; "
-                        + _fit_hint(model, "num_classes", f"--num-classes {data.num_classes}"))
-
-
-def _fit_hint(model: str, argument: str, option: str) -> str:
-    """How to make ``model`` fit a data set: train passes the data set's ``argument``
-    to a build() that takes it; a compiled model is compiled again with ``option``."""
-    if model.endswith(".py"):
-        return (f"let build() in {model} take {argument} (train passes the data set's), "
-                f"or fix the model for this data")
-    return (f"compile the model for this data set (purinec compile MODEL {option} --train "
-            f"-o FILE.purine)")
+    return is_reporting_rank() and (getattr(args, "progress", False) or
+                                    sys.stderr.isatty() and not getattr(args, "quiet", False))
 
 
 def build_parser() -> argparse.ArgumentParser:
