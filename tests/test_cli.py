@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import purinec as purinec_api
-from purinec.cli import FUSION_KINDS_LEGEND, build_parser, main
+from purinec.cli import build_parser, main
+from purinec.cli.dump import FUSION_KINDS_LEGEND
 from purinec.ir import parse
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
