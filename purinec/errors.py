@@ -7,7 +7,7 @@ it as one paragraph and exit non-zero without a traceback.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 
 class PurinecError(Exception):
@@ -77,3 +77,12 @@ class UnknownNameError(PurinecError, KeyError):
     def __str__(self) -> str:  # KeyError's would show the message quoted
         return str(self.args[0])
 
+
+def refuse_options(options: Mapping[str, Any], names: Iterable[str], why: str) -> None:
+    """Fail if any option in ``names`` was given (is not None in ``options``), named as
+    the command line names it: it cannot apply, and ignoring it would silently do
+    something other than what was asked."""
+    given = [n for n in names if options.get(n) is not None]
+    if given:
+        flags = ", ".join("--" + n.replace("_", "-") for n in given)
+        raise PurinecError(f"{flags}: {why}")

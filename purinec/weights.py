@@ -8,6 +8,7 @@ import numpy as np
 
 from purinec.errors import PurinecError
 from purinec.ir.graph import Graph, Value
+from purinec.ir.types import DType
 
 
 def variables(*graphs: Graph | None) -> dict[str, Value]:

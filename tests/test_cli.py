@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 
 import purinec as purinec_api
-from purinec.cli import FUSION_KINDS_LEGEND, build_parser, main
+from purinec.cli import build_parser, main
+from purinec.cli.dump import FUSION_KINDS_LEGEND
 from purinec.ir import parse
+from purinec.train import Checkpoint, resume_training, train_model
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -470,6 +472,38 @@ def test_checkpoint_and_resume_give_the_uninterrupted_weights(tmp_path):
 
     done = purinec("train", "--resume", tmp_path / "part.purine", "--epochs", "3")
     assert done.returncode == 0 and "nothing to train" in done.stdout
+
+
+def saved_position(path):
+    program, position = Checkpoint.load(path)
+    program.close()
+    return position
+
+
+def test_train_model_and_resume_training_from_python(tmp_path):
+    """The session behind `purinec train`, called from Python: it says what the command
+    prints, and its checkpoint resumes where it stopped."""
+    model = tmp_path / "small.py"
+    model.write_text(SMALL_MODEL)
+    checkpoint = tmp_path / "small.purine"
+    said = []
+    first = train_model(model, data="synthetic", epochs=1, target="reference",
+                        checkpoint=checkpoint, report=said.append)
+    assert [e.epoch for e in first.epochs] == [1]
+    assert np.isfinite(first.final.loss) and first.final.test_accuracy > 0.5
+    assert said[0].startswith("synthetic: 819 training and 205 test images")
+    assert said[1].startswith("compiled small.train for target reference in ")
+    assert said[2].startswith("epoch   1  loss ")
+    assert said[3] == f"             checkpoint {checkpoint} (epoch 1)"
+    assert said[4].startswith("trained 1 epoch(s) in ")
+    assert saved_position(checkpoint) == Checkpoint(epoch=1, seed=0, data="synthetic")
+
+    rest = resume_training(checkpoint, epochs=2)
+    assert [e.epoch for e in rest.epochs] == [2] and np.isfinite(rest.final.loss)
+    assert saved_position(checkpoint).epoch == 2
+    assert resume_training(checkpoint, epochs=2).epochs == []  # nothing left to train
+    with pytest.raises(purinec_api.PurinecError, match="was trained with --seed 0"):
+        resume_training(checkpoint, epochs=3, seed=1)
 
 
 @pytest.mark.parametrize("args, fragments", [
