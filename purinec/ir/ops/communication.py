@@ -42,16 +42,20 @@ def _copy_infer(types, attrs):
     return [types[0]]
 
 
-def _allreduce_infer(types, attrs):
-    group = _group_attr("allreduce", attrs)
-    per = attrs["tensors"]
+def _check_per_member(op: str, types, per: int, group: tuple) -> None:
+    """Inputs that are ``per`` tensors for each of this rank's members of ``group``,
+    every member's alike."""
     if per < 1 or len(types) % per or len(types) // per > len(group):
-        raise fail("allreduce", f"{len(types)} inputs are not {per} tensor(s) for each of at "
-                                 f"most {len(group)} local member(s) of the group")
+        raise fail(op, f"{len(types)} inputs are not {per} tensor(s) for each of at "
+                       f"most {len(group)} local member(s) of the group")
     for i, t in enumerate(types):
         if t != types[i % per]:
-            raise fail("allreduce", f"input {i} is {t} but the same tensor on the first "
-                                     f"member is {types[i % per]}")
+            raise fail(op, f"input {i} is {t} but the same tensor on the first member "
+                           f"is {types[i % per]}")
+
+
+def _allreduce_infer(types, attrs):
+    _check_per_member("allreduce", types, attrs["tensors"], _group_attr("allreduce", attrs))
     return list(types)
 
 
@@ -109,15 +113,8 @@ def _root_attr(op: str, attrs: dict, group: tuple):
 def _reduce_infer(types, attrs):
     group = _group_attr("reduce", attrs)
     _root_attr("reduce", attrs, group)
-    per = attrs["tensors"]
-    if per < 1 or len(types) % per or len(types) // per > len(group):
-        raise fail("reduce", f"{len(types)} inputs are not {per} tensor(s) for each of at "
-                              f"most {len(group)} local member(s) of the group")
-    for i, t in enumerate(types):
-        if t != types[i % per]:
-            raise fail("reduce", f"input {i} is {t} but the same tensor on the first member "
-                                  f"is {types[i % per]}")
-    return list(types[:per])
+    _check_per_member("reduce", types, attrs["tensors"], group)
+    return list(types[:attrs["tensors"]])
 
 
 def _reduce_ref(*xs, group, root, tensors):

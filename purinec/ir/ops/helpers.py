@@ -120,10 +120,6 @@ def nc_split(types, attrs):
             SplitSignature(("B",) * n, ("B",))]
 
 
-def replicated_only(types, attrs):
-    return [SplitSignature(("B",) * len(types), ("B",))]
-
-
 # ---------------------------------------------------------------------------------------
 # Costs (the conventions are purinec.passes.cost's).
 
