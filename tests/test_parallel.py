@@ -430,7 +430,7 @@ def test_a_pipelines_inference_graph_keeps_each_parameter_on_its_training_stage(
     used = {v.name: v.dist for v in program.eval_ir.inputs_with_role("param")}
     assert used == trained and len({d.group for d in trained.values()}) == 2
     # Laid out by their own work, the graphs would disagree: refused by name.
-    monkeypatch.setattr(purinec.compiler, "_pinned_to", lambda graph, spread: spread)
+    monkeypatch.setattr(purinec.compiler, "pinned_to", lambda graph, spread: spread)
     with pytest.raises(PurinecError, match=r"param ip0.weight: graph shifts.train reads it "
                                            r"as replicated\[cpu:0\] but graph shifts reads "
                                            r"it as replicated\[cpu:1\]"):
