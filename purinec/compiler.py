@@ -11,11 +11,10 @@ from purinec.artifact import read_program
 from purinec.errors import ModelError, PurinecError, PurinecWarning
 from purinec.ir.graph import Graph
 from purinec.ir.parser import parse
-from purinec.layout import (as_devices, check_device_kinds, parallel_plan, pinned_to,
-                            placement, warn_if_idle)
+from purinec.layout import as_devices, parallel_plan, pinned_to, placement, warn_if_idle
 from purinec.passes.optimizer import SGD
 from purinec.passes.parallel import Parallel
-from purinec.passes.pipeline import Pipeline, StageHook
+from purinec.passes.pipeline import StageHook
 from purinec.program import Program, updated_variables
 from purinec.targets import get_target
 
@@ -70,14 +69,7 @@ def build_graph(source: Any, train: SGD | None, after: StageHook | None = None,
         graph = lower(source, mode="train" if train is not None else "inference")
     if after is not None:
         after("lower", graph)
-    return pipeline_for(target, train, parallel or placement(graph)).run(graph, after)
-
-
-def pipeline_for(target: str, train: SGD | None = None, parallel: Parallel | None = None,
-                 rank: int = 0) -> Pipeline:
-    """The pass pipeline of ``target`` for a training (``train``) or inference graph,
-    laid out by ``parallel``; `Pipeline.physical` gives ``rank``'s graph."""
-    return Pipeline(train, parallel, tuple(get_target(target).passes()), rank)
+    return get_target(target).pipeline(train, parallel or placement(graph)).run(graph, after)
 
 
 def compile(model: Any, target: str = "reference", train: SGD | None = None, *,
@@ -102,7 +94,7 @@ def compile(model: Any, target: str = "reference", train: SGD | None = None, *,
                            f"weight_decay=...) to compile the training iteration, or None")
     if devices is not None:
         devices = as_devices(devices)
-        check_device_kinds(target_plugin, devices, "the devices asked for")
+        target_plugin.check_devices(devices, "the devices asked for")
     spread = parallel_plan(devices, parallel, micro_batches)
     source = load_source(model, batch, **model_kwargs)
     if train is not None and isinstance(source, Graph) and updated_variables(source):

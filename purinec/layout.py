@@ -44,16 +44,6 @@ def onto_ranks(ranks: int, *graphs: Graph) -> list[Graph]:
     return [_moved(graph, here) for graph in graphs]
 
 
-def check_device_kinds(target, devices, what: str) -> None:
-    """A target refuses devices it has no kernels for, rather than running them on
-    the host under another name."""
-    kinds = target.device_kinds
-    foreign = sorted(str(d) for d in devices if d.kind not in kinds)
-    if foreign:
-        raise PurinecError(f"target {target.name} runs on {' or '.join(kinds)} devices, not on "
-                           f"{', '.join(foreign)} ({what})")
-
-
 def layout_devices(*graphs: Graph) -> list[Device]:
     """Every device the graphs' values live on or are laid out over, in rank order."""
     return sorted({d for g in graphs for v in g.values() if v.dist is not None

@@ -14,8 +14,8 @@ from purinec.errors import ExecutionError, PurinecError, PurinecWarning, Unknown
 from purinec.ir.graph import Graph, Value
 from purinec.ir.init import initial_value
 from purinec.ir.types import Device, DType, TensorType
-from purinec.layout import check_device_kinds, is_distributed, layout_devices, layout_ranks, rank_of
-from purinec.passes.pipeline import Pipeline, StageHook
+from purinec.layout import is_distributed, layout_devices, layout_ranks, rank_of
+from purinec.passes.pipeline import StageHook
 from purinec.runtime.distributed import DistributedExecutable, Replicas
 from purinec.targets import get_target
 from purinec.weights import check_weights, variables
@@ -113,8 +113,8 @@ class Program:
         if trace is not None and not plugin.records_traces:
             raise PurinecError(f"target {target} does not record traces; run without a trace "
                                f"or on a target that records them")
-        check_device_kinds(plugin, layout_devices(graph, eval_graph or graph),
-                           f"devices of graph {graph.name}")
+        plugin.check_devices(layout_devices(graph, eval_graph or graph),
+                             f"devices of graph {graph.name}")
         self.ir = graph
         self.eval_ir = eval_graph or graph
         self.target = target
@@ -151,8 +151,7 @@ class Program:
         # The job is the one the main graph is laid out for: the inference graph of a
         # pipeline may live on the first stages' ranks only.
         rank = rank_of(self.ir)
-        pipeline = Pipeline(target_passes=tuple(target.passes()), rank=rank)
-        physical = pipeline.run_physical(graph, after)
+        physical = target.pipeline(rank=rank).run_physical(graph, after)
         if graph is self.ir:
             self.physical_ir = physical
         if graph is self.eval_ir:

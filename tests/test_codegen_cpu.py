@@ -668,9 +668,11 @@ def test_every_generated_line_maps_back_to_its_ir_node():
 
 
 def test_every_registered_op_has_a_cpu_renderer():
+    from purinec.codegen.cpu_fused import EPILOGUES
     from purinec.ir.ops import Trait, ops_with  # host ops run in the runtime, not kernels
 
     assert sorted(set(REGISTRY) - set(RENDERERS) - ops_with(Trait.host)) == []
+    assert set(EPILOGUES) == ops_with(Trait.epilogue_anchor)
 
 
 def test_an_op_without_a_renderer_is_a_clear_error(monkeypatch):

@@ -132,7 +132,7 @@ def test_every_stage_of_every_zoo_model_round_trips(name, training):
 @pytest.mark.parametrize("name", sorted(ZOO))
 @pytest.mark.parametrize("strategy", ["data", "ps", "pipeline"])
 def test_every_parallel_stage_of_every_zoo_model_round_trips(name, strategy):
-    from purinec.compiler import pipeline_for
+    from purinec.targets import get_target
     from purinec.passes.parallel import Parallel, parse_devices
 
     seen = []
@@ -140,7 +140,7 @@ def test_every_parallel_stage_of_every_zoo_model_round_trips(name, strategy):
     spread = Parallel(parse_devices("2"), strategy)
     logical = build_graph(load_source(name, batch=4), purinec.SGD(lr=0.01), check, "cpu",
                           spread)
-    pipeline_for("cpu").run_physical(logical, check)
+    get_target("cpu").pipeline().run_physical(logical, check)
     expected = [s for s in STAGES if strategy == "pipeline" or
                 s not in ("stages", "microbatch")]
     assert seen == expected

@@ -17,11 +17,6 @@ def test_every_op_has_every_facet_it_needs():
     incomplete = {name: missing_facets(opdef) for name, opdef in REGISTRY.items()
                   if missing_facets(opdef)}
     assert incomplete == {}
-    for name, opdef in REGISTRY.items():
-        assert callable(opdef.infer) and callable(opdef.reference), name
-        assert opdef.flops is not None, name
-        if opdef.fusion <= FusionKind.broadcast:
-            assert opdef.expr is not None, name
 
 
 def test_traits_replace_the_name_lists():

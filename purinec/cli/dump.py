@@ -12,6 +12,7 @@ from purinec.cli.common import (MODEL_HELP, TARGETS_HELP, HelpFormatter, add_mod
 from purinec.errors import PurinecError
 from purinec.fileio import atomic_write_text
 from purinec.job import default_strategy, placement_of
+from purinec.targets import TARGETS, get_target
 from purinec.train import DEFAULT_TARGET
 
 STAGE_HELP = """\
@@ -85,7 +86,7 @@ def add_parser(subparsers) -> None:
 
 
 def cmd_dump(args) -> int:
-    from purinec.compiler import build_graph, load_source, pipeline_for
+    from purinec.compiler import build_graph, load_source
     from purinec.layout import parallel_plan, warn_if_idle
 
     if args.model.endswith(".purine"):
@@ -101,7 +102,7 @@ def cmd_dump(args) -> int:
                                "rank 0; --rank goes with --devices over several ranks")
     elif args.rank >= spread.ranks:
         raise PurinecError(f"--rank {args.rank}: the devices span {spread.ranks} rank(s)")
-    pipeline = pipeline_for(args.target, train, spread, args.rank)
+    pipeline = get_target(args.target).pipeline(train, spread, args.rank)
     runs = pipeline.stages()
     wanted = _wanted_stages(args, runs)
     if args.format in ("svg", "png") and not args.output:
@@ -238,7 +239,6 @@ def _wanted_stages(args, runs: list[str]) -> list[str]:
     """The stages to show: the named one (checked against what runs for this target and
     mode, with the reason when it does not run), all that run, or the final IR."""
     from purinec.passes.pipeline import STAGES
-    from purinec.targets import TARGETS, get_target
 
     generates = get_target(args.target).generates_code
     if args.stage is None:
@@ -267,8 +267,6 @@ def _wanted_stages(args, runs: list[str]) -> list[str]:
 
 def _dump_kernels(graph, args, emit) -> None:
     """The generated source of every kernel (or what Numba made of it: --llvm, --asm)."""
-    from purinec.targets import get_target
-
     folder = f"{graph.name}.kernels"
     for node, kernel in get_target(args.target).generated(graph).items():
         stem = os.path.join(folder, f"{kernel.name}.{node.name}")  # node names are unique

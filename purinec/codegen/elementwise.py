@@ -5,8 +5,8 @@ Each elementwise or broadcast op has an *element expression* (`OpDef.expr`, see
 renders any group of such nodes whose outputs share one shape, a single node or a fused
 chain alike, as one loop nest: it loads each element of each outside input once,
 prints the members' expressions in order (each result bound to a local; through
-`CPU_FUNCTIONS`, the CPU's spelling of each function), and stores the group's outputs. Broadcast inputs (a bias along one axis, a 0-d scalar, a size-1 axis)
-are indexed by the loop variables of the axes they vary along and loaded in the
+`CPU_FUNCTIONS`, the CPU's spelling of each function), and stores the group's outputs.
+Broadcast inputs (a bias along one axis, a 0-d scalar, a size-1 axis) are indexed by the loop variables of the axes they vary along and loaded in the
 outermost loop where they are known, so nothing is recomputed or re-read per element.
 
 Adjacent axes along which every operand behaves alike are merged first, so a plain

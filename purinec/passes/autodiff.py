@@ -10,7 +10,8 @@ pass and one output ``grad.<input>`` per ``wrt`` input. The algorithm:
 2. **Seed.** The loss (a float scalar) gets the gradient ``fill(1.0)``.
 3. **Reverse sweep.** Nodes are visited in reverse topological order. A node with an
    active output is on the path, so its op must be differentiable; its gradient rule
-   (`OpDef.gradient`, defined with the op in `purinec.ir.ops`) gets the summed gradients of its outputs (None where an output has
+   (`OpDef.gradient`, defined with the op in `purinec.ir.ops`) gets the summed
+   gradients of its outputs (None where an output has
    none) and returns one gradient per input (None where not needed). Backward nodes
    are placed on the forward node's device and carry its source ``loc``; those that
    compute a graph input's (a parameter's) gradient come before the rest of what the

@@ -7,7 +7,9 @@ says:
 * ``name``, ``doc``: how users pick it (``target=``, ``--target``) and one line on what
   it is; ``device_kinds``: the devices its kernels run on (``cpu``, ``gpu``);
 * `missing()`: what it needs that this machine lacks (a package, a GPU), or None;
-* `passes()`: the passes it adds at the end of the pipeline (the cpu target fuses);
+* `passes()`: the passes it adds at the end of the pipeline (the cpu target fuses), and
+  so `pipeline(train, parallel, rank)`, the whole `passes.pipeline.Pipeline` that
+  `compile()` runs and ``purinec dump`` shows;
 * `kernels(graph)`: a compute kernel ``fn(*inputs, *outputs)`` for every node it runs
   (the host's copies and collectives come from the runtime, `runtime.host`), and
   `generated(graph)`: the kernels it generates code for, each with its ``name``,
@@ -36,7 +38,9 @@ import numpy as np
 
 from purinec.errors import PurinecError
 from purinec.ir.graph import Graph, Node
-from purinec.passes.pipeline import Pass
+from purinec.passes.optimizer import SGD
+from purinec.passes.parallel import Parallel
+from purinec.passes.pipeline import Pass, Pipeline
 from purinec.runtime.devices import Lane
 from purinec.runtime.host import host_kernels
 from purinec.runtime.plan import FreshArenas
@@ -60,6 +64,20 @@ class Target:
 
     def passes(self) -> list[Pass]:
         return []
+
+    def pipeline(self, train: SGD | None = None, parallel: Parallel | None = None,
+                 rank: int = 0) -> Pipeline:
+        """The passes to what this target runs, for a training (``train``) or inference
+        graph laid out by ``parallel``; `Pipeline.physical` gives ``rank``'s graph."""
+        return Pipeline(train, parallel, tuple(self.passes()), rank)
+
+    def check_devices(self, devices, what: str) -> None:
+        """Refuse devices this target has no kernels for, rather than run them on the
+        host under another name."""
+        foreign = sorted(str(d) for d in devices if d.kind not in self.device_kinds)
+        if foreign:
+            raise PurinecError(f"target {self.name} runs on {' or '.join(self.device_kinds)} "
+                               f"devices, not on {', '.join(foreign)} ({what})")
 
     def kernels(self, graph: Graph) -> dict[Node, Callable]:
         raise NotImplementedError(f"target {self.name} defines no kernels")
