@@ -18,6 +18,8 @@ from purinec.ir.ops import REGISTRY
 from purinec.ir.types import DType
 from purinec.passes.cost import FLOPS_PER_BYTE, flops, flops_by_node, node_flops, node_work
 
+pytestmark = pytest.mark.slow  # runs the benchmarks
+
 F32 = DType.f32
 
 

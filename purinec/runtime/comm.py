@@ -12,7 +12,7 @@ non-blocking collective over the group's ranks and returns a `Pending` that unpa
 result into every local output once ``test()`` sees the collective complete (the
 executor's comm queue polls it; see `purinec.runtime.executor`). Results are bitwise
 identical on every rank when every rank receives the same reduced bytes: MPI advises
-but does not promise it, MPICH's algorithms do it, and tests/test_mpi.py checks it.
+but does not promise it, MPICH's algorithms do it, and tests/runtime/test_mpi.py checks it.
 A group that lives wholly on this rank needs no MPI: its kernel finishes at once and
 returns None. Collectives over ranks of one machine get the kernels of
 `purinec.runtime.shm` instead where it can share the ranks' memory.

@@ -1,4 +1,4 @@
-"""What the scripts tests/test_mpi.py runs under mpiexec share: building one rank's
+"""What the scripts tests/runtime/test_mpi.py runs under mpiexec share: building one rank's
 physical graph with collectives, running it, saving what each rank saw."""
 
 from __future__ import annotations

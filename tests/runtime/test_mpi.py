@@ -31,7 +31,7 @@ from tests.mpi_scripts.common import assert_output_close, assert_weights_close
 
 pytestmark = [pytest.mark.slow, pytest.mark.mpi]
 
-SCRIPTS = Path(__file__).parent / "mpi_scripts"
+SCRIPTS = Path(__file__).resolve().parents[1] / "mpi_scripts"
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 TIMEOUT = 120  # seconds; a hung job fails the test instead of the suite
 
@@ -486,7 +486,7 @@ def build(batch=9):
 def test_fused_kernels_never_wait_for_their_own_exchange(tmp_path):
     """On the cpu target, fusion on the first stage's rank once put the tanh with its
     gradient, which comes back from the other rank made from the tanh's output: both
-    ranks waited forever. (tests/test_fuse.py checks the rule on a graph.)"""
+    ranks waited forever. (tests/passes/test_fuse.py checks the rule on a graph.)"""
     model = tmp_path / "tanh.py"
     model.write_text(TANH_PIPELINE)
     ran(mpirun(2, "train_equal.py", model, 9, "cpu", tmp_path, 1, "pipeline"))

@@ -14,7 +14,7 @@ from purinec.runtime.trace import Trace
 
 pytestmark = pytest.mark.slow  # compiles every zoo model's training step
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SGD = purinec.SGD(lr=0.05, momentum=0.9, weight_decay=5e-4)
 
 # (model, input shape) at batch 2. nin and inception compile ~100 kernels each: about a

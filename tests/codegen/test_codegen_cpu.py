@@ -334,6 +334,7 @@ def conv_problems(draw):
     return (n, cin_g * groups, h, w), (cout_g * groups, cin_g, kh, kw), attrs
 
 
+@pytest.mark.slow  # a Numba compile per example
 @settings(SETTINGS, max_examples=8)
 @given(problem=conv_problems(), dtype=st.sampled_from(FLOATS), seed=seeds,
        options=st.sampled_from(OPTIONS))
@@ -403,6 +404,7 @@ def _pooled(shape, attrs):
                                            attrs["pad"][a]) for a in range(2)))
 
 
+@pytest.mark.slow  # a Numba compile per example
 @settings(SETTINGS, max_examples=6)
 @given(problem=pool_problems(), dtype=st.sampled_from(FLOATS), seed=seeds,
        options=st.sampled_from(OPTIONS))
@@ -447,6 +449,7 @@ def test_global_avg_pool(shape, dtype, seed, options):
           options)
 
 
+@pytest.mark.slow  # a Numba compile per example
 @settings(SETTINGS, max_examples=5)
 @given(shape=st.sampled_from([(1, 1, 2, 2), (2, 5, 3, 2), (1, 7, 1, 3)]),
        size=st.sampled_from([1, 3, 5]), dtype=st.sampled_from(FLOATS), seed=seeds,
@@ -459,6 +462,7 @@ def test_lrn_and_its_gradient(shape, size, dtype, seed, options):
     check("lrn_grad", [x, gy], attrs, options)
 
 
+@pytest.mark.slow  # a Numba compile per example
 @SETTINGS
 @given(shape=shapes(3).filter(len), data=st.data(), dtype=st.sampled_from(FLOATS),
        options=st.sampled_from(OPTIONS))
@@ -471,6 +475,7 @@ def test_softmax_and_its_gradient(shape, data, dtype, options):
     check("softmax_grad", [y, random_array(rng, shape, dtype)], {"axis": axis}, options)
 
 
+@pytest.mark.slow  # a Numba compile per example
 @SETTINGS
 @given(rows=st.sampled_from([1, 4, 7]), classes=st.sampled_from([1, 3, 10]),
        dtype=st.sampled_from(FLOATS), label=st.sampled_from([DType.i32, DType.i64]),

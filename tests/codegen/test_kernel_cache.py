@@ -20,6 +20,8 @@ from purinec.codegen.progress import kernel_progress
 from purinec.ir.graph import Graph
 from purinec.ir.types import Device, DType, TensorType
 
+pytestmark = pytest.mark.slow  # compiles in child processes
+
 
 def small_graph(batch: int = 3) -> Graph:
     g = Graph("cached")

@@ -19,7 +19,9 @@ from purinec.cli.dump import FUSION_KINDS_LEGEND
 from purinec.ir import parse
 from purinec.train import Checkpoint, resume_training, train_model
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow  # runs the command end to end, mostly in subprocesses
 
 SMALL_MODEL = """
 from purinec.bigraph import Accuracy, Blob, InnerProduct, Net, ReLU, SoftmaxWithLoss
@@ -664,6 +666,7 @@ def test_a_batch_larger_than_the_training_set_is_refused_before_compiling(capsys
 
 FIVE_CLASSES = """
 from purinec.bigraph import Blob, InnerProduct, Net, SoftmaxWithLoss
+
 def build(batch=32, input_shape=(1, 8, 8)):
     with Net("five") as net:
         data = Blob("data", (batch, *input_shape))
