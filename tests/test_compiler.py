@@ -74,6 +74,7 @@ def test_training_step_matches_handwritten_numpy():
                                        rtol=2e-4, atol=2e-6, err_msg=name)
 
 
+@pytest.mark.slow  # trains to an accuracy
 def test_mlp_reaches_90_percent_on_digits():
     data = load_dataset("digits")
     program = purinec.compile("mlp", train=purinec.SGD(lr=0.05, momentum=0.9,

@@ -215,6 +215,7 @@ def test_sgd_updates_weight_and_history_in_place(options):
     np.testing.assert_array_equal(h, want[1])
 
 
+@pytest.mark.slow  # a Numba compile per case
 @pytest.mark.parametrize("op", ["relu", "sigmoid", "scale", "add", "relu_grad", "bias_add",
                                 "cast"])
 @pytest.mark.parametrize("options", OPTIONS)
@@ -248,6 +249,7 @@ def test_reduce_sum(shape, data, dtype, keepdims, options):
     check("reduce_sum", [x], {"axes": axes, "keepdims": keepdims}, options)
 
 
+@pytest.mark.slow  # a Numba compile per case
 @pytest.mark.parametrize("options", OPTIONS)
 @pytest.mark.parametrize("dtype", [DType.f32, DType.i32])
 @pytest.mark.parametrize("shape, axes", [((9, 70), [0]), ((3, 9, 70), [1]),
@@ -350,6 +352,7 @@ def test_conv2d_and_its_gradients(problem, dtype, seed, options):
     check("conv2d_grad_weight", [x, gy], {**attrs, "kernel": list(w_shape[2:])}, options)
 
 
+@pytest.mark.slow  # a Numba compile per case
 @pytest.mark.parametrize("options", OPTIONS)
 def test_pointwise_conv_skips_im2col_and_agrees(options):
     rng = np.random.default_rng(3)
@@ -364,6 +367,7 @@ def test_pointwise_conv_skips_im2col_and_agrees(options):
 
 
 
+@pytest.mark.slow  # a Numba compile per case
 @pytest.mark.parametrize("options", OPTIONS)
 @pytest.mark.parametrize("x_shape, w_shape, attrs", [
     ((2, 16, 7, 6), (16, 16, 5, 5), {"stride": [1, 1], "pad": [2, 2], "groups": 1}),
@@ -428,6 +432,7 @@ def test_max_pool_grad_routes_ties_to_the_first_maximum():
 
 
 
+@pytest.mark.slow  # a Numba compile per case
 @pytest.mark.parametrize("kernel, stride, pad", [([6, 5], [2, 3], [2, 1]), ([2, 3], [1, 3], [1, 2])])
 def test_max_pool_with_big_windows_and_column_strides(kernel, stride, pad):
     """Windows over the unrolling limit run as loops; column strides of 3 make three
@@ -538,6 +543,7 @@ def _inputs(graph: Graph, seed: int) -> dict[str, np.ndarray]:
     return {v.name: random_array(rng, v.type.shape, v.type.dtype) for v in graph.inputs}
 
 
+@pytest.mark.slow  # a Numba compile per case
 @pytest.mark.parametrize("export_conv", [False, True])
 @pytest.mark.parametrize("options", OPTIONS)
 def test_fused_conv2d_epilogue(export_conv, options):
@@ -554,6 +560,7 @@ def test_fused_conv2d_epilogue(export_conv, options):
     check_fused(graph, node, _inputs(graph, 0), options)
 
 
+@pytest.mark.slow  # a Numba compile per case
 @pytest.mark.parametrize("export_product", [False, True])
 @pytest.mark.parametrize("options", OPTIONS)
 def test_fused_matmul_epilogue_with_an_sgd_update(export_product, options):
