@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import threading
 import warnings
 from collections.abc import MutableMapping
 from typing import Any, Iterator, Mapping
@@ -94,6 +95,7 @@ class Program:
     ``ir`` is the final IR of the main graph (the training iteration when compiled with
     ``train=``). ``run`` evaluates the inference graph and leaves every parameter as it
     is; ``step`` runs one training iteration and keeps the updated parameters and state.
+    Both may be called from several threads (a server's pool): the calls take turns.
 
     Built from final IR, no pipeline runs here: ``params`` and ``state`` given as dicts
     must match the IR's inputs exactly; left out (None) they are filled by the IR's
@@ -135,6 +137,8 @@ class Program:
         if self.trainable:
             _warn_if_frozen(graph, self.params)
         self._partial_weights = False  # weights split over ranks, not gathered since
+        # Calls from several threads take turns: a step updates the weights a run reads.
+        self._turn = threading.Lock()
 
     @classmethod
     def from_ir(cls, graph: Graph, eval_graph: Graph | None = None, target: str = "reference",
@@ -229,7 +233,8 @@ class Program:
         state stay as they are, even when that graph computes their updates (a training
         graph run as it is, such as a .pir file of one): it then works on copies."""
         updates = bool(updated_variables(self.eval_ir))
-        outputs = self._run_eval(self._env(self.eval_ir, feeds, copy_variables=updates))
+        with self._turn:
+            outputs = self._run_eval(self._env(self.eval_ir, feeds, copy_variables=updates))
         return {k: v for k, v in outputs.items()
                 if k not in self.params and k not in self.state}
 
@@ -238,13 +243,14 @@ class Program:
         if not self.trainable:
             raise PurinecError("this program was compiled for inference; compile with "
                                "train=purinec.SGD(...) to train it")
-        outputs = self._run_main(self._env(self.ir, feeds))
-        self._partial_weights = getattr(self._run_main, "spans_ranks", False)
-        for name, value in outputs.items():
-            for store in (self.params, self.state):
-                if name in store:
-                    store._follow(name, value)
-        self.last_outputs = outputs
+        with self._turn:
+            outputs = self._run_main(self._env(self.ir, feeds))
+            self._partial_weights = getattr(self._run_main, "spans_ranks", False)
+            for name, value in outputs.items():
+                for store in (self.params, self.state):
+                    if name in store:
+                        store._follow(name, value)
+            self.last_outputs = outputs
         return float(outputs["loss"])
 
     def gather_weights(self) -> None:

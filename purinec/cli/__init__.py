@@ -15,6 +15,7 @@ from purinec.cli import compile, dump, run, train
 from purinec.cli.common import shows_progress, warning_printer
 from purinec.codegen.progress import kernel_progress
 from purinec.errors import PurinecError
+from purinec.runtime.signals import interruption, terminating
 
 COMMANDS = (dump, compile, run, train)
 
@@ -42,16 +43,18 @@ def main(argv: list[str] | None = None) -> int:
     if here.rank > 0:  # under mpiexec every rank runs the command; rank 0 reports
         sys.stdout = open(os.devnull, "w")
     try:
-        with warnings.catch_warnings(), kernel_progress(shows_progress(args)):
+        with terminating(), warnings.catch_warnings(), \
+                kernel_progress(shows_progress(args)):
             warnings.showwarning = warning_printer(here.rank, warnings.showwarning)
             # Under mpiexec, a rank that fails prints its error and ends the whole job.
             return comm.run_guarded(lambda: args.func(args))
     except PurinecError as err:
         print(f"purinec: error: {err}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("purinec: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (see purinec.runtime.signals)
+        what, status = interruption(err)
+        print(f"purinec: {what}", file=sys.stderr)
+        return status
     except BrokenPipeError:  # the reader stopped reading (purinec dump ... | head)
         # Python would fail again flushing stdout at exit: point it at nothing first.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

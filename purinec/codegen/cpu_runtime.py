@@ -109,6 +109,7 @@ NUMPY_BLAS = _bind_gemm()
 _settings = threading.local()
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
+_holders = 0  # see hold_block_pool
 _blas_limited = False
 
 
@@ -199,10 +200,22 @@ def _get_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def shutdown_pool() -> None:
-    """Stop the block pool's threads (a later blocked kernel starts new ones)."""
-    global _pool
+def hold_block_pool() -> Callable[[], None]:
+    """Count one more user of the block pool (a program's executable); returns how to
+    let go of it. The last user to let go stops the pool's threads (a later blocked
+    kernel starts new ones), so a closed program leaves no thread behind."""
+    global _holders
     with _lock:
+        _holders += 1
+    return _let_go_of_block_pool
+
+
+def _let_go_of_block_pool() -> None:
+    global _holders, _pool
+    with _lock:
+        _holders -= 1
+        if _holders > 0:
+            return
         pool, _pool = _pool, None
     if pool is not None:
         pool.shutdown(wait=True)

@@ -24,7 +24,10 @@ its ranks, so `comm_kernels` creates them when kernels are built, every rank in 
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
+import re
 import sys
 import threading
 import time
@@ -39,6 +42,7 @@ from purinec.ir.graph import Node
 from purinec.ir.ops import broadcast_types
 from purinec.ir.types import Device
 from purinec.runtime import shm
+from purinec.runtime.signals import interruption, terminating
 from purinec.runtime.collectives import (Copies, Packing, PerArrays, broadcast_copies,
                                          sum_in_order, summand_types)
 
@@ -96,6 +100,8 @@ def world() -> World:
     with _world_lock:
         if _world is None:
             if launched_by_mpi():
+                if os.environ.get("MPI_LOCALRANKID") == "0":  # (Hydra's; once a machine)
+                    _unlink_stale_segments()
                 comm = _mpi().COMM_WORLD  # the import initialises MPI, thread level MULTIPLE
                 _world = World(comm.Get_rank(), comm.Get_size(), comm)
             else:
@@ -463,27 +469,30 @@ def check_injected_failure() -> None:
 
 def run_guarded(main: Callable[[], int]) -> int:
     """Run the command line's ``main`` and return its exit status. Under MPI with several
-    ranks, a rank that fails (raises, or returns non-zero) says so on stderr and aborts
-    the whole job: the other ranks would otherwise wait for it in a collective forever.
-    In a world of one this is just ``main()``."""
+    ranks, a rank that fails (raises, returns non-zero, or is interrupted or terminated)
+    says so on stderr and aborts the whole job with that status: the other ranks would
+    otherwise wait for it in a collective forever. In a world of one this is just
+    ``main()``."""
     here = world()
     if here.size == 1:
         return main()
     try:
-        status = main()
+        with terminating():
+            status = main()
     except SystemExit as err:
         if not err.code:
             raise
-        _abort(here, f"exited with status {err.code}")
+        status = err.code if isinstance(err.code, int) else 1
+        _abort(here, f"exited with status {err.code}", status)
     except PurinecError as err:
-        _abort(here, str(err))
-    except KeyboardInterrupt:  # mpiexec passes Ctrl-C to every rank: no trace wanted
-        _abort(here, "interrupted")
+        _abort(here, str(err), 1)
+    except KeyboardInterrupt as err:  # mpiexec passes Ctrl-C to every rank: no trace wanted
+        _abort(here, *interruption(err))
     except BaseException as err:  # a bug: still end the job, with a trace
         traceback.print_exc()
-        _abort(here, f"{type(err).__name__}: {err}")
+        _abort(here, f"{type(err).__name__}: {err}", 1)
     if status:
-        _abort(here, f"exited with status {status}")
+        _abort(here, f"exited with status {status}", status)
     return status
 
 
@@ -492,7 +501,7 @@ def run_guarded(main: Callable[[], int]) -> int:
 ABORT_GRACE = 0.5
 
 
-def _abort(here: World, message: str) -> NoReturn:
+def _abort(here: World, message: str, status: int) -> NoReturn:
     # Every rank meets a mistake in the command or the model (a layout that does not fit
     # the job, say) at about the same moment. Rank 0 speaks first and the others hold
     # their tongue a little longer than its grace, so the launcher usually ends them
@@ -500,6 +509,66 @@ def _abort(here: World, message: str) -> NoReturn:
     if here.rank > 0:
         time.sleep(2 * ABORT_GRACE)
     print(f"purinec: rank {here.rank}: {message}", file=sys.stderr, flush=True)
+    _unlink_shared_segments()
     time.sleep(ABORT_GRACE)
-    here.comm.Abort(1)
-    os._exit(1)  # MPICH's Abort may return before the launcher ends this process
+    # MPICH's Abort prints a line of its own ("Abort(1) on node 0 ...: application called
+    # MPI_Abort"), which says nothing the line above did not: it goes nowhere.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+    here.comm.Abort(status)
+    os._exit(status)  # MPICH's Abort may return before the launcher ends this process
+
+
+# Where MPICH puts the memory ranks of one machine share (its queues, shared windows).
+_MPICH_SEGMENT = "/dev/shm/mpich_shm_"
+
+
+def _unlink_shared_segments() -> None:
+    """Remove the names of the MPICH shared-memory segments this process has mapped. An
+    aborted job never finalizes, so MPICH would leave them in /dev/shm for good; the
+    memory itself goes once the job's last process exits (the others keep their
+    mappings until then)."""
+    for path in _mapped_segments(["/proc/self/maps"]):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+# A segment younger than this may belong to a job still starting: MPICH creates the file
+# a moment before it maps it.
+STALE_AFTER = 60.0  # seconds
+
+
+def _unlink_stale_segments() -> None:
+    """Remove this user's MPICH segments that no process maps any more: those of a job
+    whose ranks were all killed (by the launcher, after one was killed), which cleaned
+    nothing. Run by the first rank on each machine as a job starts."""
+    mine = [path for path in glob.glob(_MPICH_SEGMENT + "*") if _owned_and_old(path)]
+    if not mine:
+        return
+    in_use = _mapped_segments(glob.glob("/proc/[0-9]*/maps"))
+    for path in set(mine) - in_use:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _owned_and_old(path: str) -> bool:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return False
+    return info.st_uid == os.getuid() and time.time() - info.st_mtime > STALE_AFTER
+
+
+def _mapped_segments(maps_files: list[str]) -> set[str]:
+    """The MPICH segments mapped by the processes whose /proc maps are given (those that
+    cannot be read, another user's, are skipped: their segments are not ours to remove)."""
+    paths: set[str] = set()
+    for maps in maps_files:
+        try:
+            with open(maps) as f:
+                paths.update(_SEGMENT_IN_MAPS.findall(f.read()))
+        except OSError:  # gone, another user's, or not Linux
+            continue
+    return paths
+
+
+_SEGMENT_IN_MAPS = re.compile(re.escape(_MPICH_SEGMENT) + r"\S+")

@@ -138,6 +138,9 @@ class Executable:
     thread at each inline run), e.g. to give each device its share of cores.
     ``arenas`` allocates the memory planner's arenas (default: the process's memory;
     a target's own, `purinec.targets.base.Target.arenas`).
+    ``hold()`` takes what the kernels share with other executables (a target's thread
+    pool; `purinec.targets.base.Target.hold`) as a call starts, returning how to let go
+    of it, which `close` does.
     ``order``, a random.Random, is a test hook: run every task on the calling thread,
     picking each next one at random among those ready, to check the plan is correct under
     any order its counts allow.
@@ -147,7 +150,8 @@ class Executable:
                  schedule: Sequence[Node] | None = None,
                  may_alias: Callable[[Node, Value, Value], bool] = may_alias, workers: int = 1,
                  trace: Trace | None = None, order: random.Random | None = None,
-                 worker_init: Callable[[Lane], None] | None = None, arenas=None):
+                 worker_init: Callable[[Lane], None] | None = None, arenas=None,
+                 hold: Callable[[], Callable[[], None]] | None = None):
         if trace is not None and not isinstance(trace, Trace):
             raise PurinecError(f"trace={trace!r}: give a purinec.runtime.trace.Trace, or "
                                f"None")
@@ -156,32 +160,47 @@ class Executable:
         self.executor = CountingExecutor(self.plan, workers, worker_init)
         self.trace = trace
         self.order = order
+        # One call at a time (a call owns the plan's memory): calls from other threads
+        # wait their turn. A call from inside a call would wait for itself.
         self._busy = threading.Lock()
+        self._caller: int | None = None
         self._ran = False
+        self._hold = hold
+        self._held: weakref.finalize | None = None  # lets go when called, or if dropped
 
     def __call__(self, env: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        if not self._busy.acquire(blocking=False):
-            raise ExecutionError(f"graph {self.graph.name} is already running; an executable "
-                                 "runs one call at a time")
-        try:
-            if not self._ran:
-                self._ran = True
-                comm.check_injected_failure()
-            self.plan.bind(env)
+        if self._caller == threading.get_ident():
+            raise ExecutionError(f"graph {self.graph.name} is already running on this "
+                                 "thread: a kernel cannot run the graph it belongs to")
+        with self._busy:
+            self._caller = threading.get_ident()
             try:
-                self.executor.run(self.trace, self.order)
-                return self.plan.outputs(env)
+                return self._call(env)
             finally:
-                self.plan.unbind()
+                self._caller = None
+
+    def _call(self, env: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if not self._ran:
+            self._ran = True
+            comm.check_injected_failure()
+        if self._hold is not None and not (self._held and self._held.alive):
+            self._held = weakref.finalize(self, self._hold())
+        self.plan.bind(env)
+        try:
+            self.executor.run(self.trace, self.order)
+            return self.plan.outputs(env)
         finally:
-            self._busy.release()
+            self.plan.unbind()
 
     def close(self) -> None:
         """Stop the worker threads now (they also stop when the executable is dropped)
         and give back the memory the plan can (`Plan.release`); a later call still
-        works."""
-        self.executor.close()
-        self.plan.release()
+        works. A call under way on another thread finishes first."""
+        with self._busy:
+            self.executor.close()
+            self.plan.release()
+            if self._held is not None:
+                self._held()
 
 
 class CountingExecutor:

@@ -19,7 +19,9 @@ says:
   bytes, and ``release()``); a target whose memory is not the host's also copies its
   inputs in and its results out inside its executable;
 * `worker_setup(graph)`: what each device's worker thread does as it starts (a share of
-  the cores, a GPU made current);
+  the cores, a GPU made current); `hold()`: takes what its kernels share with other
+  programs (a thread pool) for an executable, returning how to let go of it, so a
+  closed program leaves nothing running;
 * ``records_traces``: whether its executables record a `runtime.trace.Trace`;
 * `executable(graph, trace)`: the runnable program of one graph, ``exe(env) ->
   outputs`` (the contract is in docs/architecture.md). Completion is the runtime's
@@ -88,12 +90,15 @@ class Target:
     def worker_setup(self, graph: Graph) -> Callable[[Lane], None] | None:
         return None
 
+    def hold(self) -> Callable[[], None]:
+        return lambda: None
+
     def executable(self, graph: Graph, trace: Any = None) -> Runnable:
         from purinec.runtime.executor import Executable
 
         kernels = {**self.kernels(graph), **host_kernels(graph)}
         return Executable(graph, kernels, trace=trace, worker_init=self.worker_setup(graph),
-                          arenas=self.arenas)
+                          arenas=self.arenas, hold=self.hold)
 
     def __repr__(self) -> str:
         return f"<target {self.name}: {self.doc}>"

@@ -38,3 +38,9 @@ class CpuTarget(Target):
         devices = {v.device for node in graph.nodes for v in node.outputs}
         share = max(1, process_cpus() // max(1, len(devices)))
         return lambda lane: set_threads(share)
+
+    def hold(self) -> Callable[[], None]:
+        """The pool that runs blocked kernels' other blocks, shared by every program."""
+        from purinec.codegen.cpu_runtime import hold_block_pool
+
+        return hold_block_pool()

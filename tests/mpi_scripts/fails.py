@@ -1,5 +1,5 @@
 """Rank 1 fails in the way argv[2] names (``raise``: a bug; ``return``: main returns 3;
-``interrupt``: Ctrl-C reaches it; ``die``: the process is killed) while rank 0 waits for it
+``interrupt``: Ctrl-C reaches it; ``terminate``: SIGTERM does; ``die``: the process is killed) while rank 0 waits for it
 in a barrier that never completes; run_guarded (or, for a killed rank, the launcher) must
 end the whole job. ``everyone``: both ranks meet the same mistake at once."""
 
@@ -23,6 +23,8 @@ def main() -> int:
             raise ValueError("a bug on rank 1")
         if sys.argv[2] == "interrupt":
             os.kill(os.getpid(), signal.SIGINT)  # Python raises KeyboardInterrupt
+        if sys.argv[2] == "terminate":
+            os.kill(os.getpid(), signal.SIGTERM)
         if sys.argv[2] == "die":
             os.kill(os.getpid(), signal.SIGKILL)
         return 3

@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.mpi]
 SCRIPTS = Path(__file__).resolve().parents[1] / "mpi_scripts"
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 TIMEOUT = 120  # seconds; a hung job fails the test instead of the suite
+# Where MPICH keeps the memory the ranks of one machine share.
+SHARED_SEGMENTS = Path("/dev/shm/mpich_shm_*")
 
 
 # ---------------------------------------------------------------------------------------
@@ -393,11 +396,41 @@ def test_a_mistake_every_rank_meets_is_said_once():
     assert "rank 1:" not in done.stderr, done.stderr
 
 
-def test_an_interrupted_rank_ends_the_job_with_one_line():
-    done = mpirun(2, "fails.py", "-", "interrupt")
+@pytest.mark.parametrize("how, said, status", [("interrupt", "interrupted", 130),
+                                                ("terminate", "terminated", 143)])
+def test_an_interrupted_rank_ends_the_job_with_one_line_and_its_status(how, said, status):
+    done = mpirun(2, "fails.py", "-", how)
+    assert done.returncode == status, done.stderr
+    assert done.stderr.strip() == f"purinec: rank 1: {said}", done.stderr
+
+
+def shared_segments() -> set[Path]:
+    return set(SHARED_SEGMENTS.parent.glob(SHARED_SEGMENTS.name))
+
+
+@pytest.mark.parametrize("how", ["raise", "return", "everyone", "interrupt"])
+def test_a_failed_job_leaves_no_shared_memory_behind(how):
+    before = shared_segments()
+    done = mpirun(2, "fails.py", "-", how)
     assert done.returncode != 0
-    assert "purinec: rank 1: interrupted" in done.stderr, done.stderr
-    assert "Traceback" not in done.stderr, done.stderr
+    assert shared_segments() <= before
+
+
+def test_the_next_job_removes_the_shared_memory_of_a_killed_one():
+    """Killed ranks clean nothing (the launcher kills the others too): the next job's
+    first rank removes what no process maps any more, once it is old enough not to be a
+    starting job's."""
+    before = shared_segments()
+    done = mpirun(2, "fails.py", "-", "die")
+    assert done.returncode != 0
+    left = shared_segments() - before
+    assert left, "MPICH now cleans up after killed jobs: this test and the sweep can go"
+    for path in left:
+        os.utime(path, (time.time() - 2 * comm.STALE_AFTER,) * 2)
+    code = "from purinec.runtime import comm; comm.world().comm.Barrier()"
+    ran(subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-c", code],
+                       capture_output=True, text=True, timeout=TIMEOUT))
+    assert not left & shared_segments()
 
 
 @pytest.mark.parametrize("fail", [False, True])

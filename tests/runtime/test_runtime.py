@@ -7,6 +7,7 @@ every result must equal `purinec.runtime.reference.execute` bitwise.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import random
 import threading
@@ -374,11 +375,32 @@ def test_a_nested_call_is_refused():
     node = graph.add_node("relu", [x])
     graph.set_outputs([("y", node.outputs[0])])
     exe = Executable(graph, {node: lambda *arrays: exe(random_env(graph))})
-    with pytest.raises(ExecutionError, match="already running"):
+    with pytest.raises(ExecutionError, match="already running on this thread"):
         try:
             exe(random_env(graph))
         except ExecutionError as err:
             raise err.__cause__
+
+
+def test_calls_from_several_threads_take_turns():
+    """A server calling one executable from a thread pool: every call waits for the one
+    before it and gets its own right answer, even though the plan's memory is shared."""
+    graph = Graph("g")
+    x = graph.add_input("x", TensorType((64,), F32))
+    node = graph.add_node("relu", [x])
+    graph.set_outputs([("y", node.outputs[0])])
+
+    def slow_relu(x, y):
+        np.maximum(x, 0, out=y)
+        time.sleep(0.001)  # let another thread in while this call holds the memory
+
+    exe = Executable(graph, {node: slow_relu})
+    inputs = [np.random.default_rng(i).standard_normal(64).astype(np.float32)
+              for i in range(40)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        outputs = list(pool.map(lambda a: exe({"x": a})["y"], inputs))
+    for a, y in zip(inputs, outputs):
+        np.testing.assert_array_equal(y, np.maximum(a, 0))
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,15 +1,18 @@
 """The cpu target end to end: fused Numba kernels under the runtime, against the
 reference target, saved and loaded in a fresh process, traced."""
 
+import concurrent.futures
 import json
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
 
 import purinec
+from purinec.codegen.cpu_runtime import available_cpus
 from purinec.runtime.trace import Trace
 
 pytestmark = pytest.mark.slow  # compiles every zoo model's training step
@@ -110,3 +113,27 @@ def test_a_label_outside_the_classes_is_named_with_its_row(target):
                                                    r"failed: ValueError: label 5 at row 2 is "
                                                    r"outside \[0, 3\)"):
         program.step(feeds)
+
+
+def test_threads_serving_one_program_take_turns_and_closing_leaves_no_thread():
+    """Four threads of a server calling run on one lenet program all get the reference's
+    answers; once the program is closed, none of its threads is left."""
+    options = dict(batch=2, input_shape=(1, 28, 28), num_classes=10, seed=4)
+    cpu = purinec.compile("lenet", target="cpu", **options)
+    ref = purinec.compile("lenet", target="reference", **options)
+    inputs = [feeds((1, 28, 28), seed)["data"] for seed in range(8)]
+    expected = [ref.run({"data": x})["logits"] for x in inputs]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        outputs = list(pool.map(lambda x: cpu.run({"data": x})["logits"], inputs * 5))
+    for got, want in zip(outputs, expected * 5):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert kernel_threads() or available_cpus() == 1  # (else this test proves nothing)
+    cpu.close()
+    assert not kernel_threads()
+    cpu.run({"data": inputs[0]})  # works again after closing, and closes again
+    cpu.close()
+    assert not kernel_threads()
+
+
+def kernel_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("purinec")]
