@@ -20,7 +20,10 @@ from purinec.targets import get_target
 
 
 def load_source(model: Any, batch: int | None = None, **model_kwargs) -> Any:
-    """A bi-graph Net or an IR Graph from whatever the user named."""
+    """A bi-graph Net or an IR Graph from whatever the user named: a Net or Graph as it
+    is, a ``.pir`` file parsed, a zoo name or a Python file (``.py``) built by
+    `load_model`. Any other file is refused, said what it is where that shows (an
+    artifact, a NumPy array), and never run."""
     from purinec.bigraph import Net
     from purinec.models import load_model
 
@@ -72,6 +75,47 @@ def build_graph(source: Any, train: SGD | None, after: StageHook | None = None,
     return get_target(target).pipeline(train, parallel or placement(graph)).run(graph, after)
 
 
+def check_differentiable(source: Any, train: SGD | None, model: Any = None) -> None:
+    """With ``train``, refuse an IR graph that a pipeline stage made a training graph
+    already (a dump of a training pipeline; ``model``: its file): differentiating it
+    again is never meant. A dump at the optimizer stage or a later one is a whole
+    training iteration, which compiles and trains as it is; one at the autodiff stage
+    lacks the solver."""
+    if train is None or not isinstance(source, Graph):
+        return
+    where = f"{model}: graph {source.name}" if isinstance(model, str) else f"graph {source.name}"
+    updated = updated_variables(source)
+    if updated:
+        raise ModelError(f"{where} is a training iteration already (it returns the next "
+                         f"{', '.join(updated[:3])}, ...), with its solver in its IR: "
+                         f"compile it without train= (--train); purinec train trains it as "
+                         f"it is")
+    params = {v.name for v in source.inputs_with_role("param")}
+    gradients = [name for name, _ in source.outputs
+                 if name.startswith("grad.") and name[len("grad."):] in params]
+    if gradients:
+        raise ModelError(f"{where} is differentiated already (it returns "
+                         f"{', '.join(gradients[:3])}, ...) but has no solver: a dump at "
+                         f"--stage autodiff. Dump the model at --stage optimizer or a later "
+                         f"stage (purinec dump MODEL --train --stage optimizer -o "
+                         f"FILE.pir): that is a whole training iteration, which purinec "
+                         f"train trains as it is; or dump it without --train")
+
+
+def checked_layout(target: str, devices: Any = None, parallel: str | None = None,
+                   micro_batches: int | None = None, trace: Any = None) -> Parallel | None:
+    """The layout compile() makes of its ``devices``, ``parallel`` and ``micro_batches``
+    (None for one device), with them, ``target`` and ``trace`` checked: cheap, before
+    any work (train checks them before it loads its data set)."""
+    target_plugin = get_target(target)
+    if trace is not None:
+        target_plugin.check_records_traces()
+    if devices is not None:
+        devices = as_devices(devices)
+        target_plugin.check_devices(devices, "the devices asked for")
+    return parallel_plan(devices, parallel, micro_batches)
+
+
 def compile(model: Any, target: str = "reference", train: SGD | None = None, *,
             batch: int | None = None, seed: int = 0, devices: Any = None,
             parallel: str | None = None, micro_batches: int | None = None,
@@ -88,20 +132,12 @@ def compile(model: Any, target: str = "reference", train: SGD | None = None, *,
     several devices; ``Program.ir`` is then the distributed logical graph.
     ``micro_batches`` goes with ``parallel="pipeline"``.
     """
-    target_plugin = get_target(target)
     if train is not None and not isinstance(train, SGD):
         raise PurinecError(f"train={train!r}: give purinec.SGD(lr=..., momentum=..., "
                            f"weight_decay=...) to compile the training iteration, or None")
-    if devices is not None:
-        devices = as_devices(devices)
-        target_plugin.check_devices(devices, "the devices asked for")
-    spread = parallel_plan(devices, parallel, micro_batches)
+    spread = checked_layout(target, devices, parallel, micro_batches, trace)
     source = load_source(model, batch, **model_kwargs)
-    if train is not None and isinstance(source, Graph) and updated_variables(source):
-        raise ModelError(f"graph {source.name} is a training iteration already (it returns "
-                         f"the next {', '.join(updated_variables(source)[:3])}, ...), with "
-                         f"its solver in its IR: compile it without train= (--train; "
-                         f"purinec train trains it as it is)")
+    check_differentiable(source, train, model)
     graph = build_graph(source, train, after, target, spread)
     _check_batch_taken(graph, batch, model)
     if spread is not None:

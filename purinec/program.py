@@ -112,9 +112,8 @@ class Program:
                  trace: Any = None, metadata: dict | None = None,
                  after: StageHook | None = None):
         plugin = get_target(target)
-        if trace is not None and not plugin.records_traces:
-            raise PurinecError(f"target {target} does not record traces; run without a trace "
-                               f"or on a target that records them")
+        if trace is not None:
+            plugin.check_records_traces()
         plugin.check_devices(layout_devices(graph, eval_graph or graph),
                              f"devices of graph {graph.name}")
         self.ir = graph

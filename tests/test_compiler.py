@@ -366,7 +366,10 @@ def test_a_trace_goes_to_targets_that_record_them(monkeypatch):
         program.run({"data": np.zeros((2, 1, 2, 2))})
     # An inference program's main graph is its inference graph: one executable.
     assert events == [("build", "mlp", recorder), ("close", "mlp", recorder)]
-    with pytest.raises(PurinecError, match="target reference does not record traces"):
+    # The message names the targets that record traces, from the registry.
+    with pytest.raises(PurinecError, match=r"target reference records no traces, which "
+                                           r"--trace and --timeline \(trace=\) need; .* "
+                                           r"that records them: cpu, traced$"):
         purinec.compile("mlp", trace=recorder, **options)
 
 

@@ -9,23 +9,46 @@ import os
 import sys
 import traceback
 import types
-from typing import Callable
+from typing import Callable, Iterable
 
 from purinec.bigraph import Net
 from purinec.errors import ModelError, PurinecError
 from purinec.models.zoo import ZOO
 
+
 def load_model(spec: str, batch: int | None = None, **kwargs) -> Net:
     """Build a `Net` from ``spec``: a name in `ZOO` or a path to a ``.py`` file that
     defines ``build(batch, ...)``. ``batch`` None means the builder's default;
     every keyword must be one the builder takes (see `offered_args`)."""
+    build, where, path = _resolved(spec)
+    return _call(build, batch, kwargs, where, path)
+
+
+def check_model(spec: str, batch: int | None = None, given_later: Iterable[str] = ()) -> None:
+    """Build ``spec`` once at its own defaults, so that a broken model is reported before
+    slow work (train checks it before loading its data set). A builder that cannot be
+    called without one of ``given_later`` (arguments its caller passes once it knows
+    them, such as a data set's input_shape) is only looked up, its file run."""
+    build, where, path = _resolved(spec)
+    try:
+        params = inspect.signature(build).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if any(params[name].default is inspect.Parameter.empty
+           for name in given_later if name in params):
+        return
+    _call(build, batch, {}, where, path)
+
+
+def _resolved(spec: str) -> tuple[Callable, str, str | None]:
+    """The builder ``spec`` names, how messages name it, and its file (None for a zoo
+    model)."""
     if not isinstance(spec, str) or not spec:
         raise ModelError(f"a model is a zoo name or a .py file, got {spec!r}")
     if spec in ZOO:
-        return _call(ZOO[spec], batch, kwargs, f"model {spec}", None)
+        return ZOO[spec], f"model {spec}", None
     if spec.endswith(".py") or "/" in spec or os.sep in spec or os.path.exists(spec):
-        build = _load_file(spec)
-        return _call(build, batch, kwargs, f"build() in {spec}", spec)
+        return _load_file(spec), f"build() in {spec}", spec
     raise ModelError(f"unknown model {spec!r}; the zoo has {', '.join(sorted(ZOO))}, or give "
                      f"the path of a .py file that defines build(batch, ...)")
 
@@ -60,7 +83,7 @@ def default_input_shape(spec: str) -> tuple[int, ...] | None:
 
 def _builder(spec: str) -> Callable:
     """The zoo builder named ``spec``, or the build() of the Python file at ``spec``."""
-    return ZOO[spec] if spec in ZOO else _load_file(spec)
+    return _resolved(spec)[0]
 
 
 def _load_file(spec: str) -> Callable:
@@ -69,12 +92,50 @@ def _load_file(spec: str) -> Callable:
         raise ModelError(f"model file {spec} does not exist")
     if not os.path.isfile(path):
         raise ModelError(f"model file {spec} is not a file")
+    if not path.endswith(".py"):  # whatever else it holds is never run
+        raise _not_a_model_file(spec, path)
     try:
         with open(path, encoding="utf-8") as f:
             source = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise ModelError(f"cannot read model file {spec}: {e}") from None
     return _executed(path, spec, source)
+
+
+# Files that are not model files, recognized by their first bytes (whatever they are
+# named) or else by their suffix: what each is, and what it is for.
+NUMPY_MAGIC = b"\x93NUMPY"
+ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06")  # a zip's first member, or an empty zip
+NOT_MODEL_FILES = {
+    ".npy": ("a NumPy array", "an input: purinec run MODEL --input NAME=FILE.npy"),
+    ".npz": ("a NumPy archive", "arrays, such as purinec run --output writes"),
+    ".purine": ("a compiled artifact", "load it with purinec.load; purinec run and train "
+                                       "take it as it is"),
+    ".zip": ("a zip archive", "a compiled artifact must be named FILE.purine"),
+    ".pir": ("IR text", "compile it with purinec.compile; load_model builds zoo models "
+                        "and .py files"),
+}
+
+
+def _not_a_model_file(spec: str, path: str) -> ModelError:
+    """Why the file at ``path`` is not run: only a Python file named .py is a model file
+    (running any other file would run whatever it holds); what it is, where that shows."""
+    kinds = (f"a model is a zoo name ({', '.join(sorted(ZOO))}), a Python file NAME.py that "
+             f"defines build(batch, ...), or a .pir IR file")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(NUMPY_MAGIC))
+    except OSError:
+        head = b""
+    suffix = os.path.splitext(path)[1].lower()
+    if head.startswith(NUMPY_MAGIC):
+        suffix = ".npy"
+    elif head.startswith(ZIP_MAGICS) and suffix not in (".npz", ".purine"):
+        suffix = ".zip"
+    if suffix not in NOT_MODEL_FILES:
+        return ModelError(f"{spec} is not a model, and was not run: {kinds}")
+    what, use = NOT_MODEL_FILES[suffix]
+    return ModelError(f"{spec} is {what}, not a model ({use}); {kinds}")
 
 
 @functools.lru_cache(maxsize=16)

@@ -81,6 +81,15 @@ class Target:
             raise PurinecError(f"target {self.name} runs on {' or '.join(self.device_kinds)} "
                                f"devices, not on {', '.join(foreign)} ({what})")
 
+    def check_records_traces(self) -> None:
+        """Refuse a trace (--trace, --timeline) on a target that records none, naming the
+        targets that do."""
+        if not self.records_traces:
+            recorders = [name for name, target in TARGETS.items() if target.records_traces]
+            raise PurinecError(f"target {self.name} records no traces, which --trace and "
+                               f"--timeline (trace=) need; run without them, or on a target "
+                               f"that records them: {', '.join(recorders) or 'none here'}")
+
     def kernels(self, graph: Graph) -> dict[Node, Callable]:
         raise NotImplementedError(f"target {self.name} defines no kernels")
 

@@ -384,7 +384,7 @@ def test_run_without_inputs_uses_random_ones_and_says_so():
 
 @pytest.mark.parametrize("args, fragments", [
     (("run", "{artifact}", "--target", "reference", "--trace", "t.json"),
-     ["target reference does not record traces"]),
+     ["target reference records no traces", "records them: cpu"]),
     (("run", "{artifact}", "--batch", "8"), ["--batch", "fixed batch"]),
     (("run", "{artifact}", "--input", "data"), ["--input data: write NAME=FILE.npy"]),
     (("run", "{artifact}", "--input", "data=nothing.npy"), ["cannot read nothing.npy"]),
