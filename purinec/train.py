@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import reprlib
 import time
-from dataclasses import asdict, dataclass, field, replace
+import warnings
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
@@ -49,6 +51,15 @@ FIXED_IN_ARTIFACTS = SOLVER_OPTIONS + ("batch", "devices", "parallel", "micro_ba
 
 # The data set to train on when none is named: built in, nothing to read or download.
 DEFAULT_DATA = "digits"
+
+# What train passes to a model's build() where it takes them: the data set's.
+DATA_ARGUMENTS = ("input_shape", "num_classes")
+
+# Where training can stand: the seeds and epochs a run takes, and so all a checkpoint
+# can hold (a seed NumPy's generators take; more epochs than anyone trains).
+MAX_SEED = 2**64 - 1
+MAX_EPOCHS = 10**9
+MAX_DATA_SPEC = 4096  # characters of a data set's name or path, as --data gives it
 
 Report = Callable[[str], None]
 
@@ -166,13 +177,50 @@ class Checkpoint:
                                 "manifest has no epoch); to train from its weights, give it "
                                 "to purinec train as the MODEL (not --resume), or use "
                                 "purinec.load")
-        fields = {"epoch": int, "seed": int, "data": str}
-        if set(saved) != set(fields) or any(type(saved[k]) is not t for k, t in fields.items()):
-            raise ArtifactError(f"{os.fspath(path)}: the checkpoint entry of its manifest is "
-                                f"malformed: {saved!r}")
-        if not program.trainable:
-            raise ArtifactError(f"{os.fspath(path)}: the checkpoint holds no training graph")
+        with _closed_on_failure(program):
+            wrong = _malformed(saved)
+            if wrong:
+                raise ArtifactError(f"{os.fspath(path)}: the checkpoint entry of its manifest "
+                                    f"is malformed: {wrong}; purinec train writes no such "
+                                    f"checkpoint (was it edited?): resume from another one, "
+                                    f"or train again")
+            if not program.trainable:
+                raise ArtifactError(f"{os.fspath(path)}: the checkpoint holds no training "
+                                    f"graph")
         return program, Checkpoint(**saved)
+
+
+def _malformed(saved: dict) -> str | None:
+    """What is wrong with a checkpoint entry as read from a manifest, or None: its
+    fields, their types, and the bounds of every number (a seed or epoch out of them,
+    or a huge one, would fail deep inside NumPy or run for ever)."""
+    names = [f.name for f in fields(Checkpoint)]
+    if sorted(saved) != sorted(names):
+        return f"its fields are {reprlib.repr(sorted(saved))}, not {', '.join(names)}"
+    for name, most in (("epoch", MAX_EPOCHS), ("seed", MAX_SEED)):
+        if not _is_count(saved[name], 0, most):
+            return (f"its {name} is {reprlib.repr(saved[name])}, not a whole number from 0 "
+                    f"to {most}")
+    data = saved["data"]
+    if type(data) is not str or not 0 < len(data) <= MAX_DATA_SPEC:
+        return (f"its data {reprlib.repr(data)} is not the name of a data set (a text of 1 "
+                f"to {MAX_DATA_SPEC} characters)")
+    return None
+
+
+def _is_count(value: Any, least: int, most: int) -> bool:
+    """Whether ``value`` is a whole number (not a bool) from ``least`` to ``most``."""
+    return type(value) is int and least <= value <= most
+
+
+def _check_position_options(epochs: int, seed: int | None) -> None:
+    """The epochs to train until and the seed must be where a checkpoint can stand
+    (the command line's --epochs and --seed take no others)."""
+    for option, value, least, most in (("epochs", epochs, 1, MAX_EPOCHS),
+                                       ("seed", seed, 0, MAX_SEED)):
+        if value is not None and not _is_count(value, least, most):
+            raise PurinecError(f"{option}={reprlib.repr(value)}: give a whole number from "
+                               f"{least} to {most}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -212,21 +260,34 @@ def train_model(model: str | os.PathLike, *, data: str | None = None, epochs: in
     up holding the last epoch's tasks. ``progress``: draw progress bars on stderr.
     ``report`` gets every line the command prints: the data set, what was compiled or
     scaled, each epoch's loss and accuracy, each checkpoint, the time taken.
+
+    What needs no data set is checked before the data set is loaded: ``epochs``,
+    ``seed``, the model (an artifact loaded; a model looked up, its file run or parsed,
+    and built at its own defaults), the solver, ``target``, ``devices`` and ``trace``.
     """
     model = os.fspath(model)
-    if epochs < 1:  # (the command line's --epochs takes no less)
-        raise PurinecError(f"epochs={epochs}: train at least one epoch")
+    _check_position_options(epochs, seed)
+    start = Checkpoint(epoch=0, seed=0 if seed is None else seed, data=data or DEFAULT_DATA)
     solver_options = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
     spread = {"devices": devices, "parallel": parallel, "micro_batches": micro_batches}
+    # The rest first: reading a data set from files takes a while.
     if _is_artifact(model):
         refuse_fixed_options({**solver_options, **spread, "batch": batch}, model)
-    start = Checkpoint(epoch=0, seed=0 if seed is None else seed, data=data or DEFAULT_DATA)
-    dataset = _loaded_data(start, report)
-    if batch is not None:
-        check_batch(dataset, batch)  # before compiling for it
-    program, dataset = _training_program(model, dataset, start, report, target=target,
-                                         batch=batch, trace=trace,
-                                         solver_options=solver_options, spread=spread)
+        began = time.perf_counter()
+        program = _trainable_artifact(model, target, trace)
+        loaded = time.perf_counter() - began
+        with _closed_on_failure(program):
+            dataset = _loaded_data(start, report)
+        _report_ready(program, "loaded", loaded, report)
+    else:
+        solver = _checked_model(model, batch, target or DEFAULT_TARGET, trace,
+                                solver_options, spread)
+        dataset = _loaded_data(start, report)
+        if batch is not None:
+            check_batch(dataset, batch)  # before compiling for it
+        program, dataset = _training_program(model, dataset, start, report, solver,
+                                             target=target or DEFAULT_TARGET, batch=batch,
+                                             trace=trace, spread=spread)
     return _trained(program, dataset, start, model, epochs, checkpoint, trace, progress,
                     report)
 
@@ -247,6 +308,7 @@ def resume_training(path: str | os.PathLike, *, epochs: int = 10,
     ``report`` are as for `train_model`.
     """
     path = os.fspath(path)
+    _check_position_options(epochs, seed)
     program, where = _resumed(path, model and os.fspath(model), data, seed, target, report)
     if where.epoch >= epochs:
         program.close()
@@ -324,29 +386,54 @@ def _resumed(path: str, model: str | None, data: str | None, seed: int | None,
     return program, checkpoint
 
 
-def _training_program(model: str, data: Dataset, start: Checkpoint, report: Report, *,
-                      target: str | None, batch: int | None, trace: Any,
-                      solver_options: dict, spread: dict) -> tuple[Program, Dataset]:
-    """MODEL's training iteration compiled for ``data``, or loaded from an artifact, and
-    the data it was compiled for (see `_compiled`)."""
+def _checked_model(model: str, batch: int | None, target: str, trace: Any,
+                   solver_options: dict, spread: dict) -> SGD | None:
+    """The solver to compile MODEL's training iteration with, once everything about it
+    that needs no data set is checked: the model looked up and built at its own
+    defaults (a .pir file parsed), the solver, the target, the devices and the trace.
+    None for a .pir file of a whole training iteration (a dump of the optimizer stage
+    or later), which trains as it is, its solver fixed in its IR."""
+    from purinec.compiler import check_differentiable, checked_layout, load_source
+    from purinec.models.loader import check_model
+    from purinec.program import updated_variables
+
+    with warnings.catch_warnings():  # (compile() warns of what it finds again)
+        warnings.simplefilter("ignore")
+        checked_layout(target, trace=trace, **spread)
+    if not model.endswith(".pir"):
+        check_model(model, batch, given_later=DATA_ARGUMENTS)
+        return default_sgd(**solver_options)
+    source = load_source(model, batch)
+    if updated_variables(source):
+        refuse_options(solver_options, SOLVER_OPTIONS, f"{model} is a training iteration "
+                       f"with its solver in its IR; edit the sgd nodes' attributes to "
+                       f"change it")
+        return None
+    solver = default_sgd(**solver_options)
+    check_differentiable(source, solver, model)
+    return solver
+
+
+def _training_program(model: str, data: Dataset, start: Checkpoint, report: Report,
+                      solver: SGD | None, *, target: str, batch: int | None, trace: Any,
+                      spread: dict) -> tuple[Program, Dataset]:
+    """MODEL's training iteration compiled for ``data`` with ``solver``, and the data
+    it was compiled for (see `_compiled`)."""
     began = time.perf_counter()
-    if _is_artifact(model):
-        program, what = _trainable_artifact(model, target, trace), "loaded"
-    else:
-        solver = None if _is_training_pir(model, solver_options) else default_sgd(
-            **solver_options)
 
-        def compiled(data: Dataset) -> Program:
-            return _compiled_for(data, model, target or DEFAULT_TARGET, solver, batch,
-                                 start.seed, trace, spread)
+    def compiled(data: Dataset) -> Program:
+        return _compiled_for(data, model, target, solver, batch, start.seed, trace, spread)
 
-        program, data = _compiled(compiled, model, data, start.data, report)
-        what = "compiled"
+    program, data = _compiled(compiled, model, data, start.data, report)
     wait_for_every_rank()
-    report(f"{what} {program.ir.name} for target {program.target}{on_devices(program)} in "
-           f"{time.perf_counter() - began:.2f} s ({len(program.ir.nodes)} nodes, "
-           f"{sum(p.size for p in program.params.values()):,} parameters)")
+    _report_ready(program, "compiled", time.perf_counter() - began, report)
     return program, data
+
+
+def _report_ready(program: Program, how: str, seconds: float, report: Report) -> None:
+    report(f"{how} {program.ir.name} for target {program.target}{on_devices(program)} in "
+           f"{seconds:.2f} s ({len(program.ir.nodes)} nodes, "
+           f"{sum(p.size for p in program.params.values()):,} parameters)")
 
 
 def _trainable_artifact(path: str, target: str | None, trace: Any) -> Program:
@@ -356,6 +443,7 @@ def _trainable_artifact(path: str, target: str | None, trace: Any) -> Program:
         if not program.trainable:
             raise PurinecError(f"{path} holds an inference program; compile it with "
                                "`purinec compile MODEL --train -o FILE.purine` to train it")
+    wait_for_every_rank()
     return program
 
 
@@ -389,23 +477,10 @@ def _compiled_for(data: Dataset, model: str, target: str, solver: SGD | None,
 
     model_kwargs = {}
     if not model.endswith(".pir"):  # the data set's, where build() takes them
-        model_kwargs = offered_args(model, {"input_shape": data.input_shape,
-                                            "num_classes": data.num_classes})
+        model_kwargs = offered_args(model, {name: getattr(data, name)
+                                            for name in DATA_ARGUMENTS})
     return compile(model, target=target, train=solver, batch=batch, seed=seed, trace=trace,
                    **spread_options(model, batch, **spread, **model_kwargs), **model_kwargs)
-
-
-def _is_training_pir(model: str, solver_options: Mapping[str, Any]) -> bool:
-    """Whether ``model`` is a .pir file of a whole training iteration (a dump of the
-    optimizer stage or later), which trains as it is, its solver fixed in its IR."""
-    from purinec.compiler import load_source
-    from purinec.program import updated_variables
-
-    if not model.endswith(".pir") or not updated_variables(load_source(model)):
-        return False
-    refuse_options(solver_options, SOLVER_OPTIONS, f"{model} is a training iteration with "
-                   f"its solver in its IR; edit the sgd nodes' attributes to change it")
-    return True
 
 
 def _default_input_shape(model: str, data_spec: str) -> tuple[int, ...] | None:

@@ -12,10 +12,10 @@ from typing import Callable
 
 from purinec.errors import PurinecError, PurinecWarning
 from purinec.job import is_reporting_rank, spread_options
-from purinec.train import SOLVER_DEFAULTS, default_sgd
+from purinec.train import MAX_EPOCHS, MAX_SEED, SOLVER_DEFAULTS, default_sgd
 
 MODEL_HELP = ("a zoo name (mlp, lenet, convnet, cifar_quick, nin, inception), a Python file "
-              "defining build(batch), or a .pir IR file")
+              "NAME.py defining build(batch) (no other file is run), or a .pir IR file")
 
 TARGETS_HELP = "cpu (fused Numba kernels) or reference (NumPy, one op at a time)"
 
@@ -50,19 +50,22 @@ def _parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def _at_least(least: int) -> Callable[[str], int]:
+def _whole_number(least: int, most: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             value = least - 1
-        if value < least:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= {least}")
+        if value < least or most is not None and value > most:
+            bounds = f">= {least}" if most is None else f"from {least} to {most}"
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer {bounds}")
         return value
     return parse
 
 
-non_negative, positive = _at_least(0), _at_least(1)
+non_negative, positive = _whole_number(0), _whole_number(1)
+# Seeds and epochs as a checkpoint can hold them.
+seed_value, epoch_count = _whole_number(0, MAX_SEED), _whole_number(1, MAX_EPOCHS)
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@ import time
 
 from purinec.cli.common import (MODEL_HELP, PARALLEL_HELP, TARGETS_HELP, HelpFormatter,
                                 add_model_args, add_parallel_args, add_solver_args,
-                                model_kwargs, non_negative, parallel_kwargs, positive, sgd)
+                                model_kwargs, parallel_kwargs, positive, seed_value, sgd)
 from purinec.errors import PurinecError, refuse_options
 from purinec.job import on_devices, wait_for_every_rank
 from purinec.train import DEFAULT_TARGET, SOLVER_OPTIONS
@@ -31,7 +31,7 @@ def add_parser(subparsers) -> None:
                       help=f"code generation target: {TARGETS_HELP} (default: "
                            f"{DEFAULT_TARGET})")
     add_parallel_args(comp)
-    comp.add_argument("--seed", type=non_negative, default=0,
+    comp.add_argument("--seed", type=seed_value, default=0,
                       help="seed of the initial weights (default 0)")
     add_model_args(comp)
     add_solver_args(comp)

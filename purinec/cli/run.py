@@ -8,8 +8,8 @@ import time
 import numpy as np
 
 from purinec.cli.common import (MODEL_HELP, PARALLEL_HELP, TARGETS_HELP, HelpFormatter,
-                                add_parallel_args, check_writable, is_artifact, non_negative,
-                                parallel_kwargs, positive, write_traces)
+                                add_parallel_args, check_writable, is_artifact, parallel_kwargs,
+                                positive, seed_value, write_traces)
 from purinec.errors import PurinecError, refuse_options
 from purinec.job import check_spans_the_job, on_devices, wait_for_every_rank
 from purinec.train import DEFAULT_TARGET, num_classes
@@ -44,7 +44,7 @@ def add_parser(subparsers) -> None:
     run.add_argument("--batch", type=positive,
                      help="batch size of MODEL (default: the model's; fixed in an artifact)")
     add_parallel_args(run)
-    run.add_argument("--seed", type=non_negative, default=0,
+    run.add_argument("--seed", type=seed_value, default=0,
                      help="seed of the random inputs and of MODEL's weights (default 0)")
     run.set_defaults(func=cmd_run, parser=run)
 

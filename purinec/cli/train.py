@@ -9,8 +9,8 @@ import functools
 
 from purinec.cli.common import (MODEL_HELP, PARALLEL_HELP, TARGETS_HELP, HelpFormatter,
                                 add_parallel_args, add_solver_args, check_writable,
-                                is_artifact, non_negative, positive, sgd, shows_progress,
-                                write_traces)
+                                epoch_count, is_artifact, positive, seed_value,
+                                shows_progress, write_traces)
 from purinec.errors import PurinecError
 from purinec.train import DEFAULT_TARGET, refuse_fixed_options, resume_training, train_model
 
@@ -33,12 +33,12 @@ def add_parser(subparsers) -> None:
                          "for a MODEL, the artifact's own for a FILE.purine)")
     tr.add_argument("--data", metavar="NAME|DIR",
                     help=f"data set: {DATA_HELP} (default: digits, or the checkpoint's)")
-    tr.add_argument("--epochs", type=positive, default=10,
+    tr.add_argument("--epochs", type=epoch_count, default=10,
                     help="train until this many epochs are done, counting those of a "
                          "resumed checkpoint (default 10)")
     tr.add_argument("--batch", type=positive,
                     help="batch size (default: the model's; fixed in an artifact)")
-    tr.add_argument("--seed", type=non_negative,
+    tr.add_argument("--seed", type=seed_value,
                     help="seed of the data split, shuffling and initial weights (default 0, "
                          "or the checkpoint's)")
     tr.add_argument("--checkpoint", metavar="FILE.purine",
@@ -87,7 +87,8 @@ def cmd_train(args) -> int:
 
 def _check_options(args) -> None:
     """Refuse options that contradict each other, or files that could not be written,
-    before any work."""
+    before any work. (train_model and resume_training check the model, the target, the
+    devices and the solver before they load the data set.)"""
     artifact = args.resume or (args.model if is_artifact(args.model) else None)
     if artifact:
         refuse_fixed_options(vars(args), artifact)
@@ -99,8 +100,3 @@ def _check_options(args) -> None:
         raise PurinecError(f"--checkpoint {args.checkpoint}: name it FILE.purine (run, train "
                            f"and --resume recognize artifacts by that suffix)")
     check_writable(args, ("checkpoint", "timeline"))
-    sgd(args)  # solver values and devices checked before any work
-    if args.devices is not None:
-        from purinec.layout import as_devices
-
-        as_devices(args.devices)
