@@ -12,7 +12,7 @@ import warnings
 
 from purinec import __version__
 from purinec.cli import compile, dump, run, train
-from purinec.cli.common import shows_progress, warning_printer
+from purinec.cli.common import progress_style, warning_printer
 from purinec.codegen.progress import kernel_progress
 from purinec.errors import PurinecError
 from purinec.runtime.signals import interruption, terminating
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout = open(os.devnull, "w")
     try:
         with terminating(), warnings.catch_warnings(), \
-                kernel_progress(shows_progress(args)):
+                kernel_progress(progress_style(args)):
             warnings.showwarning = warning_printer(here.rank, warnings.showwarning)
             # Under mpiexec, a rank that fails prints its error and ends the whole job.
             return comm.run_guarded(lambda: args.func(args))

@@ -152,11 +152,22 @@ def check_writable(args, options: tuple[str, ...]) -> None:
                                f"{err.strerror or err}") from None
 
 
+def progress_style(args) -> str | None:
+    """How long work (compiling kernels, training) shows its progress on stderr, on rank
+    0: bars on a terminal or with --progress; in a log (stderr not a terminal), a line
+    when compiling kernels takes a while and a summary after it; nothing with --quiet."""
+    from purinec.codegen.progress import BAR, LINES
+
+    if not is_reporting_rank() or getattr(args, "quiet", False):
+        return None
+    return BAR if getattr(args, "progress", False) or sys.stderr.isatty() else LINES
+
+
 def shows_progress(args) -> bool:
-    """Whether progress bars (compiling kernels, training) are drawn: on rank 0, when
-    stderr is a terminal (unless --quiet) or with --progress."""
-    return is_reporting_rank() and (getattr(args, "progress", False) or
-                                    sys.stderr.isatty() and not getattr(args, "quiet", False))
+    """Whether progress bars (compiling kernels, training) are drawn."""
+    from purinec.codegen.progress import BAR
+
+    return progress_style(args) == BAR
 
 
 def warning_printer(rank: int, default):

@@ -53,10 +53,13 @@ def add_parser(subparsers) -> None:
     tr.add_argument("--timeline", metavar="FILE.png|FILE.svg",
                     help="draw the last epoch's tasks on each device's compute, copy and "
                          "communication lanes into FILE (a target that records traces)")
-    tr.add_argument("--quiet", action="store_true",
-                    help="no progress bars (compiling kernels, training)")
-    tr.add_argument("--progress", action="store_true",
-                    help="show the progress bars even when stderr is not a terminal")
+    shown = tr.add_mutually_exclusive_group()
+    shown.add_argument("--quiet", action="store_true",
+                       help="no progress on stderr: neither bars (compiling kernels, "
+                            "training) nor, in a log, the lines on a long kernel compile")
+    shown.add_argument("--progress", action="store_true",
+                       help="draw the progress bars even when stderr is not a terminal "
+                            "(instead of a log's lines)")
     add_solver_args(tr)
     tr.set_defaults(func=cmd_train, parser=tr)
 

@@ -89,11 +89,10 @@ def compile_jobs() -> int:
 
 
 @contextlib.contextmanager
-def helping(jobs: Sequence[Job]) -> Iterator[None]:
-    """Within this block, helper processes compile ``jobs`` (those not in Numba's disk
-    cache) alongside this process, when there are enough of them and cores to spare."""
-    compiled = cache.compiled_functions()
-    todo = [job for job in jobs if job.key() not in compiled]
+def helping(todo: Sequence[Job]) -> Iterator[None]:
+    """Within this block, helper processes compile ``todo`` (jobs not in Numba's disk
+    cache: `uncompiled`) alongside this process, when there are enough of them and
+    cores to spare."""
     # Processes share the work through the kernels' lock files (POSIX only).
     worth_it = len(todo) >= MIN_KERNELS and cache.fcntl is not None
     count = min(compile_jobs(), len(todo)) - 1 if worth_it else 0
@@ -114,6 +113,12 @@ def helping(jobs: Sequence[Job]) -> Iterator[None]:
             for helper in helpers:
                 helper.kill()
                 helper.wait()
+
+
+def uncompiled(jobs: Sequence[Job]) -> list[Job]:
+    """Those of ``jobs`` that Numba's disk cache does not hold yet."""
+    compiled = cache.compiled_functions()
+    return [job for job in jobs if job.key() not in compiled]
 
 
 def _start(listing: Path) -> subprocess.Popen | None:

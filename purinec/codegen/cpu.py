@@ -31,12 +31,12 @@ import threading
 from dataclasses import replace
 
 from purinec.codegen import cache
-from purinec.codegen.compile_helpers import Job, helping
+from purinec.codegen.compile_helpers import Job, helping, uncompiled
 from purinec.codegen import cpu_conv, cpu_fused, cpu_ops, cpu_pool  # noqa: F401  (renderers)
 from purinec.codegen.cpu_runtime import NUMPY_BLAS, Blocked, limit_blas_threads, set_threads
 from purinec.codegen.cpu_module import DEFAULT_OPTIONS, RENDERERS, CpuOptions, KernelModule
 from purinec.codegen.kernel import CodegenError, Kernel
-from purinec.codegen.progress import kernel_bar
+from purinec.codegen.progress import kernel_counter
 from purinec.ir.graph import Graph, Node, Value
 
 __all__ = ["compile_kernels", "compile_node", "render", "RENDERERS",
@@ -111,9 +111,11 @@ def compile_kernels(graph: Graph, options: CpuOptions = DEFAULT_OPTIONS
     sources = {node: module.text() for node, module in modules.items()}
     jobs = {cache.code_of(source): _job(modules[node], source)
             for node, source in sources.items()}
+    todo = uncompiled(list(jobs.values()))
+    cached = len(jobs) - len(todo)
     compiled: dict[tuple, Kernel] = {}
     kernels: dict[Node, Kernel] = {}
-    with kernel_bar(len(graph.nodes), graph.name) as bar, helping(list(jobs.values())):
+    with kernel_counter(len(graph.nodes), graph.name, len(jobs), cached) as bar, helping(todo):
         for wait in (False, True):
             for node, module in modules.items():
                 if node not in kernels:

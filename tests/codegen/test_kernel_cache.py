@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -13,10 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from purinec.codegen import cache, compile_helpers, cpu
+from purinec.codegen import cache, compile_helpers, cpu, progress
 from purinec.codegen.source import node_comment
 from purinec.codegen.cpu_module import HEADER
-from purinec.codegen.progress import kernel_progress
 from purinec.ir.graph import Graph
 from purinec.ir.types import Device, DType, TensorType
 
@@ -455,11 +455,11 @@ def test_numba_starts_without_scipy_linalg_which_still_works_after(cache_dir):
     assert done.stdout.split() == ["True", "True"]
 
 
-@pytest.mark.parametrize("shown", [True, False])
-def test_a_slow_compile_shows_a_progress_bar_when_asked(cache_dir, monkeypatch, capsys,
-                                                        shown):
-    """The command line turns the bar on; it appears once compiling has taken a second
-    (here each kernel is made to take 0.6 s), and never when not turned on."""
+@pytest.mark.parametrize("style", [progress.BAR, progress.LINES, None])
+def test_a_slow_compile_shows_its_progress_when_asked(cache_dir, monkeypatch, capsys, style):
+    """The command line asks for a bar (a terminal) or lines (a log); the bar appears once
+    compiling has taken a second, the log's first line after LINE_AFTER_S (here each
+    kernel is made to take 0.6 s), and nothing when not asked."""
     compile_module = cpu.compile_module
 
     def slow_compile(*args, **kwargs):
@@ -467,11 +467,18 @@ def test_a_slow_compile_shows_a_progress_bar_when_asked(cache_dir, monkeypatch, 
         return compile_module(*args, **kwargs)
 
     monkeypatch.setattr(cpu, "compile_module", slow_compile)
-    with kernel_progress(shown):
+    monkeypatch.setattr(progress, "LINE_AFTER_S", 0.3)
+    with progress.kernel_progress(style):
         kernels = cpu.compile_kernels(small_graph())
     assert len(kernels) == 2
     err = capsys.readouterr().err
-    if shown:
+    if style == progress.BAR:
         assert "kernels of cached" in err and "2/2" in err
+    elif style == progress.LINES:
+        lines = err.splitlines()
+        assert lines[0] == "purinec: compiling 2 kernels of cached (cold kernel cache) ..."
+        assert re.fullmatch(r"purinec: compiled 2 kernels of cached in \d+\.\d s "
+                            r"\(0 cached\)", lines[1]), err
+        assert len(lines) == 2
     else:
         assert err == ""
