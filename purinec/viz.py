@@ -186,12 +186,18 @@ def render_graph(graph: Graph, path: str | os.PathLike, fmt: str | None = None) 
     if fmt == "dot":
         atomic_write_text(path, text)
         return path
-    dot = shutil.which("dot")
-    if dot is None:
-        raise PurinecError(GRAPHVIZ_MISSING.format(fmt=fmt))
+    dot = graphviz_dot(fmt)
     with replacing(path) as tmp:
         _run_dot(dot, fmt, text, tmp)
     return path
+
+
+def graphviz_dot(fmt: str) -> str:
+    """The path of Graphviz's ``dot``, which drawing ``fmt`` (svg, png) needs."""
+    dot = shutil.which("dot")
+    if dot is None:
+        raise PurinecError(GRAPHVIZ_MISSING.format(fmt=fmt))
+    return dot
 
 
 def _run_dot(dot: str, fmt: str, text: str, out: str) -> None:

@@ -5,10 +5,11 @@ and writing traces."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
-from typing import Callable
+from typing import Callable, Iterator
 
 from purinec.errors import PurinecError, PurinecWarning
 from purinec.job import is_reporting_rank, spread_options
@@ -150,6 +151,34 @@ def check_writable(args, options: tuple[str, ...]) -> None:
         except OSError as err:
             raise PurinecError(f"{flag} {path}: cannot write in directory {directory}: "
                                f"{err.strerror or err}") from None
+
+
+@contextlib.contextmanager
+def output_directories() -> Iterator[Callable[[str], None]]:
+    """A ``makedirs(path)`` for the folders a command writes into. When the command
+    fails, the folders it made are removed again where they are still empty: a failed
+    command leaves no empty folder behind (and no folder it did not make is touched)."""
+    made: list[str] = []
+
+    def makedirs(path: str) -> None:
+        missing = []
+        folder = os.path.abspath(path)
+        while not os.path.lexists(folder):
+            missing.append(folder)
+            folder = os.path.dirname(folder)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as err:
+            raise PurinecError(f"cannot make folder {path}: {err.strerror or err}") from None
+        made.extend(reversed(missing))  # outermost first
+
+    try:
+        yield makedirs
+    except BaseException:
+        for folder in reversed(made):
+            with contextlib.suppress(OSError):  # (not empty: something was written in it)
+                os.rmdir(folder)
+        raise
 
 
 def progress_style(args) -> str | None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Callable
 
 from purinec.cli.common import (MODEL_HELP, TARGETS_HELP, HelpFormatter, add_model_args,
                                 add_parallel_args, add_solver_args, check_writable,
-                                model_kwargs, non_negative, positive, sgd)
+                                model_kwargs, non_negative, output_directories, positive,
+                                sgd)
 from purinec.errors import PurinecError
 from purinec.fileio import atomic_write_text
 from purinec.job import default_strategy, placement_of
@@ -86,13 +88,20 @@ def add_parser(subparsers) -> None:
 
 
 def cmd_dump(args) -> int:
-    from purinec.compiler import build_graph, load_source
+    with output_directories() as makedirs:
+        if args.model.endswith(".purine"):
+            return _dump_artifact(args, makedirs)
+        return _dump_model(args, makedirs)
+
+
+def _dump_model(args, makedirs: Callable[[str], None]) -> int:
+    """The IR of a model after the stages asked for, and its kernels."""
+    from purinec.compiler import build_graph, check_differentiable, load_source
     from purinec.layout import parallel_plan, warn_if_idle
 
-    if args.model.endswith(".purine"):
-        return _dump_artifact(args)
     train = sgd(args) if args.train else None
     source = load_source(args.model, args.batch, **model_kwargs(args))
+    check_differentiable(source, train, args.model)
     placed = functools.cache(lambda: placement_of(source))  # lowered once, if at all
     strategy = default_strategy(args.parallel, args.devices, placed)
     spread = parallel_plan(args.devices, strategy, args.micro_batches) or placed()
@@ -105,9 +114,13 @@ def cmd_dump(args) -> int:
     pipeline = get_target(args.target).pipeline(train, spread, args.rank)
     runs = pipeline.stages()
     wanted = _wanted_stages(args, runs)
-    if args.format in ("svg", "png") and not args.output:
-        raise PurinecError(f"--format {args.format} writes picture files; give -o DIR or "
-                           f"-o FILE.{args.format}")
+    if args.format in ("svg", "png"):
+        if not args.output:
+            raise PurinecError(f"--format {args.format} writes picture files; give -o DIR "
+                               f"or -o FILE.{args.format}")
+        from purinec.viz import graphviz_dot
+
+        graphviz_dot(args.format)  # before any work
     if args.format != "text" and "kernels" in wanted:
         raise PurinecError("--stage kernels is source code, not a graph; use --format text")
     if (args.llvm or args.asm) and wanted != ["kernels"]:
@@ -117,14 +130,14 @@ def cmd_dump(args) -> int:
     single = _single_output_file(args, several=len(wanted) > 1 or "kernels" in wanted
                                  or args.explain)
     if args.output and not single:
-        os.makedirs(args.output, exist_ok=True)
+        makedirs(args.output)
     written: list[str] = []
     before_fuse: list = []
 
     def emit(name: str, text: str) -> None:
         if args.output:
             path = single or os.path.join(args.output, name)
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            makedirs(os.path.dirname(path) or ".")
             atomic_write_text(path, text + "\n")
             written.append(path)
         else:
@@ -179,7 +192,7 @@ def cmd_dump(args) -> int:
     return 0
 
 
-def _dump_artifact(args) -> int:
+def _dump_artifact(args, makedirs: Callable[[str], None]) -> int:
     """The final IR an artifact holds (and its inference graph), as text."""
     from purinec.artifact import read_ir
 
@@ -200,7 +213,7 @@ def _dump_artifact(args) -> int:
     for graph in graphs:
         if args.output:
             path = single or os.path.join(args.output, f"{graph.name}.pir")
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            makedirs(os.path.dirname(path) or ".")
             atomic_write_text(path, str(graph) + "\n")
             print(f"wrote {path}")
         else:
