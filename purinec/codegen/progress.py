@@ -34,10 +34,10 @@ def kernel_counter(total: int, name: str, kernels: int, cached: int):
     """What counts (``update()``) the ``total`` nodes of graph ``name`` as their kernels
     are ready, shown as a `kernel_progress` block asks: ``kernels`` distinct kernels,
     ``cached`` of which are in Numba's disk cache (loaded, not compiled)."""
-    from tqdm import tqdm
-
     if _style.get() == LINES:
         return _LogLines(name, kernels, cached)
+    from tqdm import tqdm
+
     return tqdm(total=total, desc=f"kernels of {name}", unit="kernel", delay=1.0,
                 leave=False, disable=_style.get() != BAR)
 
