@@ -877,7 +877,7 @@ def build(batch=8):
 def test_user_model_errors_from_the_command_line(kind, tmp_path):
     """A user's model with a shape mismatch or a cycle: one paragraph naming the layer
     and its line, exit status 1, no traceback."""
-    from test_cli import assert_clean_error, purinec
+    from tests.cli.test_cli import assert_clean_error, purinec
 
     source, fragments = USER_MODELS[kind]
     (tmp_path / "mynet.py").write_text(source)

@@ -494,7 +494,7 @@ def test_random_small_networks_train_over_ranks_as_on_one_device(tmp_path, ranks
 def test_a_pipeline_with_dropout_over_three_ranks_trains_as_on_one_device(tmp_path):
     """The iteration counter that dropout reads lives on one stage's rank and is counted
     up on another's (see test_parallel.DROPOUT_PIPELINE)."""
-    from test_parallel import DROPOUT_PIPELINE
+    from tests.passes.test_parallel import DROPOUT_PIPELINE
 
     model = tmp_path / "dropouts.py"
     model.write_text(DROPOUT_PIPELINE)
@@ -552,7 +552,7 @@ def check_same_training(folder: Path, size: int) -> None:
 
 
 def test_a_model_placing_a_layer_on_another_rank_trains_as_on_one_device(tmp_path):
-    from test_parallel import PLACED_MODEL
+    from tests.passes.test_parallel import PLACED_MODEL
 
     model = tmp_path / "placed.py"
     model.write_text(PLACED_MODEL)
@@ -592,7 +592,7 @@ def test_wait_for_all_returns_once_every_rank_got_there(tmp_path):
 
 def test_under_mpiexec_a_model_is_spread_over_the_ranks_unless_it_places_itself(tmp_path):
     """Without --devices or --parallel, every rank would otherwise train its own copy."""
-    from test_parallel import PLACED_MODEL
+    from tests.passes.test_parallel import PLACED_MODEL
 
     # The model puts ip2 on rank 1 itself (by default, not through a build option).
     placed = PLACED_MODEL.replace("second=None", 'second=Location(1, "cpu", 0)')
