@@ -346,8 +346,9 @@ def test_a_format_1_artifact_without_a_manifest_hash_still_loads(trained, saved)
 
 
 def test_a_newer_format_is_refused_naming_both_versions(saved):
-    edit_manifest(saved, fix_hashes=False, format_version=artifact.FORMAT_VERSION + 1,
-                  purinec_version="9.0")
+    # Every format from 2 on keeps manifest.sha256 the hash of manifest.json, which is
+    # checked before the JSON is parsed: a newer file gets this message, not "changed".
+    edit_manifest(saved, format_version=artifact.FORMAT_VERSION + 1, purinec_version="9.0")
     with pytest.raises(ArtifactError, match=rf"format version {artifact.FORMAT_VERSION + 1}, "
                                             rf"newer than the version "
                                             rf"{artifact.FORMAT_VERSION} .*purinec 9.0"):
@@ -407,6 +408,7 @@ def test_an_unlisted_member_is_refused(saved):
 def test_a_bad_manifest_is_refused(saved, manifest, message):
     members = read_zip(saved)
     members["manifest.json"] = manifest
+    members["manifest.sha256"] = hashlib.sha256(manifest).hexdigest().encode()  # so it is parsed
     write_zip(saved, members, fix_hashes=False)
     with pytest.raises(ArtifactError, match=message):
         purinec.load(saved)
