@@ -224,6 +224,7 @@ NPY_OVERHEAD = 16 * 2**10  # an array's .npy header (NumPy reads 10,000 B of it)
 # interpreter's limit is lifted (set_int_max_str_digits(0)), since int() is then quadratic.
 MAX_INT_DIGITS = 4300
 _CHUNK = 2**20  # bytes inflated at a time
+_TEXT_LIMITS = {MANIFEST: MAX_MANIFEST, MANIFEST_HASH: MAX_MANIFEST_HASH}  # else MAX_TEXT
 
 # Zip compression methods purinec writes: others (bzip2, lzma) inflate a whole block
 # at a time in zipfile, past any size limit, and are refused unread.
@@ -343,9 +344,12 @@ def _check_members(path: str, zf: zipfile.ZipFile) -> None:
     """What the zip directory says about the members, before any is read: count,
     names, compression and, but for the weights (bounded by the IR), size."""
     _check_entries(path, zf.infolist())
-    texts = sum(info.file_size for info in zf.infolist() if info.filename != WEIGHTS)
-    if texts > MAX_TEXTS:
-        raise ArtifactError(f"{path}: its members other than {WEIGHTS} take {texts:,} "
+    texts = [info for info in zf.infolist() if info.filename != WEIGHTS]
+    for info in texts:
+        _check_size(path, info, _TEXT_LIMITS.get(info.filename, MAX_TEXT))
+    total = sum(info.file_size for info in texts)
+    if total > MAX_TEXTS:
+        raise ArtifactError(f"{path}: its members other than {WEIGHTS} take {total:,} "
                             f"bytes uncompressed; purinec reads at most {MAX_TEXTS:,} "
                             f"({_SUSPECT})")
 
@@ -371,6 +375,13 @@ def _check_entries(where: str, infos: list[zipfile.ZipInfo]) -> None:
                                 "stored and deflated members only")
 
 
+def _check_size(path: str, info: zipfile.ZipInfo, limit: int) -> None:
+    if info.file_size > limit:
+        raise ArtifactError(f"{path}: member {_brief(info.filename)} is {info.file_size:,} "
+                            f"bytes uncompressed; purinec reads at most {limit:,} for it "
+                            f"({_SUSPECT})")
+
+
 def _member_chunks(path: str, zf: zipfile.ZipFile, name: str, limit: int
                    ) -> Iterator[bytes]:
     """Member ``name``'s bytes, a chunk at a time: refused unread if it declares more
@@ -379,10 +390,7 @@ def _member_chunks(path: str, zf: zipfile.ZipFile, name: str, limit: int
         info = zf.getinfo(name)
     except KeyError:
         raise ArtifactError(f"{path}: member {_brief(name)} is missing") from None
-    if info.file_size > limit:
-        raise ArtifactError(f"{path}: member {_brief(name)} is {info.file_size:,} bytes "
-                            f"uncompressed; purinec reads at most {limit:,} for it "
-                            f"({_SUSPECT})")
+    _check_size(path, info, limit)
     try:
         with zf.open(info) as member:
             read = 0

@@ -1,5 +1,6 @@
 """.purine artifacts: what they hold, that they load bitwise, and what they refuse."""
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -9,6 +10,7 @@ import re
 import subprocess
 import sys
 import time
+import tracemalloc
 import types
 import zipfile
 
@@ -23,6 +25,8 @@ from purinec.data import synthetic
 from purinec.errors import ArtifactError, PurinecError
 from purinec.ir.init import initial_value
 from purinec.train import Checkpoint, train
+from tests.artifact_forging import (entry, forged, gib_of_zeros, npy, read_members,
+                                    with_manifest, zip_bytes)
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -574,3 +578,201 @@ def test_the_training_bar_counts_the_steps(model_file, monkeypatch, capsys):
     assert counts and all(total == "3" for _, total in counts), drawn
     # (a loss is shown only after a step; it used to come with a count lagging behind)
     assert all(int(n) >= 1 for n, _ in counts), drawn
+
+
+# -- bounded: what a forged file cannot make loading do -----------------------------------
+# (tests/test_artifact_fuzz.py tries many more: byte flips, truncations, member edits)
+
+def refusal(path):
+    """The ArtifactError loading ``path`` raises, and the most memory it took meanwhile."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(ArtifactError) as refused:
+            purinec.load(path)
+        return str(refused.value), tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_the_manifest_hash_is_checked_before_its_json_is_parsed(saved, monkeypatch):
+    members = read_zip(saved)
+    members["manifest.json"] = b"[" * 100_000 + b"]" * 100_000
+    saved.write_bytes(forged(members, fix_hashes=False))
+    monkeypatch.setattr(artifact.json, "loads", lambda *a, **k: pytest.fail("parsed"))
+    with pytest.raises(ArtifactError, match="manifest.json does not match its sha256"):
+        purinec.load(saved)
+
+
+@pytest.mark.parametrize("version_1", [False, True])
+def test_a_deeply_nested_manifest_is_refused(saved, version_1):
+    """Parsed only once its hash matches (or in a format 1 file, which has no hash)."""
+    nested = (b'{"format": "purinec-artifact", "format_version": 2, "metadata": '
+              + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    members = with_manifest(read_zip(saved), nested)
+    if version_1:
+        del members["manifest.sha256"]
+    saved.write_bytes(forged(members, fix_hashes=False))
+    with pytest.raises(ArtifactError, match="manifest.json nests arrays or objects too "
+                                            "deeply to be read"):
+        purinec.load(saved)
+
+
+@pytest.fixture
+def int_digits_unlimited():
+    old = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)  # no limit: int() of n digits takes time n**2
+    yield
+    sys.set_int_max_str_digits(old)
+
+
+@pytest.mark.parametrize("unlimited", [False, True])
+@pytest.mark.parametrize("field", ["format_version", "metadata"])
+def test_a_manifest_number_of_5000_digits_is_refused(saved, field, unlimited, request):
+    """Refused whatever limit the interpreter sets for int()."""
+    if unlimited:
+        request.getfixturevalue("int_digits_unlimited")
+    number = b"1" * 5000
+    manifest = (b'{"format": "purinec-artifact", "format_version": '
+                + (number if field == "format_version" else b"2")
+                + b', "metadata": {"epoch": ' + number + b"}}")
+    saved.write_bytes(forged(with_manifest(read_zip(saved), manifest), fix_hashes=False))
+    with pytest.raises(ArtifactError, match=r"manifest.json is not valid JSON: a number "
+                                            r"of 5,000 digits \(at most 4,300\)"):
+        purinec.load(saved)
+
+
+def test_a_long_format_version_is_shown_shortened(saved):
+    edit_manifest(saved, format_version=int("9" * 4000))
+    with pytest.raises(ArtifactError, match=r"format version 9+\.\.\.9+, newer") as refused:
+        purinec.load(saved)
+    assert len(str(refused.value)) < len(str(saved)) + 300
+
+
+def test_a_weights_member_without_npy_suffix_is_refused(trained, saved):
+    members = read_zip(saved)
+    weights = read_members(members["weights.npz"])
+    weights["param/ip1.bias"] = weights.pop("param/ip1.bias.npy")  # np.load: bytes
+    members["weights.npz"] = zip_bytes(entry(n, d, zipfile.ZIP_STORED)
+                                       for n, d in weights.items())
+    saved.write_bytes(forged(members))
+    with pytest.raises(ArtifactError, match=r"weights.npz holds a member named "
+                                            r"'param/ip1.bias', not an array: arrays are "
+                                            r"stored as param/<name>.npy"):
+        purinec.load(saved)
+
+
+@pytest.mark.parametrize("member", ["kernels/tiny/matmul.py", "program.pir", "weights.npz"])
+def test_a_gigabyte_bomb_listed_with_its_real_hash_is_refused_unread(saved, member):
+    """A megabyte inflating to a GiB: refused for the size it declares, before a byte of
+    it is inflated (it used to take 12-15 s and 2.2 GB)."""
+    members = {**read_zip(saved), member: gib_of_zeros(member)}
+    saved.write_bytes(forged(members))
+    assert saved.stat().st_size < 4 * 2**20
+    message, peak = refusal(saved)
+    assert f"member {member} is 1,073,741,824 bytes uncompressed; purinec reads at most" \
+        in message
+    assert peak < 16 * 2**20
+
+
+def test_a_bomb_declaring_less_than_it_holds_is_cut_off(saved):
+    members = {**read_zip(saved), "program.pir": gib_of_zeros("program.pir", declared=100)}
+    saved.write_bytes(forged(members))
+    message, peak = refusal(saved)
+    assert "member program.pir is damaged (Bad CRC-32" in message
+    assert peak < 16 * 2**20
+
+
+def test_an_array_bomb_inside_the_weights_is_refused_unread(saved):
+    members = read_zip(saved)
+    weights = read_members(members["weights.npz"])
+    inner = [entry(n, d, zipfile.ZIP_STORED) for n, d in weights.items()
+             if n != "param/ip1.weight.npy"]
+    bomb = dataclasses.replace(entry("param/ip1.weight.npy", bytes(512)), size=2**30)
+    members["weights.npz"] = zip_bytes([bomb, *inner])
+    saved.write_bytes(forged(members))
+    message, peak = refusal(saved)
+    assert ("weights.npz: array param/ip1.weight is 1,073,741,824 bytes, more than its "
+            "type in the IR, f32[8,16], takes") in message
+    assert peak < 16 * 2**20
+
+
+@pytest.mark.parametrize("header, message", [
+    (npy("<f4", (2**40, 2**40)),
+     r"param ip1.weight: the IR declares f32\[8,16\], the array is "
+     r"f32\[1099511627776,1099511627776\]"),
+    (npy("<f4", (2**40, 2**40), version=(2, 0)), r"the array is f32\[1099511627776,"),
+    (npy("|V1000000000", (8, 16)), r"the IR declares f32\[8,16\], the array is \|V1000000000"),
+    (npy("<f4", (8, 16), bytes(100)), r"array param/ip1.weight holds 100 bytes of data; "
+                                      r"its shape and dtype take 512"),
+    (npy("<f4", (8, 16))[:20], r"array param/ip1.weight is damaged"),
+    (npy("|O", (8, 16)), "array param/ip1.weight cannot be read without unpickling"),
+    (b"\x93NUMPY\x03\x00" + bytes(100), r"array param/ip1.weight is damaged: .npy format "
+                                        r"version \(3, 0\)"),
+])
+def test_an_npy_header_is_checked_before_its_data_is_allocated(saved, header, message):
+    members = read_zip(saved)
+    weights = read_members(members["weights.npz"])
+    weights["param/ip1.weight.npy"] = header
+    members["weights.npz"] = zip_bytes(entry(n, d, zipfile.ZIP_STORED)
+                                       for n, d in weights.items())
+    saved.write_bytes(forged(members))
+    refused, peak = refusal(saved)
+    assert re.search(message, refused), refused
+    assert peak < 16 * 2**20
+
+
+def test_members_past_the_limit_are_refused_before_the_directory_is_parsed(saved):
+    members = read_zip(saved)
+    many = [(f"kernels/{i}.py", b"") for i in range(40_000)]  # used to take 15 s
+    saved.write_bytes(forged([*members.items(), *many], method=zipfile.ZIP_STORED))
+    with pytest.raises(ArtifactError, match=r"tiny.purine has 40,0\d\d members; an artifact "
+                                            r"has at most 10,000"):
+        purinec.load(saved)
+    # An end record that understates the count: the directory is parsed, then counted.
+    raw = zip_bytes((entry(n, d, zipfile.ZIP_STORED) for n, d in [*members.items(), *many]),
+                    claimed_count=5)
+    saved.write_bytes(raw)
+    with pytest.raises(ArtifactError, match=r"has 40,0\d\d members; an artifact has at most"):
+        purinec.load(saved)
+
+
+def test_a_zip_directory_past_the_limit_is_refused(saved):
+    members = read_zip(saved)
+    long_names = [(f"kernels/{i:040000}.py", b"") for i in range(100)]  # 4 MB directory
+    saved.write_bytes(forged([*members.items(), *long_names], method=zipfile.ZIP_STORED))
+    with pytest.raises(ArtifactError, match=r"has a zip directory of [\d,]+ bytes; an "
+                                            r"artifact's takes at most 3,145,728"):
+        purinec.load(saved)
+
+
+def test_a_name_repeated_thousands_of_times_is_found_in_linear_time(saved):
+    members = read_zip(saved)
+    repeated = [("kernels/k.py", b"")] * 9_000  # names.count: 81 million comparisons
+    saved.write_bytes(forged([*members.items(), *repeated], fix_hashes=False))
+    with pytest.raises(ArtifactError, match="member kernels/k.py appears more than once"):
+        purinec.load(saved)
+
+
+@pytest.mark.parametrize("method, name", [(zipfile.ZIP_BZIP2, "12"), (zipfile.ZIP_LZMA, "14")])
+def test_a_member_compressed_other_than_purinec_writes_is_refused_unread(saved, method,
+                                                                          name):
+    """bzip2 and lzma members inflate a whole block at once in zipfile, past any limit."""
+    members = read_zip(saved)
+    with zipfile.ZipFile(saved, "w") as zf:
+        for member, data in members.items():
+            zf.writestr(member, data, method if member == "program.pir" else
+                        zipfile.ZIP_DEFLATED)
+    with pytest.raises(ArtifactError, match=f"member program.pir uses zip compression method "
+                                            f"{name}; purinec reads stored and deflated"):
+        purinec.load(saved)
+
+
+def test_text_members_past_their_total_are_refused(saved):
+    members = read_zip(saved)
+    kernels = {f"kernels/{i}.py": gib_of_zeros(f"kernels/{i}.py", declared=15 * 2**20)
+               for i in range(9)}  # each under the 16 MiB a text may take
+    saved.write_bytes(forged({**members, **kernels}))
+    with pytest.raises(ArtifactError, match=r"its members other than weights.npz take "
+                                            r"[\d,]+ bytes uncompressed; purinec reads at "
+                                            r"most 134,217,728"):
+        purinec.load(saved)
