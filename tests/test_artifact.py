@@ -701,7 +701,8 @@ def test_an_array_bomb_inside_the_weights_is_refused_unread(saved):
      r"param ip1.weight: the IR declares f32\[8,16\], the array is "
      r"f32\[1099511627776,1099511627776\]"),
     (npy("<f4", (2**40, 2**40), version=(2, 0)), r"the array is f32\[1099511627776,"),
-    (npy("|V1000000000", (8, 16)), r"the IR declares f32\[8,16\], the array is \|V1000000000"),
+    (npy("|V1000000000", (8, 16)),
+     r"the IR declares f32\[8,16\], the array is \|V1000000000"),
     (npy("<f4", (8, 16), bytes(100)), r"array param/ip1.weight holds 100 bytes of data; "
                                       r"its shape and dtype take 512"),
     (npy("<f4", (8, 16))[:20], r"array param/ip1.weight is damaged"),
@@ -725,14 +726,14 @@ def test_members_past_the_limit_are_refused_before_the_directory_is_parsed(saved
     members = read_zip(saved)
     many = [(f"kernels/{i}.py", b"") for i in range(40_000)]  # used to take 15 s
     saved.write_bytes(forged([*members.items(), *many], method=zipfile.ZIP_STORED))
-    with pytest.raises(ArtifactError, match=r"tiny.purine has 40,0\d\d members; an artifact "
-                                            r"has at most 10,000"):
+    with pytest.raises(ArtifactError, match=r"tiny.purine has 40,0\d\d members; an "
+                                            r"artifact has at most 10,000"):
         purinec.load(saved)
     # An end record that understates the count: the directory is parsed, then counted.
     raw = zip_bytes((entry(n, d, zipfile.ZIP_STORED) for n, d in [*members.items(), *many]),
                     claimed_count=5)
     saved.write_bytes(raw)
-    with pytest.raises(ArtifactError, match=r"has 40,0\d\d members; an artifact has at most"):
+    with pytest.raises(ArtifactError, match=r"has 40,0\d\d members; an artifact has"):
         purinec.load(saved)
 
 
@@ -753,17 +754,17 @@ def test_a_name_repeated_thousands_of_times_is_found_in_linear_time(saved):
         purinec.load(saved)
 
 
-@pytest.mark.parametrize("method, name", [(zipfile.ZIP_BZIP2, "12"), (zipfile.ZIP_LZMA, "14")])
-def test_a_member_compressed_other_than_purinec_writes_is_refused_unread(saved, method,
-                                                                          name):
+@pytest.mark.parametrize("method", [zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA])
+def test_a_member_compressed_other_than_purinec_writes_is_refused_unread(saved, method):
     """bzip2 and lzma members inflate a whole block at once in zipfile, past any limit."""
     members = read_zip(saved)
     with zipfile.ZipFile(saved, "w") as zf:
         for member, data in members.items():
             zf.writestr(member, data, method if member == "program.pir" else
                         zipfile.ZIP_DEFLATED)
-    with pytest.raises(ArtifactError, match=f"member program.pir uses zip compression method "
-                                            f"{name}; purinec reads stored and deflated"):
+    with pytest.raises(ArtifactError, match=f"member program.pir uses zip compression "
+                                            f"method {method}; purinec reads stored and "
+                                            f"deflated"):
         purinec.load(saved)
 
 
