@@ -219,7 +219,7 @@ MAX_MANIFEST = 16 * 2**20  # a hash (~100 bytes) per member and the free metadat
 MAX_MANIFEST_HASH = 1024  # 64 hex digits and a newline
 MAX_TEXT = 16 * 2**20  # an IR text or a kernel source (trained inception's IR: 45 kB)
 MAX_TEXTS = 128 * 2**20  # every member but the weights, together
-NPY_OVERHEAD = 16 * 2**10  # an array's .npy header (NumPy reads 10,000 B of it), zip records
+NPY_OVERHEAD = 16 * 2**10  # an array's .npy header (NumPy reads 10,000 B), zip records
 # Python's default limit on int(): a manifest number is refused past it even where the
 # interpreter's limit is lifted (set_int_max_str_digits(0)), since int() is then quadratic.
 MAX_INT_DIGITS = 4300
@@ -397,12 +397,14 @@ def _member_chunks(path: str, zf: zipfile.ZipFile, name: str, limit: int
             while chunk := member.read(min(_CHUNK, info.file_size - read + 1)):
                 read += len(chunk)
                 if read > info.file_size:
-                    raise ArtifactError(f"{path}: member {_brief(name)} holds more than "
-                                        f"the {info.file_size:,} bytes it declares "
-                                        f"({_CHANGED})")
+                    break
                 yield chunk
     except _DAMAGED as err:
         raise ArtifactError(f"{path}: member {_brief(name)} is damaged ({err})") from None
+    if read != info.file_size:  # zipfile checks the CRC of what it read, not the size
+        held = f"{read:,} bytes" if read < info.file_size else "more"
+        raise ArtifactError(f"{path}: member {_brief(name)} is damaged: it declares "
+                            f"{info.file_size:,} bytes and holds {held}")
 
 
 def _read_member(path: str, zf: zipfile.ZipFile, name: str, limit: int) -> bytes:
@@ -654,12 +656,19 @@ def _npy_header(where: str, info: zipfile.ZipInfo, f: BinaryIO
     """(shape, Fortran order, dtype) from the .npy header at ``f``, leaving ``f`` at
     the data. NumPy parses it without evaluating code and refuses more than 10,000 bytes."""
     version = np.lib.format.read_magic(f)
-    if version == (1, 0):
-        shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(f)
-    elif version == (2, 0):
-        shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(f)
-    else:
+    readers = {(1, 0): np.lib.format.read_array_header_1_0,
+               (2, 0): np.lib.format.read_array_header_2_0}
+    if version not in readers:
         raise ValueError(f".npy format version {version}; NumPy writes 1.0 or 2.0 here")
+    try:
+        shape, fortran_order, dtype = readers[version](f)
+    except _DAMAGED:
+        raise  # a damaged member, or NumPy's own ValueError: reported as they are
+    except Exception as err:  # noqa: BLE001  (whatever else NumPy's parser lets through)
+        # For a forged header, NumPy's parser (ast.literal_eval, tokenize, np.dtype)
+        # also raises SyntaxError, TokenError, TypeError, OverflowError, RecursionError.
+        raise ValueError(f"its .npy header cannot be parsed ({type(err).__name__}: "
+                         f"{err})") from None
     if dtype.hasobject:
         raise ArtifactError(f"{where}: array {info.filename[:-4]} cannot be read without "
                             "unpickling (it holds Python objects)")
