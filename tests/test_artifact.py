@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import re
+import struct
 import subprocess
 import sys
 import time
@@ -682,6 +683,18 @@ def test_a_bomb_declaring_less_than_it_holds_is_cut_off(saved):
     assert peak < 16 * 2**20
 
 
+def test_a_member_holding_less_than_it_declares_is_refused(saved):
+    """zipfile checks the CRC of what it inflated, not that it inflated all it should."""
+    members = read_zip(saved)
+    pir = members["program.pir"]
+    short = dataclasses.replace(entry("program.pir", pir), size=len(pir) + 1000)
+    saved.write_bytes(forged({**members, "program.pir": short}))
+    with pytest.raises(ArtifactError, match=rf"member program.pir is damaged: it declares "
+                                            rf"{len(pir) + 1000:,} bytes and holds "
+                                            rf"{len(pir):,} bytes"):
+        purinec.load(saved)
+
+
 def test_an_array_bomb_inside_the_weights_is_refused_unread(saved):
     members = read_zip(saved)
     weights = read_members(members["weights.npz"])
@@ -694,6 +707,10 @@ def test_an_array_bomb_inside_the_weights_is_refused_unread(saved):
     assert ("weights.npz: array param/ip1.weight is 1,073,741,824 bytes, more than its "
             "type in the IR, f32[8,16], takes") in message
     assert peak < 16 * 2**20
+
+
+def npy_with_header(text):
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(text)) + text
 
 
 @pytest.mark.parametrize("header, message", [
@@ -709,6 +726,9 @@ def test_an_array_bomb_inside_the_weights_is_refused_unread(saved):
     (npy("|O", (8, 16)), "array param/ip1.weight cannot be read without unpickling"),
     (b"\x93NUMPY\x03\x00" + bytes(100), r"array param/ip1.weight is damaged: .npy format "
                                         r"version \(3, 0\)"),
+    # Unbalanced: NumPy retries with Python 2's tokenizer, which raises TokenError.
+    (npy_with_header(b"{'descr': '<f4', 'fortran_order': False, 'shape': (8, }\n"),
+     r"array param/ip1.weight is damaged: its .npy header cannot be parsed \(TokenError"),
 ])
 def test_an_npy_header_is_checked_before_its_data_is_allocated(saved, header, message):
     members = read_zip(saved)
