@@ -11,12 +11,24 @@ The file is one zip:
     weights.npz     params as ``param/<name>``, state as ``state/<name>``; no pickle
     kernels/<graph>/<kernel>.py   the generated kernel sources, for people to read
 
-Loading trusts nothing in the file. It never unpickles (``allow_pickle=False``) and never
-imports or executes a member: the IR is parsed and verified, every member is checked
-against its hash (the manifest against manifest.sha256, written since format version 2;
-version 1 files, which have none, still load), the weights against the IR's declared
-types, and the target then builds the program from the IR, regenerating its kernels (the
-kernel files are not read back).
+Loading trusts nothing in the file. It never unpickles and never imports or executes a
+member: the IR is parsed and verified, every member is checked against its hash, the
+weights against the IR's declared types, and the target then builds the program from
+the IR, regenerating its kernels (the kernel files are hashed, not used).
+Nothing is read before it is bounded (the limits are the MAX_* constants below):
+- the zip's end record, before zipfile parses its directory: the member count and the
+  directory's size; then no name twice, only stored or deflated members, no encryption;
+- each member's declared (uncompressed) size: the manifest, its hash, each IR text or
+  kernel source and all of them together by fixed limits, weights.npz by what the IR's
+  params and state take; reading stops at the declared size and checks it was reached,
+  so neither a forged size nor a deflate bomb costs more than the directory;
+- the manifest: checked against manifest.sha256 before the JSON is parsed (every format
+  from version 2 on keeps that file the sha256 of manifest.json, so that a newer file is
+  still told apart from a changed one; version 1 files, which have none, are parsed
+  unchecked), with numbers past 4,300 digits and too deep a nesting refused;
+- weights.npz, read without np.load: each array's zip entry and .npy header are checked
+  against its declared type before its data is allocated, its data read in chunks.
+Every failure is an ArtifactError naming the file, the member and what is wrong.
 Saving is all or nothing: a temporary file beside the target, fsync, rename.
 """
 
