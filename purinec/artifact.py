@@ -20,8 +20,10 @@ Nothing is read before it is bounded (the limits are the MAX_* constants below):
   directory's size; then no name twice, only stored or deflated members, no encryption;
 - each member's declared (uncompressed) size: the manifest, its hash, each IR text or
   kernel source and all of them together by fixed limits, weights.npz by what the IR's
-  params and state take; reading stops at the declared size and checks it was reached,
-  so neither a forged size nor a deflate bomb costs more than the directory;
+  params and state take, and every member (the arrays in weights.npz too) by 64 times
+  its compressed size, since a forger writes the IR too; reading stops at the declared
+  size and checks it was reached, so neither a forged size nor a deflate bomb costs
+  more than the directory;
 - the manifest: checked against manifest.sha256 before the JSON is parsed (every format
   from version 2 on keeps that file the sha256 of manifest.json, so that a newer file is
   still told apart from a changed one; version 1 files, which have none, are parsed
@@ -235,6 +237,11 @@ NPY_OVERHEAD = 16 * 2**10  # an array's .npy header (NumPy reads 10,000 B), zip 
 # Python's default limit on int(): a manifest number is refused past it even where the
 # interpreter's limit is lifted (set_int_max_str_digits(0)), since int() is then quadratic.
 MAX_INT_DIGITS = 4300
+# How many times its compressed size a member may inflate to, past its first MiB. purinec
+# stores the weights; deflate gains ~1.1x on floats and ~10x on IR text, ~1000x on zeros
+# (a fresh momentum: half a training program's weights, so ~2x for the whole).
+MAX_INFLATION = 64
+_INFLATION_ALLOWED = 2**20
 _CHUNK = 2**20  # bytes inflated at a time
 _TEXT_LIMITS = {MANIFEST: MAX_MANIFEST, MANIFEST_HASH: MAX_MANIFEST_HASH}  # else MAX_TEXT
 
@@ -354,7 +361,7 @@ def _check_directory_size(where: str, tail: bytes) -> None:
 
 def _check_members(path: str, zf: zipfile.ZipFile) -> None:
     """What the zip directory says about the members, before any is read: count,
-    names, compression and, but for the weights (bounded by the IR), size."""
+    names, compression, inflation and, but for the weights (bounded by the IR), size."""
     _check_entries(path, zf.infolist())
     texts = [info for info in zf.infolist() if info.filename != WEIGHTS]
     for info in texts:
@@ -364,6 +371,7 @@ def _check_members(path: str, zf: zipfile.ZipFile) -> None:
         raise ArtifactError(f"{path}: its members other than {WEIGHTS} take {total:,} "
                             f"bytes uncompressed; purinec reads at most {MAX_TEXTS:,} "
                             f"({_SUSPECT})")
+    _check_inflation(path, zf.infolist())
 
 
 def _check_entries(where: str, infos: list[zipfile.ZipInfo]) -> None:
@@ -385,6 +393,17 @@ def _check_entries(where: str, infos: list[zipfile.ZipInfo]) -> None:
             raise ArtifactError(f"{where}: member {_brief(info.filename)} uses zip "
                                 f"compression method {info.compress_type}; purinec reads "
                                 "stored and deflated members only")
+
+
+def _check_inflation(where: str, infos: list[zipfile.ZipInfo]) -> None:
+    """Refuse a member that would inflate to far more than the file holds: the weights'
+    limit comes from the IR, which a forger writes too, and only this keeps the memory
+    a small file can ask for in proportion to it."""
+    for info in infos:
+        if info.file_size > MAX_INFLATION * info.compress_size + _INFLATION_ALLOWED:
+            raise ArtifactError(f"{where}: member {_brief(info.filename)} would inflate "
+                                f"{info.compress_size:,} bytes to {info.file_size:,}, more "
+                                f"than {MAX_INFLATION} times over ({_SUSPECT})")
 
 
 def _check_size(path: str, info: zipfile.ZipInfo, limit: int) -> None:
@@ -621,6 +640,7 @@ def _open_npz(where: str, data: bytes) -> zipfile.ZipFile:
     except _DAMAGED as err:
         raise ArtifactError(f"{where} is not a NumPy .npz archive: {err}") from None
     _check_entries(where, npz.infolist())
+    _check_inflation(where, npz.infolist())
     return npz
 
 

@@ -662,16 +662,23 @@ def test_a_weights_member_without_npy_suffix_is_refused(trained, saved):
         purinec.load(saved)
 
 
-@pytest.mark.parametrize("member", ["kernels/tiny/matmul.py", "program.pir", "weights.npz"])
-def test_a_gigabyte_bomb_listed_with_its_real_hash_is_refused_unread(saved, member):
+@pytest.mark.parametrize("member, message", [
+    ("kernels/tiny/matmul.py", "is 1,073,741,824 bytes uncompressed; purinec reads at most "
+                               "16,777,216 for it"),
+    ("program.pir", "is 1,073,741,824 bytes uncompressed; purinec reads at most "
+                    "16,777,216 for it"),
+    ("weights.npz", r"would inflate 1,06\d,\d\d\d bytes to 1,073,741,824, more than 64 "
+                    "times over"),
+])
+def test_a_gigabyte_bomb_listed_with_its_real_hash_is_refused_unread(saved, member,
+                                                                      message):
     """A megabyte inflating to a GiB: refused for the size it declares, before a byte of
     it is inflated (it used to take 12-15 s and 2.2 GB)."""
     members = {**read_zip(saved), member: gib_of_zeros(member)}
     saved.write_bytes(forged(members))
     assert saved.stat().st_size < 4 * 2**20
-    message, peak = refusal(saved)
-    assert f"member {member} is 1,073,741,824 bytes uncompressed; purinec reads at most" \
-        in message
+    refused, peak = refusal(saved)
+    assert re.search(f"member {member} {message}", refused), refused
     assert peak < 16 * 2**20
 
 
@@ -695,18 +702,62 @@ def test_a_member_holding_less_than_it_declares_is_refused(saved):
         purinec.load(saved)
 
 
-def test_an_array_bomb_inside_the_weights_is_refused_unread(saved):
+@pytest.mark.parametrize("declared, message", [
+    (2**30, r"weights.npz: member param/ip1.weight.npy would inflate [\d,]+ bytes to "
+            r"1,073,741,824, more than 64 times over"),
+    (600_000, r"weights.npz: array param/ip1.weight is 600,000 bytes, more than its type "
+              r"in the IR, f32\[8,16\], takes"),
+])
+def test_an_array_bomb_inside_the_weights_is_refused_unread(saved, declared, message):
     members = read_zip(saved)
     weights = read_members(members["weights.npz"])
     inner = [entry(n, d, zipfile.ZIP_STORED) for n, d in weights.items()
              if n != "param/ip1.weight.npy"]
-    bomb = dataclasses.replace(entry("param/ip1.weight.npy", bytes(512)), size=2**30)
+    bomb = dataclasses.replace(entry("param/ip1.weight.npy", bytes(512)), size=declared)
     members["weights.npz"] = zip_bytes([bomb, *inner])
     saved.write_bytes(forged(members))
-    message, peak = refusal(saved)
-    assert ("weights.npz: array param/ip1.weight is 1,073,741,824 bytes, more than its "
-            "type in the IR, f32[8,16], takes") in message
+    refused, peak = refusal(saved)
+    assert re.search(message, refused), refused
     assert peak < 16 * 2**20
+
+
+BIG_PARAM = """
+from purinec.bigraph import Blob, InnerProduct, Net
+
+
+def build(batch=1):
+    with Net("big") as net:
+        net.outputs = [Blob("data", (batch, 1024)) >> InnerProduct("ip", 1024) >> Blob("y")]
+    return net
+"""
+
+
+@pytest.mark.parametrize("deflated, refused", [
+    ((), None),  # as purinec writes them
+    (("weights.npz",), "member weights.npz"),
+    (("param/ip.weight.npy",), "weights.npz: member param/ip.weight.npy"),
+])
+def test_weights_may_not_inflate_64_times_over(tmp_path, deflated, refused):
+    """The IR, which bounds the weights, is the forger's too: a few kB of zeros that
+    inflate to the 4 MiB it declares are refused. Stored, they load."""
+    (tmp_path / "big.py").write_text(BIG_PARAM)
+    path = tmp_path / "big.purine"
+    purinec.compile(str(tmp_path / "big.py")).save(path)
+
+    def member(name, content):
+        return entry(name, content, zipfile.ZIP_DEFLATED if name in deflated
+                     else zipfile.ZIP_STORED)
+
+    zeros = {"param/ip.weight.npy": npy("<f4", (1024, 1024), bytes(4 * 2**20)),
+             "param/ip.bias.npy": npy("<f4", (1024,), bytes(4096))}
+    npz = zip_bytes(member(n, d) for n, d in zeros.items())
+    path.write_bytes(forged({**read_zip(path), "weights.npz": member("weights.npz", npz)}))
+    if refused is None:
+        assert not purinec.load(path).params["ip.weight"].any()
+        return
+    with pytest.raises(ArtifactError, match=rf"{refused} would inflate [\d,]+ bytes to "
+                                            rf"4,19\d,\d\d\d, more than 64 times over"):
+        purinec.load(path)
 
 
 def npy_with_header(text):
