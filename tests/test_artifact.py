@@ -664,9 +664,9 @@ def test_a_weights_member_without_npy_suffix_is_refused(trained, saved):
 
 @pytest.mark.parametrize("member, message", [
     ("kernels/tiny/matmul.py", "is 1,073,741,824 bytes uncompressed; purinec reads at most "
-                               "16,777,216 for it"),
+                               "4,194,304 for it"),
     ("program.pir", "is 1,073,741,824 bytes uncompressed; purinec reads at most "
-                    "16,777,216 for it"),
+                    "4,194,304 for it"),
     ("weights.npz", r"would inflate 1,06\d,\d\d\d bytes to 1,073,741,824, more than 64 "
                     "times over"),
 ])
@@ -841,8 +841,8 @@ def test_a_member_compressed_other_than_purinec_writes_is_refused_unread(saved, 
 
 def test_text_members_past_their_total_are_refused(saved):
     members = read_zip(saved)
-    kernels = {f"kernels/{i}.py": gib_of_zeros(f"kernels/{i}.py", declared=15 * 2**20)
-               for i in range(9)}  # each under the 16 MiB a text may take
+    kernels = {f"kernels/{i}.py": gib_of_zeros(f"kernels/{i}.py", declared=4 * 2**20)
+               for i in range(33)}  # each as much as a text may take
     saved.write_bytes(forged({**members, **kernels}))
     with pytest.raises(ArtifactError, match=r"its members other than weights.npz take "
                                             r"[\d,]+ bytes uncompressed; purinec reads at "
