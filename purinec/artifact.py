@@ -418,7 +418,8 @@ def _check_size(path: str, info: zipfile.ZipInfo, limit: int) -> None:
 def _member_chunks(path: str, zf: zipfile.ZipFile, name: str, limit: int
                    ) -> Iterator[bytes]:
     """Member ``name``'s bytes, a chunk at a time: refused unread if it declares more
-    than ``limit`` bytes, and cut off if it holds more than it declares."""
+    than ``limit`` bytes, and as damaged if it holds other than it declares (reading
+    stops one byte past that)."""
     try:
         info = zf.getinfo(name)
     except KeyError:

@@ -806,6 +806,16 @@ def test_members_past_the_limit_are_refused_before_the_directory_is_parsed(saved
     saved.write_bytes(raw)
     with pytest.raises(ArtifactError, match=r"has 40,0\d\d members; an artifact has"):
         purinec.load(saved)
+    # Past 65,535 members the count is in the zip64 end record (and its locator), which
+    # come before the end record: read from them before zipfile reads anything.
+    zip64_end = struct.pack("<4sQ2H2L4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, 70_000, 70_000,
+                            70_000 * 50, 4)
+    locator = struct.pack("<4sLQL", b"PK\x06\x07", 0, 4, 1)
+    end = struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF,
+                      0xFFFFFFFF, 0)
+    saved.write_bytes(b"PK\x03\x04" + zip64_end + locator + end)
+    with pytest.raises(ArtifactError, match=r"has 70,000 members; an artifact has"):
+        purinec.load(saved)
 
 
 def test_a_zip_directory_past_the_limit_is_refused(saved):
