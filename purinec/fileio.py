@@ -5,26 +5,39 @@ graph pictures, IR dumps, outputs) goes through `replacing`: written beside its 
 under a temporary name, then renamed over it, so a crash or an error at any point leaves
 the old file (or none) as it was. The new file gets the permissions any new file gets
 (0666 less the umask), not the owner-only 0600 of `tempfile.mkstemp`.
+
+A writer that is killed outright (SIGKILL, SIGTERM, power loss) cannot remove its
+temporary file; the next write of the same path does, once the pid in its name names
+no process.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import time
 from typing import BinaryIO, Callable, Iterator
 
 from purinec.errors import ArtifactError
+
+# How long a dead writer's temporary file is left: a pid means something on this machine
+# only, and a writer on another machine sharing the directory (or in another container)
+# has a pid that names no process here; while it writes, its file's mtime stays recent.
+STALE_AFTER_S = 60
 
 
 @contextlib.contextmanager
 def replacing(path: str | os.PathLike) -> Iterator[str]:
     """A temporary path beside ``path`` for the block to write; renamed over ``path``
     once the block ends without an error, removed otherwise. A place that cannot be
-    written is an `ArtifactError` naming ``path``."""
+    written is an `ArtifactError` naming ``path``. Temporary files of ``path`` that
+    killed writers left are removed first."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}."
-                                  f"{os.urandom(4).hex()}.tmp")
+    name = os.path.basename(path)
+    _remove_stale_temporaries(directory, name)
+    tmp = os.path.join(directory, f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
     try:
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     except OSError as err:
@@ -39,6 +52,35 @@ def replacing(path: str | os.PathLike) -> Iterator[str]:
             raise ArtifactError(f"cannot write {path}: {err.strerror or err}") from None
         raise
     _fsync_directory(directory)
+
+
+def _remove_stale_temporaries(directory: str, name: str) -> None:
+    """Remove the temporary files of ``name`` in ``directory`` (as `replacing` names
+    them) whose writer's process is gone and which no one touched for `STALE_AFTER_S`."""
+    if os.name != "posix":  # os.kill(pid, 0) sends a Ctrl-C on Windows
+        return
+    pattern = re.compile(rf"\.{re.escape(name)}\.([1-9][0-9]*)\.[0-9a-f]{{8}}\.tmp")
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return  # creating the new temporary file will say what is wrong
+    for entry in entries:
+        match = pattern.fullmatch(entry)
+        if match and not _process_exists(int(match[1])):
+            with contextlib.suppress(OSError):  # gone already, or not ours to remove
+                tmp = os.path.join(directory, entry)
+                if time.time() - os.stat(tmp).st_mtime > STALE_AFTER_S:
+                    os.unlink(tmp)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's; past any pid: left alone
+        return True
+    return True
 
 
 def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:

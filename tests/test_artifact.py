@@ -1,14 +1,17 @@
 """.purine artifacts: what they hold, that they load bitwise, and what they refuse."""
 
+import dataclasses
 import hashlib
 import io
 import json
 import os
 import pathlib
 import re
+import struct
 import subprocess
 import sys
 import time
+import tracemalloc
 import types
 import zipfile
 
@@ -23,6 +26,8 @@ from purinec.data import synthetic
 from purinec.errors import ArtifactError, PurinecError
 from purinec.ir.init import initial_value
 from purinec.train import Checkpoint, train
+from tests.artifact_forging import (entry, forged, gib_of_zeros, npy, read_members,
+                                    with_manifest, zip_bytes)
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -346,8 +351,9 @@ def test_a_format_1_artifact_without_a_manifest_hash_still_loads(trained, saved)
 
 
 def test_a_newer_format_is_refused_naming_both_versions(saved):
-    edit_manifest(saved, fix_hashes=False, format_version=artifact.FORMAT_VERSION + 1,
-                  purinec_version="9.0")
+    # Every format from 2 on keeps manifest.sha256 the hash of manifest.json, which is
+    # checked before the JSON is parsed: a newer file gets this message, not "changed".
+    edit_manifest(saved, format_version=artifact.FORMAT_VERSION + 1, purinec_version="9.0")
     with pytest.raises(ArtifactError, match=rf"format version {artifact.FORMAT_VERSION + 1}, "
                                             rf"newer than the version "
                                             rf"{artifact.FORMAT_VERSION} .*purinec 9.0"):
@@ -407,6 +413,7 @@ def test_an_unlisted_member_is_refused(saved):
 def test_a_bad_manifest_is_refused(saved, manifest, message):
     members = read_zip(saved)
     members["manifest.json"] = manifest
+    members["manifest.sha256"] = hashlib.sha256(manifest).hexdigest().encode()  # so it is parsed
     write_zip(saved, members, fix_hashes=False)
     with pytest.raises(ArtifactError, match=message):
         purinec.load(saved)
@@ -572,3 +579,282 @@ def test_the_training_bar_counts_the_steps(model_file, monkeypatch, capsys):
     assert counts and all(total == "3" for _, total in counts), drawn
     # (a loss is shown only after a step; it used to come with a count lagging behind)
     assert all(int(n) >= 1 for n, _ in counts), drawn
+
+
+# -- bounded: what a forged file cannot make loading do -----------------------------------
+# (tests/test_artifact_fuzz.py tries many more: byte flips, truncations, member edits)
+
+def refusal(path):
+    """The ArtifactError loading ``path`` raises, and the most memory it took meanwhile."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(ArtifactError) as refused:
+            purinec.load(path)
+        return str(refused.value), tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_the_manifest_hash_is_checked_before_its_json_is_parsed(saved, monkeypatch):
+    members = read_zip(saved)
+    members["manifest.json"] = b"[" * 100_000 + b"]" * 100_000
+    saved.write_bytes(forged(members, fix_hashes=False))
+    monkeypatch.setattr(artifact.json, "loads", lambda *a, **k: pytest.fail("parsed"))
+    with pytest.raises(ArtifactError, match="manifest.json does not match its sha256"):
+        purinec.load(saved)
+
+
+@pytest.mark.parametrize("version_1", [False, True])
+def test_a_deeply_nested_manifest_is_refused(saved, version_1):
+    """Parsed only once its hash matches (or in a format 1 file, which has no hash)."""
+    nested = (b'{"format": "purinec-artifact", "format_version": %d, "metadata": %s%s}'
+              % (1 if version_1 else 2, b"[" * 100_000, b"]" * 100_000))
+    members = with_manifest(read_zip(saved), nested)
+    if version_1:
+        del members["manifest.sha256"]
+    saved.write_bytes(forged(members, fix_hashes=False))
+    with pytest.raises(ArtifactError, match="manifest.json nests arrays or objects too "
+                                            "deeply to be read"):
+        purinec.load(saved)
+
+
+@pytest.fixture
+def int_digits_unlimited():
+    old = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)  # no limit: int() of n digits takes time n**2
+    yield
+    sys.set_int_max_str_digits(old)
+
+
+@pytest.mark.parametrize("unlimited", [False, True])
+@pytest.mark.parametrize("field", ["format_version", "metadata"])
+def test_a_manifest_number_of_5000_digits_is_refused(saved, field, unlimited, request):
+    """Refused whatever limit the interpreter sets for int()."""
+    if unlimited:
+        request.getfixturevalue("int_digits_unlimited")
+    number = b"1" * 5000
+    manifest = (b'{"format": "purinec-artifact", "format_version": '
+                + (number if field == "format_version" else b"2")
+                + b', "metadata": {"epoch": ' + number + b"}}")
+    saved.write_bytes(forged(with_manifest(read_zip(saved), manifest), fix_hashes=False))
+    with pytest.raises(ArtifactError, match=r"manifest.json is not valid JSON: a number "
+                                            r"of 5,000 digits \(at most 4,300\)"):
+        purinec.load(saved)
+
+
+def test_a_long_format_version_is_shown_shortened(saved):
+    edit_manifest(saved, format_version=int("9" * 4000))
+    with pytest.raises(ArtifactError, match=r"format version 9+\.\.\.9+, newer") as refused:
+        purinec.load(saved)
+    assert len(str(refused.value)) < len(str(saved)) + 300
+
+
+def test_a_weights_member_without_npy_suffix_is_refused(saved):
+    members = read_zip(saved)
+    weights = read_members(members["weights.npz"])
+    weights["param/ip1.bias"] = weights.pop("param/ip1.bias.npy")  # np.load: bytes
+    members["weights.npz"] = zip_bytes(entry(n, d, zipfile.ZIP_STORED)
+                                       for n, d in weights.items())
+    saved.write_bytes(forged(members))
+    with pytest.raises(ArtifactError, match=r"weights.npz holds a member named "
+                                            r"'param/ip1.bias', not an array: arrays are "
+                                            r"stored as param/<name>.npy"):
+        purinec.load(saved)
+
+
+@pytest.mark.parametrize("member, message", [
+    ("kernels/tiny/matmul.py", "is 1,073,741,824 bytes uncompressed; purinec reads at most "
+                               "4,194,304 for it"),
+    ("program.pir", "is 1,073,741,824 bytes uncompressed; purinec reads at most "
+                    "4,194,304 for it"),
+    ("weights.npz", r"would inflate 1,06\d,\d\d\d bytes to 1,073,741,824, more than 64 "
+                    "times over"),
+])
+def test_a_gigabyte_bomb_listed_with_its_real_hash_is_refused_unread(saved, member,
+                                                                      message):
+    """A megabyte inflating to a GiB: refused for the size it declares, before a byte of
+    it is inflated (it used to take 12-15 s and 2.2 GB)."""
+    members = {**read_zip(saved), member: gib_of_zeros(member)}
+    saved.write_bytes(forged(members))
+    assert saved.stat().st_size < 4 * 2**20
+    refused, peak = refusal(saved)
+    assert re.search(f"member {member} {message}", refused), refused
+    assert peak < 16 * 2**20
+
+
+def test_a_bomb_declaring_less_than_it_holds_is_cut_off(saved):
+    members = {**read_zip(saved), "program.pir": gib_of_zeros("program.pir", declared=100)}
+    saved.write_bytes(forged(members))
+    message, peak = refusal(saved)
+    assert "member program.pir is damaged (Bad CRC-32" in message
+    assert peak < 16 * 2**20
+
+
+def test_a_member_holding_less_than_it_declares_is_refused(saved):
+    """zipfile checks the CRC of what it inflated, not that it inflated all it should."""
+    members = read_zip(saved)
+    pir = members["program.pir"]
+    short = dataclasses.replace(entry("program.pir", pir), size=len(pir) + 1000)
+    saved.write_bytes(forged({**members, "program.pir": short}))
+    with pytest.raises(ArtifactError, match=rf"member program.pir is damaged: it declares "
+                                            rf"{len(pir) + 1000:,} bytes and holds "
+                                            rf"{len(pir):,} bytes"):
+        purinec.load(saved)
+
+
+@pytest.mark.parametrize("declared, message", [
+    (2**30, r"weights.npz: member param/ip1.weight.npy would inflate [\d,]+ bytes to "
+            r"1,073,741,824, more than 64 times over"),
+    (600_000, r"weights.npz: array param/ip1.weight is 600,000 bytes, more than its type "
+              r"in the IR, f32\[8,16\], takes"),
+])
+def test_an_array_bomb_inside_the_weights_is_refused_unread(saved, declared, message):
+    members = read_zip(saved)
+    weights = read_members(members["weights.npz"])
+    inner = [entry(n, d, zipfile.ZIP_STORED) for n, d in weights.items()
+             if n != "param/ip1.weight.npy"]
+    bomb = dataclasses.replace(entry("param/ip1.weight.npy", bytes(512)), size=declared)
+    members["weights.npz"] = zip_bytes([bomb, *inner])
+    saved.write_bytes(forged(members))
+    refused, peak = refusal(saved)
+    assert re.search(message, refused), refused
+    assert peak < 16 * 2**20
+
+
+BIG_PARAM = """
+from purinec.bigraph import Blob, InnerProduct, Net
+
+
+def build(batch=1):
+    with Net("big") as net:
+        net.outputs = [Blob("data", (batch, 1024)) >> InnerProduct("ip", 1024) >> Blob("y")]
+    return net
+"""
+
+
+@pytest.mark.parametrize("deflated, refused", [
+    ((), None),  # as purinec writes them
+    (("weights.npz",), "member weights.npz"),
+    (("param/ip.weight.npy",), "weights.npz: member param/ip.weight.npy"),
+])
+def test_weights_may_not_inflate_64_times_over(tmp_path, deflated, refused):
+    """The IR, which bounds the weights, is the forger's too: a few kB of zeros that
+    inflate to the 4 MiB it declares are refused. Stored, they load."""
+    (tmp_path / "big.py").write_text(BIG_PARAM)
+    path = tmp_path / "big.purine"
+    purinec.compile(str(tmp_path / "big.py")).save(path)
+
+    def member(name, content):
+        return entry(name, content, zipfile.ZIP_DEFLATED if name in deflated
+                     else zipfile.ZIP_STORED)
+
+    zeros = {"param/ip.weight.npy": npy("<f4", (1024, 1024), bytes(4 * 2**20)),
+             "param/ip.bias.npy": npy("<f4", (1024,), bytes(4096))}
+    npz = zip_bytes(member(n, d) for n, d in zeros.items())
+    path.write_bytes(forged({**read_zip(path), "weights.npz": member("weights.npz", npz)}))
+    if refused is None:
+        assert not purinec.load(path).params["ip.weight"].any()
+        return
+    with pytest.raises(ArtifactError, match=rf"{refused} would inflate [\d,]+ bytes to "
+                                            rf"4,19\d,\d\d\d, more than 64 times over"):
+        purinec.load(path)
+
+
+def npy_with_header(text):
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(text)) + text
+
+
+@pytest.mark.parametrize("header, message", [
+    (npy("<f4", (2**40, 2**40)),
+     r"param ip1.weight: the IR declares f32\[8,16\], the array is "
+     r"f32\[1099511627776,1099511627776\]"),
+    (npy("<f4", (2**40, 2**40), version=(2, 0)), r"the array is f32\[1099511627776,"),
+    (npy("|V1000000000", (8, 16)),
+     r"the IR declares f32\[8,16\], the array is \|V1000000000"),
+    (npy("<f4", (8, 16), bytes(100)), r"array param/ip1.weight holds 100 bytes of data; "
+                                      r"its shape and dtype take 512"),
+    (npy("<f4", (8, 16))[:20], r"array param/ip1.weight is damaged"),
+    (npy("|O", (8, 16)), "array param/ip1.weight cannot be read without unpickling"),
+    (b"\x93NUMPY\x03\x00" + bytes(100), r"array param/ip1.weight is damaged: .npy format "
+                                        r"version \(3, 0\)"),
+    # Unbalanced: NumPy retries with Python 2's tokenizer, which raises TokenError.
+    (npy_with_header(b"{'descr': '<f4', 'fortran_order': False, 'shape': (8, }\n"),
+     r"array param/ip1.weight is damaged: its .npy header cannot be parsed \(TokenError"),
+])
+def test_an_npy_header_is_checked_before_its_data_is_allocated(saved, header, message):
+    members = read_zip(saved)
+    weights = read_members(members["weights.npz"])
+    weights["param/ip1.weight.npy"] = header
+    members["weights.npz"] = zip_bytes(entry(n, d, zipfile.ZIP_STORED)
+                                       for n, d in weights.items())
+    saved.write_bytes(forged(members))
+    refused, peak = refusal(saved)
+    assert re.search(message, refused), refused
+    assert peak < 16 * 2**20
+
+
+def test_members_past_the_limit_are_refused_before_the_directory_is_parsed(saved):
+    members = read_zip(saved)
+    many = [(f"kernels/{i}.py", b"") for i in range(40_000)]  # used to take 15 s
+    saved.write_bytes(forged([*members.items(), *many], method=zipfile.ZIP_STORED))
+    with pytest.raises(ArtifactError, match=r"tiny.purine has 40,0\d\d members; an "
+                                            r"artifact has at most 10,000"):
+        purinec.load(saved)
+    # An end record that understates the count: the directory is parsed, then counted.
+    raw = zip_bytes((entry(n, d, zipfile.ZIP_STORED) for n, d in [*members.items(), *many]),
+                    claimed_count=5)
+    saved.write_bytes(raw)
+    with pytest.raises(ArtifactError, match=r"has 40,0\d\d members; an artifact has"):
+        purinec.load(saved)
+    # Past 65,535 members the count is in the zip64 end record (and its locator), which
+    # come before the end record: read from them before zipfile reads anything.
+    zip64_end = struct.pack("<4sQ2H2L4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, 70_000, 70_000,
+                            70_000 * 50, 4)
+    locator = struct.pack("<4sLQL", b"PK\x06\x07", 0, 4, 1)
+    end = struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF,
+                      0xFFFFFFFF, 0)
+    saved.write_bytes(b"PK\x03\x04" + zip64_end + locator + end)
+    with pytest.raises(ArtifactError, match=r"has 70,000 members; an artifact has"):
+        purinec.load(saved)
+
+
+def test_a_zip_directory_past_the_limit_is_refused(saved):
+    members = read_zip(saved)
+    long_names = [(f"kernels/{i:040000}.py", b"") for i in range(100)]  # 4 MB directory
+    saved.write_bytes(forged([*members.items(), *long_names], method=zipfile.ZIP_STORED))
+    with pytest.raises(ArtifactError, match=r"has a zip directory of [\d,]+ bytes; an "
+                                            r"artifact's takes at most 3,145,728"):
+        purinec.load(saved)
+
+
+def test_a_name_repeated_thousands_of_times_is_found_in_linear_time(saved):
+    members = read_zip(saved)
+    repeated = [("kernels/k.py", b"")] * 9_000  # names.count: 81 million comparisons
+    saved.write_bytes(forged([*members.items(), *repeated], fix_hashes=False))
+    with pytest.raises(ArtifactError, match="member kernels/k.py appears more than once"):
+        purinec.load(saved)
+
+
+@pytest.mark.parametrize("method", [zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA])
+def test_a_member_compressed_other_than_purinec_writes_is_refused_unread(saved, method):
+    """bzip2 and lzma members inflate a whole block at once in zipfile, past any limit."""
+    members = read_zip(saved)
+    with zipfile.ZipFile(saved, "w") as zf:
+        for member, data in members.items():
+            zf.writestr(member, data, method if member == "program.pir" else
+                        zipfile.ZIP_DEFLATED)
+    with pytest.raises(ArtifactError, match=f"member program.pir uses zip compression "
+                                            f"method {method}; purinec reads stored and "
+                                            f"deflated"):
+        purinec.load(saved)
+
+
+def test_text_members_past_their_total_are_refused(saved):
+    members = read_zip(saved)
+    kernels = {f"kernels/{i}.py": gib_of_zeros(f"kernels/{i}.py", declared=4 * 2**20)
+               for i in range(33)}  # each as much as a text may take
+    saved.write_bytes(forged({**members, **kernels}))
+    with pytest.raises(ArtifactError, match=r"its members other than weights.npz take "
+                                            r"[\d,]+ bytes uncompressed; purinec reads at "
+                                            r"most 134,217,728"):
+        purinec.load(saved)

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import os
+import pathlib
+import re
 import stat
+import subprocess
+import sys
+import time
 
 import pytest
 
 from purinec.errors import ArtifactError
-from purinec.fileio import atomic_write_text, replacing, write_atomically
+from purinec.fileio import STALE_AFTER_S, atomic_write_text, replacing, write_atomically
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -60,3 +67,65 @@ def test_an_unwritable_place_is_an_error_naming_the_file(tmp_path):
     with pytest.raises(ArtifactError, match="cannot write .*taken"):
         atomic_write_text(tmp_path / "taken", "x")
     assert sorted(os.listdir(tmp_path)) == ["taken"]
+
+
+def dead_pid() -> int:
+    """The pid of a process that has ended (and been reaped)."""
+    process = subprocess.Popen([sys.executable, "-c", ""])
+    process.wait()
+    return process.pid
+
+
+def backdate(path, seconds=2 * STALE_AFTER_S):
+    past = time.time() - seconds
+    os.utime(path, (past, past))
+
+
+def test_stale_temporaries_of_dead_writers_are_removed_by_the_next_write(tmp_path):
+    dead, alive = dead_pid(), os.getpid()
+    stale = tmp_path / f".trace.json.{dead}.0badf00d.tmp"
+    fresh = tmp_path / f".trace.json.{dead}.00c0ffee.tmp"  # a writer elsewhere, writing
+    live = tmp_path / f".trace.json.{alive}.cafebabe.tmp"  # this process's, another thread
+    other = tmp_path / f".other.json.{dead}.deadbeef.tmp"  # another path's
+    for path in (stale, fresh, live, other):
+        path.write_bytes(b"half")
+    for path in (stale, live, other):
+        backdate(path)
+    atomic_write_text(tmp_path / "trace.json", "new")
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["trace.json", fresh.name, live.name, other.name])
+
+
+KILLED_MID_WRITE = """
+import sys, time
+from purinec.fileio import write_atomically
+
+def write_slowly(f):
+    f.write(b"half a checkpoint")
+    f.flush()
+    print("writing", flush=True)
+    time.sleep(60)
+
+write_atomically(sys.argv[1], write_slowly)
+"""
+
+
+def test_a_writer_killed_mid_write_leaves_a_temporary_the_next_write_removes(tmp_path):
+    path = tmp_path / "ck.purine"
+    atomic_write_text(path, "old")
+    writer = subprocess.Popen([sys.executable, "-c", KILLED_MID_WRITE, str(path)],
+                              stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert writer.stdout.readline() == "writing\n"
+    finally:
+        writer.kill()  # SIGKILL: no handler, no finally, nothing cleaned up
+        writer.wait()
+    left = [name for name in os.listdir(tmp_path) if name != "ck.purine"]
+    assert len(left) == 1, left
+    assert re.fullmatch(rf"\.ck\.purine\.{writer.pid}\.[0-9a-f]{{8}}\.tmp", left[0])
+    assert path.read_text() == "old"
+    atomic_write_text(path, "new")  # too soon: the writer might be on another machine
+    assert len(os.listdir(tmp_path)) == 2
+    backdate(tmp_path / left[0])
+    atomic_write_text(path, "newer")
+    assert os.listdir(tmp_path) == ["ck.purine"] and path.read_text() == "newer"
