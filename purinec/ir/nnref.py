@@ -14,6 +14,8 @@ average-pool divisor).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 # ---------------------------------------------------------------------------------------
@@ -260,7 +262,7 @@ def dropout_mask(iteration, shape, p, seed, dtype):
     from purinec.ir.types import DType
 
     np_dtype = DType(dtype).numpy
-    size = int(np.prod(shape, dtype=np.int64))
+    size = math.prod(shape)
     key = np.uint64(dropout_key(seed, int(np.asarray(iteration))))
     h = splitmix64(np.arange(size, dtype=np.uint64) ^ key)
     u = (h >> np.uint64(11)).astype(np.float64) * 2.0 ** -53

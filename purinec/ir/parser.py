@@ -33,6 +33,7 @@ a fused node's inputs are exactly what its members read, which is
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +42,8 @@ from purinec.errors import IRSyntaxError, PurinecError, UnknownOpError, VerifyEr
 from purinec.ir.graph import FUSED, INPUT_ROLES, NAME_RE, Graph, Node, Value
 from purinec.ir.init import parse_init
 from purinec.ir.ops import coerce_attr, get_op, unknown_op_message
-from purinec.ir.types import DEVICE_KINDS, Device, Distribution, DistKind, DType, TensorType
+from purinec.ir.types import (DEVICE_KINDS, Device, Distribution, DistKind, DType, TensorType,
+                              shape_problem)
 from purinec.ir.verify import verify
 
 # -- tokens -----------------------------------------------------------------------------
@@ -52,7 +54,15 @@ IDENT, VALUE, INT, FLOAT, STRING, PUNCT, EOF = (
 PUNCTUATION = "(){}[],:=@~/"
 
 _NUMBER_RE = re.compile(r"-?(?:inf|[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)")
+_INT_RE = re.compile(r"-?[0-9]+")
 _WORD_TAIL_RE = re.compile(r"[A-Za-z0-9_.]+")
+
+# Every number the IR holds fits a machine word: integers (dimensions, indices, integer
+# attributes) are int64, other numbers float64. The length bound keeps int() and float()
+# cheap (and below Python's 4,300-digit limit on int()): the printer writes an int64 in
+# at most 20 characters and a float64 in at most 24.
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+MAX_NUMBER_CHARS = 40
 _WHITESPACE = " \t\r\n"
 
 
@@ -129,7 +139,10 @@ def tokenize(text: str, source: str = "<ir>") -> tuple[list[Token], dict[int, Co
                 end = tail.end()
                 error(f"bad number '{text[pos:end]}'", pos)
             spelled = m.group()
-            if re.fullmatch(r"-?[0-9]+", spelled):
+            problem = _number_problem(spelled)
+            if problem:
+                error(problem, pos)
+            if _INT_RE.fullmatch(spelled):
                 tokens.append(Token(INT, spelled, int(spelled), line, col))
             else:
                 tokens.append(Token(FLOAT, spelled, float(spelled), line, col))
@@ -160,6 +173,19 @@ def tokenize(text: str, source: str = "<ir>") -> tuple[list[Token], dict[int, Co
             error(f"unexpected character {ch!r}", pos)
     tokens.append(Token(EOF, "", None, line, pos - line_start + 1))
     return tokens, comments
+
+
+def _number_problem(spelled: str) -> str | None:
+    """Why the number token ``spelled`` is not one the IR can hold, or None."""
+    if len(spelled) > MAX_NUMBER_CHARS:
+        return (f"number {spelled[:12]}...{spelled[-4:]} has {len(spelled)} characters; "
+                f"a number in IR text fits int64 or float64 (at most {MAX_NUMBER_CHARS})")
+    if _INT_RE.fullmatch(spelled) and not INT64_MIN <= int(spelled) <= INT64_MAX:
+        return (f"integer {spelled} does not fit int64 ({INT64_MIN} to {INT64_MAX})")
+    if "inf" not in spelled and math.isinf(float(spelled)):
+        return (f"number {spelled} is beyond the float64 range (about 1.8e308); write inf "
+                f"for infinity")
+    return None
 
 
 # -- parser -----------------------------------------------------------------------------
@@ -578,6 +604,9 @@ class _Parser:
                     break
                 self.next()
         self.expect_punct("]", "to close the shape")
+        problem = shape_problem(tuple(shape))
+        if problem:
+            raise self.error(f"a {dtype.value} tensor of this shape has {problem}", dtype_tok)
         self.expect_punct("@", "and a device after the type (every value is placed)")
         device = self.parse_device()
         dist = None
@@ -594,6 +623,9 @@ class _Parser:
             if not m:
                 raise self.error(f"expected a rank such as r1 before '/', found '{tok.text}'",
                                  tok)
+            problem = _number_problem(m.group(1))
+            if problem:
+                raise self.error(f"rank of {tok.text[:16]}: {problem}", tok)
             rank = int(m.group(1))
             self.next()
             tok = self.expect(IDENT, "a device kind after the rank (cpu or gpu)")

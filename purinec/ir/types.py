@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import re
 from dataclasses import dataclass
 
@@ -47,6 +48,27 @@ _NUMPY_NAMES = {
 }
 
 
+# The largest tensors the IR describes. NumPy and the generated kernels index with int64,
+# so a tensor's element count, byte size and every offset into it must stay well inside
+# it: 2**56 elements (512 PiB of float64) leaves room for byte sizes, sums of sizes and
+# products with small factors. A machine's memory is the tighter bound in practice; the
+# runtime checks that when it allocates. NumPy 1.x arrays have at most 32 dimensions.
+MAX_ELEMENTS = 2**56
+MAX_RANK = 32
+
+
+def shape_problem(shape: tuple[int, ...]) -> str | None:
+    """Why no tensor can have ``shape`` (negative sizes, too many dimensions or
+    elements), or None."""
+    if any(d < 0 for d in shape):
+        return "negative dimension(s)"
+    if len(shape) > MAX_RANK:
+        return f"{len(shape)} dimensions; a tensor has at most {MAX_RANK}"
+    if math.prod(shape) > MAX_ELEMENTS:
+        return "more than 2**56 elements, the most a tensor may have"
+    return None
+
+
 @dataclass(frozen=True)
 class TensorType:
     """A dense tensor's shape and element type, printed as ``f32[64,1,28,28]``."""
@@ -63,7 +85,7 @@ class TensorType:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)  # exact: a Python int never wraps
 
     @property
     def nbytes(self) -> int:
@@ -105,7 +127,8 @@ class Device:
         return cls(kind, int(index), int(rank or 0))
 
 
-_DEVICE_RE = re.compile(r"(?:r([0-9]+)/)?([a-z]+):([0-9]+)")
+# (Ranks and indices of at most 18 digits: int() stays cheap and the numbers int64.)
+_DEVICE_RE = re.compile(r"(?:r([0-9]{1,18})/)?([a-z]+):([0-9]{1,18})")
 
 
 CPU0 = Device("cpu", 0, 0)

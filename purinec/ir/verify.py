@@ -31,7 +31,7 @@ from purinec.errors import PurinecError, ShapeError, UnknownOpError, VerifyError
 from purinec.ir.graph import FUSED, INPUT_ROLES, NAME_RE, Graph, Node, Value, external_inputs
 from purinec.ir.init import parse_init
 from purinec.ir.ops import get_op, unknown_op_message
-from purinec.ir.types import DEVICE_KINDS, Device, Distribution, TensorType
+from purinec.ir.types import DEVICE_KINDS, Device, Distribution, TensorType, shape_problem
 
 
 def verify(graph: Graph) -> None:
@@ -340,8 +340,9 @@ class _Verifier:
                               f"{NAME_RE.pattern}")
         if not isinstance(value.type, TensorType):
             raise VerifyError(f"{what} has type {value.type!r}, not a TensorType")
-        if any(d < 0 for d in value.type.shape):
-            raise VerifyError(f"{what} has negative dimension(s) in {value.type}")
+        problem = shape_problem(value.type.shape)
+        if problem:
+            raise VerifyError(f"{what} has {problem} in {value.type}")
         _check_device(value.device, what)
         if value.dist is not None:
             if not isinstance(value.dist, Distribution):

@@ -571,6 +571,21 @@ BAD = [
     ("f32[2,3] @cpu:0,", "f32[2,3x] @cpu:0,", "3x", ["bad number '3x'"]),
     ("{axis=1}", "{axis=1.2.3}", "1.2.3", ["bad number '1.2.3'"]),
     ("{axis=1}", "{axis=1e}", "1e", ["bad number '1e'"]),
+    # numbers an int64 or float64 cannot hold, or too long to read
+    ("f32[2,3] @cpu:0,", "f32[2," + "1" * 5000 + "] @cpu:0,", "1111",
+     ["has 5000 characters", "int64 or float64"]),
+    ("f32[2,3] @cpu:0,", "f32[2,9223372036854775808] @cpu:0,", "9223",
+     ["integer 9223372036854775808 does not fit int64"]),
+    ("{axis=1}", "{axis=-9223372036854775809}", "-9223", ["does not fit int64"]),
+    ("{axis=1}", "{axis=1e400}", "1e400", ["1e400 is beyond the float64 range", "inf"]),
+    ("sections=[1,2]", "sections=[1,-1e999]", "-1e999", ["beyond the float64 range"]),
+    ("@cpu:0,\n    %w", "@r" + "9" * 5000 + "/cpu:0,\n    %w", "r999",
+     ["rank", "5000 characters"]),
+    # shapes no tensor can have
+    ("%x: f32[2,3]", "%x: f32[4294967296,4294967296]", "f32[4294967296",
+     ["more than 2**56 elements"]),
+    ("%x: f32[2,3]", "%x: f32[" + ",".join(["1"] * 33) + "]", "f32[1,",
+     ["33 dimensions", "at most 32"]),
     # unknown dtype
     ("%x: f32[2,3]", "%x: f33[2,3]", "f33", ["unknown dtype 'f33'", "f32"]),
     # unknown values (use before definition)
@@ -610,7 +625,7 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("old, new, needle, words", BAD, ids=[b[1] for b in BAD])
+@pytest.mark.parametrize("old, new, needle, words", BAD, ids=[b[1][:48] for b in BAD])
 def test_syntax_errors(old, new, needle, words):
     assert GOOD.count(old) == 1, old
     text = GOOD.replace(old, new)

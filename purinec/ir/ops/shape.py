@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from purinec.ir.ops.helpers import emit, emit1, fail, free, only, zeros_like
@@ -13,7 +15,7 @@ I = FusionKind.injective
 def _reshape_infer(types, attrs):
     x = types[0]
     shape = attrs["shape"]
-    if any(d < 0 for d in shape) or int(np.prod(shape, dtype=np.int64)) != x.size:
+    if any(d < 0 for d in shape) or math.prod(shape) != x.size:
         raise fail("reshape", f"cannot reshape {x} ({x.size} elements) to {shape}")
     return [x.with_shape(shape)]
 
