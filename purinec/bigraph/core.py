@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from purinec.errors import ModelError, PurinecError, ShapeError, UnknownOpError
 from purinec.ir.graph import NAME_RE
-from purinec.ir.init import parse_init
+from purinec.ir.init import check_init
 from purinec.ir.types import DEVICE_KINDS, Device, DType
 
 # One path component: the full hierarchical name (``inc3a.1x1.weight``) must also match
@@ -289,7 +289,7 @@ class Blob(Element):
                              f"init, not role {role!r}")
         if init is not None:
             try:
-                parse_init(init)
+                check_init(init, self.dtype)
             except PurinecError as err:
                 raise ModelError(f"blob {self.path}{self._at()}: {err}") from None
         self.shape = shape

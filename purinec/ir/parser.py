@@ -40,7 +40,7 @@ from typing import Any
 
 from purinec.errors import IRSyntaxError, PurinecError, UnknownOpError, VerifyError
 from purinec.ir.graph import FUSED, INPUT_ROLES, NAME_RE, Graph, Node, Value
-from purinec.ir.init import parse_init
+from purinec.ir.init import check_init
 from purinec.ir.ops import coerce_attr, get_op, unknown_op_message
 from purinec.ir.types import (DEVICE_KINDS, Device, Distribution, DistKind, DType, TensorType,
                               shape_problem)
@@ -372,7 +372,7 @@ class _Parser:
                 init = init_tok.value
                 try:  # (a data input's init is free text: nothing reads it)
                     if role != "data":
-                        parse_init(init)
+                        check_init(init, ty.dtype)
                 except PurinecError as err:
                     raise self.error(str(err), init_tok) from None
             self.expect_punct("}", "to close the input's role")

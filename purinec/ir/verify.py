@@ -29,7 +29,7 @@ import networkx as nx
 
 from purinec.errors import PurinecError, ShapeError, UnknownOpError, VerifyError
 from purinec.ir.graph import FUSED, INPUT_ROLES, NAME_RE, Graph, Node, Value, external_inputs
-from purinec.ir.init import parse_init
+from purinec.ir.init import check_init
 from purinec.ir.ops import get_op, unknown_op_message
 from purinec.ir.types import DEVICE_KINDS, Device, Distribution, TensorType, shape_problem
 
@@ -109,7 +109,7 @@ class _Verifier:
             raise VerifyError(f"{what} has init {value.init!r}; it must be a string or None")
         if value.init is not None and value.role in ("param", "state"):
             try:  # (a data input's init is free text: nothing reads it)
-                parse_init(value.init)
+                check_init(value.init, value.type.dtype)
             except PurinecError as err:
                 raise VerifyError(f"{what}: {err}") from None
         self.define(value, what)

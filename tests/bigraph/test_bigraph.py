@@ -557,6 +557,32 @@ def test_bad_arguments():
         Blob("x", (1,)) >> 3
 
 
+@pytest.mark.parametrize("kwargs, words", [
+    ({"weight_init": "uniform(-1)"}, ["conv1.weight", "half-width must be >= 0"]),
+    ({"weight_init": "gaussian(-1)"}, ["conv1.weight", "standard deviation must be >= 0"]),
+    ({"weight_init": "uniform(inf)"}, ["conv1.weight", "must be a finite number"]),
+    ({"bias_init": "constant(1e400)"}, ["conv1.bias", "must be a finite number"]),
+    ({"bias_init": "gaussian(nan)"}, ["conv1.bias", "must be a finite number"]),
+    ({"bias_init": "constant(1e39)"}, ["conv1.bias", "1e+39 is not a value of f32"]),
+])
+def test_a_model_files_fillers_are_checked_when_it_is_built(tmp_path, kwargs, words):
+    """The same checks as the IR's, at the line of the model file that gives them."""
+    args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    (tmp_path / "mynet.py").write_text(f"""
+from purinec.bigraph import Blob, Conv, Net
+
+def build(batch=2):
+    with Net("mynet") as net:
+        net.outputs = [Blob("data", (batch, 1, 8, 8)) >> Conv("conv1", 4, 3, {args})]
+    return net
+""")
+    with pytest.raises(ModelError) as info:
+        load_model(str(tmp_path / "mynet.py"))
+    assert str(info.value).startswith("blob conv1."), str(info.value)
+    for word in [*words, "mynet.py:6"]:
+        assert word in str(info.value), (word, str(info.value))
+
+
 def test_blob_into_blob_is_refused():
     with Net("n"):
         data = Blob("data", (2, 3))

@@ -315,9 +315,19 @@ locs = st.one_of(st.none(), st.text(
     st.characters(blacklist_characters="\n\r", blacklist_categories=("Cs",)),
     max_size=24).filter(lambda s: s == s.rstrip(" \t")))
 inits = st.one_of(st.none(), st.text(max_size=16))  # a data input's: free text
-fillers = st.one_of(st.none(), st.sampled_from(["xavier", "msra"]),
-                    st.builds("constant({})".format, st.floats(-2, 2)),
-                    st.builds("gaussian({})".format, st.floats(0, 1)))
+float_fillers = st.one_of(st.none(), st.sampled_from(["xavier", "msra"]),
+                          st.builds("constant({})".format, st.floats(-2, 2)),
+                          st.builds("gaussian({})".format, st.floats(0, 1)))
+int_fillers = st.one_of(st.none(), st.builds("constant({})".format, st.integers(-2, 2)))
+bool_fillers = st.sampled_from([None, "constant(0)", "constant(1)"])
+
+
+def fillers(dtype):
+    """The fillers a tensor of ``dtype`` takes: random ones for floats only, constants
+    that the dtype holds."""
+    return (float_fillers if dtype.is_float else bool_fillers if dtype is DType.bool
+            else int_fillers)
+
 float_dtypes = st.sampled_from([F32, F64])
 
 
@@ -355,7 +365,7 @@ class _Builder:
         role = draw(st.sampled_from(["data", "param", "state"]))
         return self.g.add_input(self.fresh(), ty, draw(devices), role,
                                 draw(dists_for(ty.rank)),
-                                draw(fillers) if role != "data"
+                                draw(fillers(ty.dtype)) if role != "data"
                                 else draw(inits) if draw(st.booleans()) else None)
 
     def value(self, pred=lambda t: t.dtype.is_float, make=None):
@@ -557,6 +567,14 @@ BAD = [
     ("f32[2,3] @cpu:0,", "f32[2,-3] @cpu:0,", "-3", ["a dimension", "-3"]),
     ("{param, init", "{weights, init", "weights", ["unknown input role 'weights'"]),
     ('init="xavier"', 'init="xavir"', '"xavir"', ["unknown initializer 'xavir'", "msra"]),
+    # fillers no tensor can be filled with, or not this one
+    ('init="xavier"', 'init="uniform(-1)"', '"uniform', ["half-width must be >= 0"]),
+    ('init="xavier"', 'init="gaussian(-1)"', '"gaussian', ["standard deviation must be >= 0"]),
+    ('init="xavier"', 'init="uniform(inf)"', '"uniform', ["must be a finite number"]),
+    ('init="xavier"', 'init="constant(1e400)"', '"constant', ["must be a finite number"]),
+    ('init="xavier"', 'init="gaussian(nan)"', '"gaussian', ["must be a finite number"]),
+    ('%w: f32[3] @cpu:0 {param, init="xavier"}', '%w: i32[3] @cpu:0 {param, init="xavier"}',
+     '"xavier"', ["draws random floats; a i32 tensor takes constant(v)"]),
     ("f32[2,1] @cpu:0,", "f32[2,1] @cpu:0 ~ sharded[cpu:0],", "sharded",
      ["unknown distribution 'sharded'"]),
     ("%x: f32", "x: f32", "x: f32", ["expected a graph input", "'x'"]),
