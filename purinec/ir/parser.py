@@ -546,7 +546,7 @@ class _Parser:
                 value_tok = self.peek()
                 value = self.parse_literal()
                 try:
-                    attrs[key] = coerce_attr(opdef.name, key, opdef.attrs[key].kind, value)
+                    attrs[key] = coerce_attr(opdef.name, key, opdef.attrs[key], value)
                 except VerifyError as e:
                     raise self.error(str(e), value_tok) from None
                 if not self.is_punct(","):

@@ -489,9 +489,9 @@ def _fill(b, draw):
 
 def _sgd(b, draw):
     w = b.value()
+    finite = any_floats.filter(math.isfinite)  # (its hyperparameters are bounded)
     return [w, b.of_type(w.type), b.of_type(w.type)], {
-        "lr": draw(any_floats), "momentum": draw(any_floats),
-        "weight_decay": draw(any_floats)}
+        "lr": draw(finite), "momentum": draw(finite), "weight_decay": draw(finite)}
 
 
 BUILDERS = {"relu": _unary, "sigmoid": _unary, "tanh": _unary, "add": _binary,

@@ -1,15 +1,18 @@
 """The op registry: every op carries every fact it needs, in one place, and the element
 expressions mean what the NumPy references compute."""
 
+import math
+
 import numpy as np
 import pytest
 
-from purinec.errors import VerifyError
+from purinec.errors import IRSyntaxError, VerifyError
 from purinec.ir.expr import Arg, Call, Const, Index, U64
 from purinec.ir.graph import Graph
 from purinec.ir.ops import (REGISTRY, FusionKind, OpDef, Trait, get_op,
                             missing_facets, register)
 from purinec.ir.ops.helpers import elementwise_split, unary_infer
+from purinec.ir.parser import parse
 from purinec.ir.types import DType, TensorType
 
 
@@ -138,3 +141,33 @@ def test_an_element_expression_computes_what_the_reference_does(op, shapes, attr
         got = np.broadcast_to(evaluate(expr, args, shape), shape)
         np.testing.assert_allclose(got.astype(want.dtype), want, rtol=1e-6, atol=1e-7,
                                    err_msg=f"{op} output %{out.name}")
+
+
+# -- attribute bounds ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op, attrs, words", [
+    ("sgd", {"lr": math.nan}, ["attribute lr must be a finite number", "nan"]),
+    ("sgd", {"lr": 0.1, "momentum": math.inf}, ["attribute momentum must be a finite"]),
+    ("lrn", {"beta": -math.inf}, ["attribute beta must be a finite number"]),
+    ("scale", {"alpha": 10**400}, ["attribute alpha must be float", "(401 characters)"]),
+    ("scale", {"alpha": 10**5000}, ["attribute alpha must be float", "4,300 digits"]),
+    ("reshape", {"shape": [1, 2**63]}, ["attribute shape must be an int64"]),
+    ("dropout_mask", {"shape": [2], "seed": -2**63 - 1}, ["attribute seed must be an int64"]),
+])
+def test_attributes_are_bounded_as_their_schema_says(op, attrs, words):
+    """Every integer is an int64, and an attribute's bound (a finite learning rate) is
+    checked wherever attributes are: here, when a node is built."""
+    with pytest.raises(VerifyError) as info:
+        REGISTRY[op].complete_attrs(attrs)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_a_bound_is_checked_where_the_ir_text_says_it():
+    text = ("graph g(%w: f32[2] @cpu:0 {param}, %h: f32[2] @cpu:0 {state}) {\n"
+            "  %w.next, %h.next = sgd(%w, %h, %w) {lr=nan} : f32[2] @cpu:0, f32[2] @cpu:0\n"
+            "  return w=%w.next, h=%h.next\n}")
+    with pytest.raises(IRSyntaxError, match=r"^g\.pir:2:42: op sgd: attribute lr must be a "
+                                            r"finite number, got nan"):
+        parse(text, source="g.pir")

@@ -7,12 +7,12 @@ import numpy as np
 from purinec.ir import nnref
 from purinec.ir.ops.helpers import (batch_split, check_float, check_rank, emit1, fail,
                                     grad_pair_infer, only, per_output_element)
-from purinec.ir.ops.registry import Attr, FusionKind, OpDef, SplitSignature, register
+from purinec.ir.ops.registry import FINITE, Attr, FusionKind, OpDef, SplitSignature, register
 
 X = FusionKind.opaque
 
-LRN_ATTRS = {"size": Attr("int", 5), "alpha": Attr("float", 1e-4),
-             "beta": Attr("float", 0.75), "k": Attr("float", 1.0)}
+LRN_ATTRS = {"size": Attr("int", 5), "alpha": Attr("float", 1e-4, bound=FINITE),
+             "beta": Attr("float", 0.75, bound=FINITE), "k": Attr("float", 1.0, bound=FINITE)}
 
 
 def _lrn_infer(types, attrs):

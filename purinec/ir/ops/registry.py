@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -57,10 +58,27 @@ ATTR_KINDS = ("int", "float", "bool", "str", "ints", "floats")
 
 
 @dataclass(frozen=True)
+class Bound:
+    """The numbers an attribute (each entry, for a list) may take, beyond its kind:
+    checked wherever attributes are (the parser, `OpDef.complete_attrs`, the verifier),
+    so a value its op cannot use is refused where it is written."""
+
+    test: Callable[[Any], bool]
+    says: str  # what the values are, after "must be": "a finite number"
+
+
+FINITE = Bound(math.isfinite, "a finite number")
+
+# Integers are int64 everywhere (attributes reach kernels as machine integers).
+INT64 = Bound(lambda v: -2**63 <= v < 2**63, "an int64 (-2**63 to 2**63 - 1)")
+
+
+@dataclass(frozen=True)
 class Attr:
     kind: str
     default: Any = REQUIRED
     doc: str = ""
+    bound: Bound | None = None
 
 
 # A split signature: one entry per input then one per output, each "B" (broadcast, i.e.
@@ -131,11 +149,11 @@ class OpDef:
         result = {}
         for key, spec in self.attrs.items():
             if key in attrs:
-                result[key] = coerce_attr(self.name, key, spec.kind, attrs[key])
+                result[key] = coerce_attr(self.name, key, spec, attrs[key])
             elif spec.default is REQUIRED:
                 raise VerifyError(f"op {self.name} needs attribute {key} ({spec.kind})")
             else:
-                result[key] = coerce_attr(self.name, key, spec.kind, spec.default)
+                result[key] = coerce_attr(self.name, key, spec, spec.default)
         return result
 
     def check_arity(self, n: int) -> None:
@@ -150,10 +168,32 @@ class OpDef:
         return self.split(types, attrs) if self.split else []
 
 
-def coerce_attr(op: str, key: str, kind: str, value: Any) -> Any:
+def coerce_attr(op: str, key: str, spec: Attr, value: Any) -> Any:
+    """``value`` as attribute ``key`` of ``spec``'s kind, within its bound, or a
+    VerifyError."""
+    result = _coerce_kind(op, key, spec.kind, value)
+    bound = INT64 if spec.kind in ("int", "ints") else spec.bound
+    if bound is not None:
+        for number in result if isinstance(result, list) else [result]:
+            if not bound.test(number):
+                raise VerifyError(f"op {op}: attribute {key} must be {bound.says}, got "
+                                  f"{_short(value)}")
+    return result
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut short: a 5,000-digit number is not worth repeating."""
+    try:
+        text = repr(value)
+    except ValueError:  # Python will not print an int of more than 4,300 digits
+        return f"a {type(value).__name__} holding a number of more than 4,300 digits"
+    return text if len(text) <= 60 else f"{text[:40]}...{text[-12:]} ({len(text)} characters)"
+
+
+def _coerce_kind(op: str, key: str, kind: str, value: Any) -> Any:
     """``value`` as attribute ``key`` of kind ``kind``, or a VerifyError."""
     def bad():
-        return VerifyError(f"op {op}: attribute {key} must be {kind}, got {value!r}")
+        return VerifyError(f"op {op}: attribute {key} must be {kind}, got {_short(value)}")
 
     if kind == "int":
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -162,7 +202,10 @@ def coerce_attr(op: str, key: str, kind: str, value: Any) -> Any:
     if kind == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
             raise bad()
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond float64
+            raise bad() from None
     if kind == "bool":
         if not isinstance(value, (bool, np.bool_)):
             raise bad()
@@ -175,7 +218,7 @@ def coerce_attr(op: str, key: str, kind: str, value: Any) -> Any:
         if not isinstance(value, (list, tuple)):
             raise bad()
         scalar = "int" if kind == "ints" else "float"
-        return [coerce_attr(op, key, scalar, v) for v in value]
+        return [_coerce_kind(op, key, scalar, v) for v in value]
     raise AssertionError(kind)
 
 

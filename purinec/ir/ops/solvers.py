@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from purinec.ir.ops.helpers import (check_float, check_same, constant, elementwise_split,
                                     per_output_element)
-from purinec.ir.ops.registry import Attr, FusionKind, OpDef, SplitSignature, Trait, register
+from purinec.ir.ops.registry import (FINITE, Attr, FusionKind, OpDef, SplitSignature, Trait,
+                                     register)
 
 
 def _sgd_infer(types, attrs):
@@ -31,8 +32,9 @@ def _sgd_expr(node, args):
 
 register(OpDef("sgd", ("weight", "history", "grad"), _sgd_infer, _sgd_ref,
                FusionKind.elementwise,
-               attrs={"lr": Attr("float"), "momentum": Attr("float", 0.0),
-                      "weight_decay": Attr("float", 0.0)},
+               attrs={"lr": Attr("float", bound=FINITE),
+                      "momentum": Attr("float", 0.0, bound=FINITE),
+                      "weight_decay": Attr("float", 0.0, bound=FINITE)},
                split=lambda t, a: [SplitSignature(s.inputs, s.outputs * 2)
                                    for s in elementwise_split(t, a)],
                flops=per_output_element(6),  # m*h + lr*(g + wd*w), then w - update
