@@ -137,6 +137,10 @@ def compile(model: Any, target: str = "reference", train: SGD | None = None, *,
                            f"weight_decay=...) to compile the training iteration, or None")
     spread = checked_layout(target, devices, parallel, micro_batches, trace)
     source = load_source(model, batch, **model_kwargs)
+    if isinstance(source, Graph):  # placed already: refuse devices before any pass runs
+        named = f" in {os.fspath(model)}" if isinstance(model, (str, os.PathLike)) else ""
+        get_target(target).check_devices(source.devices(),
+                                         f"devices of graph {source.name}{named}")
     check_differentiable(source, train, model)
     graph = build_graph(source, train, after, target, spread)
     _check_batch_taken(graph, batch, model)

@@ -30,11 +30,15 @@ class IRSyntaxError(PurinecError):
 
 
 class VerifyError(PurinecError):
-    """A graph breaks an IR invariant (types, SSA, order, attributes). ``node`` is the
-    node that breaks it, where one does (so a parser can add the node's line)."""
+    """A graph breaks an IR invariant (types, SSA, order, attributes). What breaks it,
+    where something does, so that a parser can add its line: ``node``, a node; else
+    ``value``, a graph input; else ``output``, the name of a graph output."""
 
-    def __init__(self, message: str, node: Any = None):
+    def __init__(self, message: str, node: Any = None, *, value: Any = None,
+                 output: str | None = None):
         self.node = node
+        self.value = value
+        self.output = output
         super().__init__(message)
 
 

@@ -15,6 +15,7 @@ from purinec.errors import ExecutionError, PurinecError, PurinecWarning, Unknown
 from purinec.ir.graph import Graph, Value
 from purinec.ir.init import initial_value
 from purinec.ir.types import Device, DType, TensorType
+from purinec.ir.verify import verify
 from purinec.layout import is_distributed, layout_devices, layout_ranks, rank_of
 from purinec.passes.pipeline import StageHook
 from purinec.runtime.distributed import DistributedExecutable, Replicas
@@ -121,6 +122,8 @@ class Program:
         self.target = target
         self.metadata = dict(metadata or {})
         graphs = [graph] if self.eval_ir is graph else [graph, self.eval_ir]
+        for g in graphs:
+            verify(g, program=True)
         _check_variables_stay(graph, self.eval_ir)
         rng = np.random.default_rng(seed)
         self.params = TensorStore("parameter", _initial_arrays(graphs, "param", params, rng))

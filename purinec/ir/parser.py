@@ -27,7 +27,9 @@ checks what it needs to build the graph (names, scopes, attributes against the o
 schema, arity); it does not check that declared types match the inferred ones, nor that
 a fused node's inputs are exactly what its members read, which is
 `purinec.ir.verify`'s job: ``parse(..., verify=True)`` runs it and reports a
-`VerifyError` at the line of the node that breaks an invariant.
+`VerifyError` at the line of the node, graph input or graph output that breaks an
+invariant. Numbers are bounded where they are read: integers fit int64, other numbers
+float64, and shapes the sizes a tensor may have (`purinec.ir.types.shape_problem`).
 """
 
 from __future__ import annotations
@@ -205,7 +207,8 @@ class _Head:
 def parse(text: str, source: str = "<ir>", verify: bool = False) -> Graph:
     """Parse one graph in the text form; raises `IRSyntaxError` on malformed text. With
     ``verify``, also check every IR invariant of the graph as written (declared types
-    included) and raise `VerifyError` at the line of the node that breaks one."""
+    included) and what a `Program` relies on to run it (``verify(graph, program=True)``),
+    and raise `VerifyError` at the line of what breaks one."""
     parser = _Parser(text, source)
     graph = parser.parse_graph()
     if verify:
@@ -222,15 +225,19 @@ class _Parser:
         self.defined: dict[str, Value] = {}  # values nodes may read: inputs, node outputs
         self.internal: dict[str, str] = {}  # member values no fused node exports -> its name
         self.taken: set[str] = set()  # every name defined so far, anywhere
-        self.node_lines: dict[int, int] = {}  # id() of every node -> the line it starts on
+        # The line each node and graph input starts on (by id()), and each graph output's.
+        self.lines: dict[int, int] = {}
+        self.output_lines: dict[str, int] = {}
 
     def verify(self, graph: Graph) -> None:
         try:
-            verify(graph)
+            verify(graph, program=True)
         except VerifyError as err:
-            line = self.node_lines.get(id(err.node))
+            line = (self.lines.get(id(err.node)) or self.lines.get(id(err.value))
+                    or self.output_lines.get(err.output))
             where = self.source if line is None else f"{self.source}:{line}"
-            raise VerifyError(f"{where}: {err}", err.node) from None
+            raise VerifyError(f"{where}: {err}", err.node, value=err.value,
+                              output=err.output) from None
 
     # -- token helpers
 
@@ -378,6 +385,7 @@ class _Parser:
             self.expect_punct("}", "to close the input's role")
         value = self.graph.add_input(name, ty, device, role, dist, init)
         self.defined[name] = value
+        self.lines[id(value)] = tok.line
 
     def parse_node(self) -> None:
         """A node line, or a fused node's header with its body."""
@@ -460,7 +468,7 @@ class _Parser:
         node = make(head.opdef.name, head.inputs, head.attrs,
                     names=[t.text for t in head.name_toks], types=types,
                     device=head.placed[0][1][1], loc=loc)
-        self.node_lines[id(node)] = head.name_toks[0].line
+        self.lines[id(node)] = head.name_toks[0].line
         for value, (_, (_, device, dist)) in zip(node.outputs, head.placed):
             value.device = device
             value.dist = dist
@@ -488,7 +496,7 @@ class _Parser:
         outputs = [self.fused_output(fused, tok, placed, members)
                    for tok, placed in zip(head.name_toks, head.placed)]
         node = self.graph.add_fused(body, head.inputs, outputs, head.attrs["kernel"], loc)
-        self.node_lines[id(node)] = head.name_toks[0].line
+        self.lines[id(node)] = head.name_toks[0].line
         exported = {id(v) for v in outputs}
         for member in body:
             for value in member.outputs:
@@ -680,6 +688,7 @@ class _Parser:
                                  f"be unique", tok)
             names.add(name)
             outputs.append((name, value))
+            self.output_lines[name] = tok.line
             if not self.is_punct(","):
                 return outputs
             self.next()

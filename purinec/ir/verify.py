@@ -4,11 +4,13 @@
 
 - names: the graph's, every value's and every output's match `NAME_RE`;
 - graph inputs: a valid role, no producer, defined once;
-- each node: a registered op, the right number of inputs, attributes complete and
+- each node: a registered op, the right number of inputs, attributes complete, bounded and
   normalised (``OpDef.complete_attrs`` leaves them unchanged), inputs defined earlier
   (a use before definition is reported as a cycle when the nodes form one), outputs
   defined once with the node as producer, declared output types equal to the types the
   registry infers from the declared input types;
+- types: at most 32 dimensions and 2**56 elements, no negative sizes; a param's or
+  state's init a filler for its dtype (`purinec.ir.init.check_init`);
 - placements: known device kinds, non-negative indices and ranks;
 - locations: one line with no surrounding whitespace (so the text form round-trips);
 - fused nodes: a non-empty body of plain members (no nesting) checked like any node,
@@ -16,7 +18,14 @@
   device; inputs exactly the outside values the members read, in first-use order;
   outputs outputs of members; a unique kernel name; values a fused node does not export
   are invisible after it;
-- graph outputs: defined values under unique names.
+- graph outputs: defined values under unique names; an output named after a param or
+  state input is its next value, of its type;
+- with ``program=True`` (a graph a `Program` runs, not one rank's piece of one): a
+  graph that returns a param's next value (a training iteration) returns ``loss``, a
+  float scalar; a fused graph lives on one device.
+
+A `VerifyError` carries what breaks the invariant (a node, graph input or output), so
+the parser can name its line.
 """
 
 from __future__ import annotations
@@ -34,21 +43,25 @@ from purinec.ir.ops import get_op, unknown_op_message
 from purinec.ir.types import DEVICE_KINDS, Device, Distribution, TensorType, shape_problem
 
 
-def verify(graph: Graph) -> None:
+def verify(graph: Graph, *, program: bool = False) -> None:
     """Raise `VerifyError` naming the first node (or input, or output) that breaks an
-    IR invariant; return None when the graph is well formed."""
-    _Verifier(graph).run()
+    IR invariant; return None when the graph is well formed. With ``program``, the graph
+    is one a `Program` runs (a model's own graph, a .pir file, an artifact's), not one
+    rank's piece of a distributed one: check what running it relies on too."""
+    _Verifier(graph, program).run()
 
 
 @contextlib.contextmanager
-def _blaming(node: Node):
-    """Mark a `VerifyError` raised inside with ``node``, unless a node within it (a fused
-    node's member) was marked first."""
+def _blaming(**culprit):
+    """Mark a `VerifyError` raised inside with ``culprit`` (``node=``, ``value=`` or
+    ``output=``, see VerifyError), unless something within it (a fused node's member)
+    was marked first."""
     try:
         yield
     except VerifyError as err:
-        if err.node is None:
-            err.node = node
+        if err.node is None and err.value is None and err.output is None:
+            for key, obj in culprit.items():
+                setattr(err, key, obj)
         raise
 
 
@@ -62,8 +75,9 @@ def describe(node: Node) -> str:
 
 
 class _Verifier:
-    def __init__(self, graph: Graph):
+    def __init__(self, graph: Graph, program: bool = False):
         self.graph = graph
+        self.program = program
         self.defined_ids: set[int] = set()       # id() of every Value nodes may read now
         self.defined_names: dict[str, str] = {}  # name -> where it was defined
         self.internal: dict[int, Node] = {}      # id() of member values not exported -> fused
@@ -76,15 +90,18 @@ class _Verifier:
             raise VerifyError(f"graph name {graph.name!r} is not a valid name; names match "
                               f"{NAME_RE.pattern}")
         for value in graph.inputs:
-            self.check_input(value)
+            with _blaming(value=value):
+                self.check_input(value)
         for index, node in enumerate(graph.nodes):
-            with _blaming(node):
+            with _blaming(node=node):
                 self.check_unique(node)
                 if node.op == FUSED or node.body is not None:
                     self.check_fused(index, node)
                 else:
                     self.check_node(index, node)
         self.check_outputs()
+        if self.program:
+            self.check_program()
 
     def check_unique(self, node: Node) -> None:
         if id(node) in self.seen_nodes:
@@ -205,7 +222,7 @@ class _Verifier:
         self.kernels[kernel] = node
 
     def check_member(self, fused: Node, member: Node, scope: set[int]) -> None:
-        with _blaming(member):
+        with _blaming(node=member):
             self.check_member_node(fused, member, scope)
 
     def check_member_node(self, fused: Node, member: Node, scope: set[int]) -> None:
@@ -371,24 +388,73 @@ class _Verifier:
 
     def check_outputs(self) -> None:
         names: set[str] = set()
+        variables = {v.name: v for v in self.graph.inputs if v.role in ("param", "state")}
         for entry in self.graph.outputs:
             if not (isinstance(entry, tuple) and len(entry) == 2):
                 raise VerifyError(f"graph output {entry!r} must be a (name, Value) pair")
-            name, value = entry
-            vname = getattr(value, "name", repr(value))
-            what = f"graph output {name}=%{vname}"
-            if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-                raise VerifyError(f"{what}: name {name!r} is not a valid name; names match "
-                                  f"{NAME_RE.pattern}")
-            if name in names:
-                raise VerifyError(f"{what}: output name {name} is used twice; output names "
-                                  f"must be unique")
-            names.add(name)
-            if id(value) in self.internal:
-                raise VerifyError(f"{what}: %{vname} {self.internal_to(value)}")
-            if id(value) not in self.defined_ids:
-                raise VerifyError(f"{what}: %{vname} is not a value of graph "
-                                  f"{self.graph.name} (not an input nor a node output)")
+            with _blaming(output=entry[0]):
+                self.check_output(*entry, names, variables)
+
+    def check_output(self, name: str, value: Value, names: set[str],
+                     variables: dict[str, Value]) -> None:
+        vname = getattr(value, "name", repr(value))
+        what = f"graph output {name}=%{vname}"
+        if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+            raise VerifyError(f"{what}: name {name!r} is not a valid name; names match "
+                              f"{NAME_RE.pattern}")
+        if name in names:
+            raise VerifyError(f"{what}: output name {name} is used twice; output names "
+                              f"must be unique")
+        names.add(name)
+        if id(value) in self.internal:
+            raise VerifyError(f"{what}: %{vname} {self.internal_to(value)}")
+        if id(value) not in self.defined_ids:
+            raise VerifyError(f"{what}: %{vname} is not a value of graph "
+                              f"{self.graph.name} (not an input nor a node output)")
+        variable = variables.get(name)
+        if variable is not None and value.type != variable.type:
+            raise VerifyError(f"{what}: an output named after {variable.role} {name} is "
+                              f"its next value, so it must have its type "
+                              f"{variable.type}, not {value.type}")
+
+    # -- what a program relies on -------------------------------------------------
+
+    def check_program(self) -> None:
+        self.check_training_outputs()
+        self.check_fused_on_one_device()
+
+    def check_training_outputs(self) -> None:
+        """A graph that returns a parameter's next value is a training iteration, whose
+        loss `Program.step` reports: it returns ``loss``, a float scalar."""
+        graph = self.graph
+        params = {v.name for v in graph.inputs_with_role("param")}
+        updates = [name for name, _ in graph.outputs if name in params]
+        if not updates:
+            return
+        loss = dict(graph.outputs).get("loss")
+        if loss is None:
+            raise VerifyError(
+                f"graph {graph.name} returns the next value of param {updates[0]}, so it is "
+                f"a training iteration, but it returns no loss; a training iteration "
+                f"returns loss=%value, the float scalar each step reports (or, if this is "
+                f"one rank's piece of a distributed program, compile the whole graph)",
+                output=updates[0])
+        if loss.type.rank != 0 or not loss.type.dtype.is_float:
+            raise VerifyError(f"graph output loss=%{loss.name} is {loss.type}; the loss of "
+                              f"a training iteration is a float scalar (f32[] or f64[])",
+                              output="loss")
+
+    def check_fused_on_one_device(self) -> None:
+        """A program's graph is laid out over its devices before fusion, which runs on
+        each rank's own graph: a fused graph lives on one device."""
+        fused = next((node for node in self.graph.nodes if node.body is not None), None)
+        devices = self.graph.devices()
+        if fused is not None and len(devices) > 1:
+            raise VerifyError(
+                f"fused node {describe(fused)}: graph {self.graph.name} is fused, yet it "
+                f"places values on {', '.join(map(str, devices))}; a graph is laid out over "
+                f"several devices before fusion, so give it as it was before (purinec dump "
+                f"--stage cse), placed as you want it", fused)
 
     def internal_to(self, value: Value) -> str:
         fused = self.internal[id(value)]

@@ -135,7 +135,7 @@ class Pipeline:
 
 
 def _verified(graph: Graph) -> Graph:
-    verify(graph)
+    verify(graph, program=True)  # (the whole graph of a program: no rank's piece yet)
     return graph
 
 

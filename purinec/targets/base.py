@@ -77,9 +77,15 @@ class Target:
         """Refuse devices this target has no kernels for, rather than run them on the
         host under another name."""
         foreign = sorted(str(d) for d in devices if d.kind not in self.device_kinds)
-        if foreign:
-            raise PurinecError(f"target {self.name} runs on {' or '.join(self.device_kinds)} "
-                               f"devices, not on {', '.join(foreign)} ({what})")
+        if not foreign:
+            return
+        unrun = sorted({d.kind for d in devices} -
+                       {kind for target in TARGETS.values() for kind in target.device_kinds})
+        hint = (f": no target runs on {' or '.join(unrun)} devices yet (the IR can describe "
+                f"them; kernels for them are still to come), so place it on cpu devices"
+                if unrun else "")
+        raise PurinecError(f"target {self.name} runs on {' or '.join(self.device_kinds)} "
+                           f"devices, not on {', '.join(foreign)} ({what}){hint}")
 
     def check_records_traces(self) -> None:
         """Refuse a trace (--trace, --timeline) on a target that records none, naming the

@@ -289,6 +289,56 @@ def test_parse_with_verify_names_the_line_of_a_fused_member():
     verify(parse(FUSED_TEXT, verify=True))  # and a well-formed graph passes
 
 
+def test_parse_with_verify_names_the_line_of_a_graph_input():
+    text = GOOD.replace("%w: f32[3] @cpu:0", "%w: f32[3] @cpu:0 ~ split(1)[cpu:0,cpu:1]")
+    with pytest.raises(VerifyError, match=r"^net\.pir:3: graph input %w is split along axis 1, "
+                                          r"which f32\[3\] does not have"):
+        parse(text, source="net.pir", verify=True)
+
+
+TRAIN_TEXT = """\
+graph t(
+    %x: f32[2,3] @cpu:0,
+    %w: f32[3] @cpu:0 {param, init="xavier"},
+    %h: f32[3] @cpu:0 {state, init="constant(0)"}
+) {
+  %y = bias_add(%x, %w) {axis=1} : f32[2,3] @cpu:0
+  %loss = reduce_sum(%y) {axes=[0,1], keepdims=false} : f32[] @cpu:0
+  %w.next, %h.next = sgd(%w, %h, %w) {lr=0.1} : f32[3] @cpu:0, f32[3] @cpu:0
+  return loss=%loss,
+    w=%w.next,
+    h=%h.next
+}"""
+
+
+@pytest.mark.parametrize("old, new, line, words", [
+    ("w=%w.next", "w=%y", 10, ["graph output w=%y", "next value", "its type f32[3], not "
+                                                                  "f32[2,3]"]),
+    ("h=%h.next", "h=%loss", 11, ["graph output h=%loss", "state h", "f32[3], not f32[]"]),
+    ("loss=%loss,", "", 10, ["returns the next value of param w", "returns no loss"]),
+    ("loss=%loss,", "loss=%y,", 9, ["loss=%y is f32[2,3]", "float scalar"]),
+])
+def test_parse_with_verify_names_the_line_of_what_a_training_step_needs(old, new, line,
+                                                                        words):
+    """A step keeps every output named after a variable as its next value, and reports
+    the loss: wrong types and a missing loss are refused where the .pir file says so."""
+    parse(TRAIN_TEXT, verify=True)
+    with pytest.raises(VerifyError) as info:
+        parse(TRAIN_TEXT.replace(old, new), source="t.pir", verify=True)
+    assert str(info.value).startswith(f"t.pir:{line}: "), str(info.value)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_parse_with_verify_refuses_a_fused_graph_over_several_devices():
+    text = FUSED_TEXT.replace("%b: f32[4] @cpu:0", "%b: f32[4] @gpu:0")
+    line = next(i for i, row in enumerate(text.splitlines(), 1) if "= fused(" in row)
+    parse(text)  # valid IR: a rank's physical graph may span its devices
+    with pytest.raises(VerifyError, match=rf"^net\.pir:{line}: fused node %fc.b, %act = fused.*"
+                                          r"places values on cpu:0, gpu:0.*before fusion"):
+        parse(text, source="net.pir", verify=True)
+
+
 def test_outputs_placed_as_declared():
     g = parse("graph g(%a: f32[4] @cpu:0) {\n"
               "  %b, %c = split(%a) {axis=0, sections=[1,3]} : f32[1] @gpu:0, "
@@ -512,9 +562,11 @@ def graphs(draw):
     values = list(b.g.values())
     chosen = draw(st.lists(st.sampled_from(values), max_size=4)) if values else []
     outputs, used = [], set()
+    # An output named after a param or state is its next value, of its type.
+    variables = {v.name: v.type for v in b.g.inputs_with_role("param", "state")}
     for v in chosen:
         name = v.name if draw(st.booleans()) else draw(names)
-        if name not in used:
+        if name not in used and variables.get(name, v.type) == v.type:
             used.add(name)
             outputs.append((name, v))
     b.g.set_outputs(outputs)

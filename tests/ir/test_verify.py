@@ -39,9 +39,9 @@ def node(g: Graph, name: str) -> Node:
     return next(n for n in g.nodes if n.name == name)
 
 
-def fails(g: Graph, *words: str) -> str:
+def fails(g: Graph, *words: str, program: bool = False) -> str:
     with pytest.raises(VerifyError) as info:
-        verify(g)
+        verify(g, program=program)
     message = str(info.value)
     for word in words:
         assert word in message, (word, message)
@@ -278,6 +278,70 @@ def test_input_init():
     fails(g, "graph input %w", "unknown initializer 'xavir'")
     g.input("w").init = 0.1
     fails(g, "graph input %w", "has init 0.1; it must be a string or None")
+
+
+@pytest.mark.parametrize("init, dtype, words", [
+    ("uniform(-1)", F32, ["half-width must be >= 0"]),
+    ("gaussian(-1)", F32, ["standard deviation must be >= 0"]),
+    ("uniform(inf)", F32, ["finite"]),
+    ("gaussian(nan)", F32, ["finite"]),
+    ("constant(1e400)", F32, ["finite"]),
+    ("constant(1e39)", F32, ["1e+39 is not a value of f32"]),
+    ("xavier", I32, ["draws random floats", "i32", "constant(v)"]),
+    ("constant(1.5)", I32, ["1.5 is not a value of i32"]),
+    ("constant(3e9)", I32, ["not a value of i32"]),
+    ("constant(2)", DType.bool, ["not a value of bool"]),
+])
+def test_input_init_fits_its_tensor(init, dtype, words):
+    g = Graph("g")
+    v = g.add_input("v", T(dtype, 2), role="state", init=init)
+    g.set_outputs([("y", v)])
+    err = fails(g, "graph input %v", init, *words)
+    assert "graph input %v" in err
+    with pytest.raises(VerifyError) as info:
+        verify(g)
+    assert info.value.value is v  # blamed, so a parser can give the input's line
+
+
+def test_an_output_named_after_a_variable_has_its_type():
+    g = mlp()
+    g.outputs[2] = ("w.hist", node(g, "act").outputs[0])
+    with pytest.raises(VerifyError) as info:
+        verify(g)
+    assert "graph output w.hist=%act" in str(info.value)
+    assert "next value, so it must have its type f32[3,4], not f32[8,3]" in str(info.value)
+    assert info.value.output == "w.hist"
+
+
+def test_a_training_iteration_returns_its_loss():
+    g = mlp()
+    verify(g, program=True)
+    del g.outputs[0]
+    verify(g)  # one rank's piece of a program may leave the loss to another rank
+    fails(g, "returns the next value of param w", "returns no loss", program=True)
+    g.outputs.append(("loss", node(g, "act").outputs[0]))
+    fails(g, "loss=%act is f32[8,3]", "float scalar", program=True)
+    del g.outputs[-3:]  # an inference graph needs none
+    verify(g, program=True)
+
+
+def test_a_programs_fused_graph_lives_on_one_device():
+    g = fused_mlp()
+    verify(g, program=True)
+    g.input("label").device = Device("cpu", 1)
+    verify(g)  # a rank's physical graph may span its devices
+    fails(g, "fused node %act = fused", "places values on cpu:0, cpu:1",
+          "before fusion", program=True)
+
+
+def test_sizes_are_bounded():
+    g = mlp()
+    g.input("x").type = T(F32, 2**32, 2**32)
+    assert g.input("x").type.size == 2**64  # exact, not wrapped around to 0
+    fails(g, "graph input %x", "more than 2**56 elements")
+    g = mlp()
+    g.input("x").type = T(F32, *[1] * 33)
+    fails(g, "graph input %x", "33 dimensions; a tensor has at most 32")
 
 
 def test_value_names():

@@ -35,6 +35,7 @@ from purinec.errors import PurinecError
 from purinec.ir.graph import Graph, Node, Value
 from purinec.ir.ops import SplitSignature, Trait, get_op, op_has
 from purinec.ir.types import Device, DistKind, Distribution, TensorType
+from purinec.ir.verify import describe
 from purinec.passes.cost import FLOPS_PER_BYTE, node_flops
 from purinec.passes.parallel.boxing import conversion_cost, convert
 from purinec.passes.parallel.bucket import bucket
@@ -257,7 +258,9 @@ class Distributor:
 
     def _place(self, node: Node) -> Node:
         if node.body is not None:
-            raise PurinecError(f"parallelize runs before fusion; node {node!r} is fused")
+            raise PurinecError(f"graph {self.source.name}: fused node {describe(node)}; a "
+                               f"graph is laid out over devices before fusion, which runs "
+                               f"on each rank's own graph: lay it out as it was before")
         inputs = [self.mapping[v] for v in node.inputs]
         updated = node.inputs[0].name if _updates(node) else None
         self.group = self._group_for(node.device, updated)
