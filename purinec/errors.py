@@ -50,6 +50,11 @@ class UnknownOpError(PurinecError):
     """An op name that is not in the registry."""
 
 
+class MemoryLimitError(PurinecError):
+    """Tensors that would take more memory than the limit (the machine's memory, or
+    PURINEC_MEMORY_LIMIT): refused before anything is allocated."""
+
+
 class ModelError(PurinecError):
     """A model (bi-graph, zoo name, Python file) that cannot be built or lowered."""
 

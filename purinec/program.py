@@ -19,6 +19,7 @@ from purinec.ir.verify import verify
 from purinec.layout import is_distributed, layout_devices, layout_ranks, rank_of
 from purinec.passes.pipeline import StageHook
 from purinec.runtime.distributed import DistributedExecutable, Replicas
+from purinec.runtime.memory import check_values_fit
 from purinec.targets import get_target
 from purinec.weights import check_weights, variables
 
@@ -125,6 +126,9 @@ class Program:
         for g in graphs:
             verify(g, program=True)
         _check_variables_stay(graph, self.eval_ir)
+        inputs = {v.name: v for g in graphs for v in g.inputs}
+        check_values_fit(inputs.values(), f"the inputs of graph {graph.name} (parameters, "
+                                          f"state and one batch of data)")
         rng = np.random.default_rng(seed)
         self.params = TensorStore("parameter", _initial_arrays(graphs, "param", params, rng))
         self.state = TensorStore("state", _initial_arrays(graphs, "state", state, rng))

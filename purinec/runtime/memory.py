@@ -25,10 +25,12 @@ execution order its dependency counts allow, not only the schedule's order.
 from __future__ import annotations
 
 import bisect
+import os
+import re
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
-from purinec.errors import VerifyError
+from purinec.errors import MemoryLimitError, PurinecError, VerifyError
 from purinec.ir.graph import Graph, Node, Value
 from purinec.ir.ops import REGISTRY, FusionKind, Trait, op_has
 from purinec.ir.types import Device
@@ -164,9 +166,54 @@ class MemoryPlan:
 def _bytes(n: int) -> str:
     if n < 1024:
         return f"{n} B"
-    if n < 1024 ** 2:
-        return f"{n / 1024:.1f} KiB"
-    return f"{n / 1024 ** 2:.1f} MiB"
+    for power, unit in enumerate(("KiB", "MiB", "GiB", "TiB", "PiB"), 1):
+        if n < 1024 ** (power + 1) or unit == "PiB":
+            return f"{n / 1024 ** power:.1f} {unit}"
+    raise AssertionError(n)
+
+
+# -- the memory limit --------------------------------------------------------------------
+
+LIMIT_VARIABLE = "PURINEC_MEMORY_LIMIT"
+_UNITS = {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3, "T": 1024 ** 4}
+
+
+def memory_limit() -> tuple[int | None, str]:
+    """The most bytes of tensors purinec allocates at once for one request, and a phrase
+    saying what it is: PURINEC_MEMORY_LIMIT (bytes, or with a K, M, G or T suffix) when
+    set, else the machine's physical memory (None where the system does not say)."""
+    setting = os.environ.get(LIMIT_VARIABLE, "").strip()
+    if setting:
+        m = re.fullmatch(r"([0-9]{1,15})\s*([KMGT]?)(?:i?B)?", setting, flags=re.IGNORECASE)
+        if not m:
+            raise PurinecError(f"{LIMIT_VARIABLE}={setting!r} is not a size; give bytes, "
+                               f"or a number with K, M, G or T (e.g. 8G)")
+        limit = int(m[1]) * _UNITS[m[2].upper()]
+        return limit, f"the limit is {_bytes(limit)} ({LIMIT_VARIABLE}={setting})"
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None, "no limit"
+    return physical, (f"this machine has {_bytes(physical)} of memory (set "
+                      f"{LIMIT_VARIABLE} to allow more or less)")
+
+
+def check_allocation(nbytes: int, what: str, detail: str = "") -> None:
+    """Refuse, before allocating it, ``nbytes`` of memory for ``what`` beyond the memory
+    limit: a clear error rather than a MemoryError, or a machine swapping to a halt."""
+    limit, says = memory_limit()
+    if limit is not None and nbytes > limit:
+        raise MemoryLimitError(f"{what} would take {_bytes(nbytes)}{detail}; {says}")
+
+
+def check_values_fit(values: Iterable[Value], what: str) -> None:
+    """`check_allocation` for one array per value, naming the largest."""
+    values = list(values)
+    if values:
+        largest = max(values, key=lambda v: v.type.nbytes)
+        check_allocation(sum(v.type.nbytes for v in values), what,
+                         f" (the largest, %{largest.name}: {largest.type}, "
+                         f"{_bytes(largest.type.nbytes)})")
 
 
 def updates_after_readers(graph: Graph) -> list[Node]:

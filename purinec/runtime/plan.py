@@ -23,7 +23,8 @@ from purinec.ir.graph import Graph, Node, Value
 from purinec.ir.ops import Trait, get_op, op_has
 from purinec.runtime.devices import COMM, COMPUTE, COPY_IN, QueueId
 from purinec.runtime.memory import (ALIGNMENT, ARENA, COPY, EXTERNAL, FRESH, VARIABLE,
-                                    MemoryPlan, is_view, may_alias, plan_memory)
+                                    MemoryPlan, check_allocation, is_view, may_alias,
+                                    plan_memory)
 
 KERNEL = "kernel"
 
@@ -80,6 +81,8 @@ class Plan:
                  arenas=None):
         self.graph = graph
         self.memory: MemoryPlan = plan_memory(graph, schedule, may_alias)
+        check_allocation(sum(self.memory.arena_bytes.values()),
+                         f"the working memory of graph {graph.name} (its arenas)")
         self._arena_source = _arena_source(kernels, arenas or FreshArenas)
         self.arenas = self._arena_source.allocate(self.memory.arena_bytes)
         self._static = self._arena_views()

@@ -7,6 +7,7 @@ from typing import Any
 
 from purinec.ir.graph import Graph
 from purinec.ir.ops import spans_ranks
+from purinec.runtime.memory import check_values_fit
 from purinec.runtime.reference import execute
 from purinec.targets.base import Runnable, Target
 
@@ -22,6 +23,10 @@ class ReferenceTarget(Target):
 
     def executable(self, graph: Graph, trace: Any = None) -> Runnable:
         if not any(spans_ranks(node) for node in graph.nodes):
+            # It keeps every value until the run ends: all of them must fit at once.
+            check_values_fit([v for node in graph.flat_nodes() for v in node.outputs],
+                             f"the values of graph {graph.name} (the reference target keeps "
+                             f"each until the run ends)")
             return lambda env: execute(graph, env)
         # Collectives across ranks: each op's NumPy reference, run by the counting
         # executor alongside the MPI kernels.

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from purinec.errors import MemoryLimitError
 from purinec.ir.graph import Graph
 from purinec.ir.ops import REGISTRY, FusionKind
 from purinec.ir.types import DType, Device, TensorType
 from purinec.runtime.executor import Executable
-from purinec.runtime.memory import (ALIGNMENT, ARENA, COPY, EXTERNAL, FRESH, VARIABLE,
-                                    aligned, is_view, plan_memory)
-from purinec.runtime.plan import reference_kernels
+from purinec.runtime.memory import (ALIGNMENT, ARENA, COPY, EXTERNAL, FRESH, LIMIT_VARIABLE,
+                                    VARIABLE, aligned, is_view, plan_memory)
+from purinec.runtime.plan import Plan, reference_kernels
 from purinec.runtime.reference import execute
 from test_runtime import assert_same, copied, random_env, random_graph
 
@@ -374,3 +376,15 @@ def test_an_allreduce_leaves_a_gradient_read_later_alone():
     assert memory.class_of[total.outputs[1]].donor is memory.class_of[grads[1]]
     env = random_env(graph)
     assert_same(execute(graph, copied(env)), Executable(graph, reference_kernels(graph))(env))
+
+
+def test_arenas_beyond_the_memory_limit_are_refused_before_they_are_allocated(monkeypatch):
+    monkeypatch.setenv(LIMIT_VARIABLE, "1M")
+    big = TensorType((1024, 1024), F32)  # 4 MiB
+    graph = Graph("big")
+    x = graph.add_input("x", big)
+    graph.set_outputs([("y", graph.add_node("relu", [graph.add_node("relu", [x]).outputs[0]])
+                        .outputs[0])])
+    with pytest.raises(MemoryLimitError, match=r"the working memory of graph big \(its arenas\) "
+                                               r"would take 4.0 MiB; the limit is 1.0 MiB"):
+        Plan(graph, reference_kernels(graph))
