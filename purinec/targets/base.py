@@ -40,6 +40,7 @@ import numpy as np
 
 from purinec.errors import PurinecError
 from purinec.ir.graph import Graph, Node
+from purinec.ir.types import DEVICE_KINDS
 from purinec.passes.optimizer import SGD
 from purinec.passes.parallel import Parallel
 from purinec.passes.pipeline import Pass, Pipeline
@@ -79,7 +80,7 @@ class Target:
         foreign = sorted(str(d) for d in devices if d.kind not in self.device_kinds)
         if not foreign:
             return
-        unrun = sorted({d.kind for d in devices} -
+        unrun = sorted({d.kind for d in devices if d.kind in DEVICE_KINDS} -
                        {kind for target in TARGETS.values() for kind in target.device_kinds})
         hint = (f": no target runs on {' or '.join(unrun)} devices yet (the IR can describe "
                 f"them; kernels for them are still to come), so place it on cpu devices"
