@@ -76,7 +76,9 @@ def rank_of(graph: Graph) -> int:
     span ranks, which needs a job started with mpiexec of the right size."""
     from purinec.runtime import comm
 
-    ranks = {d.rank for v in graph.inputs if v.dist is not None for d in v.dist.group}
+    # Every rank the layout names, as layout_ranks counts them: a value laid out over a
+    # rank no input is on still needs that rank in the job.
+    ranks = {d.rank for d in layout_devices(graph)}
     world = comm.world()
     if ranks <= {0} and world.size > 1:
         raise PurinecError(f"graph {graph.name} is laid out over devices of rank 0 only, but "

@@ -653,6 +653,18 @@ def test_a_program_over_ranks_refuses_to_start_without_mpiexec():
         purinec.compile("mlp", batch=4, devices="r0/cpu:0,r1/cpu:0")
 
 
+def test_a_rank_only_an_output_is_laid_out_over_needs_mpiexec_too():
+    """A .pir file whose inputs are all on rank 0 but one of whose outputs is laid out
+    over rank 1 too: the job needs both ranks (it failed in its first step, on an MPI
+    broadcast without MPI)."""
+    logical = purinec.compile("mlp", batch=4, input_shape=(1, 2, 2), devices=2).ir
+    head, body = str(logical).split(") {\n", 1)  # a node's output's, not an input's
+    text = head + ") {\n" + body.replace("~ replicated[cpu:0,cpu:1]",
+                                         "~ replicated[r1/cpu:0,cpu:1]", 1)
+    with pytest.raises(PurinecError, match="laid out over 2 ranks .*mpiexec -n 2"):
+        purinec.compile(parse(text, verify=True))
+
+
 PLACED_MODEL = """
 from purinec.bigraph import Accuracy, Blob, InnerProduct, Location, Net, ReLU, SoftmaxWithLoss
 
