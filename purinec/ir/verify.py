@@ -367,6 +367,9 @@ class _Verifier:
                                   f"Distribution")
             for device in value.dist.group:
                 _check_device(device, f"{what} (distribution {value.dist})")
+            if len(set(value.dist.group)) != len(value.dist.group):
+                raise VerifyError(f"{what} is laid out over {value.dist}, which names a "
+                                  f"device twice; a group's devices are distinct")
             axis = value.dist.axis
             if axis is not None and not 0 <= axis < value.type.rank:
                 raise VerifyError(f"{what} is split along axis {axis}, which {value.type} "

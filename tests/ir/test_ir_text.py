@@ -382,7 +382,7 @@ float_dtypes = st.sampled_from([F32, F64])
 
 
 def dists_for(rank):
-    groups = st.lists(devices, min_size=1, max_size=3).map(tuple)
+    groups = st.lists(devices, min_size=1, max_size=3, unique=True).map(tuple)
     options = [st.none(), st.none(),
                st.builds(Distribution, st.sampled_from([DistKind.replicated,
                                                         DistKind.partial]), groups)]

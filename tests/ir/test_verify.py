@@ -366,6 +366,9 @@ def test_devices_and_distributions():
     g = mlp()
     g.input("b").device = Device("cpu", -1)
     fails(g, "graph input %b", "non-negative")
+    g = mlp()
+    g.input("b").dist = Distribution(DistKind.replicated, (CPU0, Device("cpu", 1), CPU0))
+    fails(g, "graph input %b", "replicated[cpu:0,cpu:1,cpu:0], which names a device twice")
 
 
 def test_loc_must_fit_on_one_line():
