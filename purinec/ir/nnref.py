@@ -148,7 +148,8 @@ def max_pool2d_grad(x, y, gy, kernel, stride, pad):
     gx = np.zeros_like(x)
     nn, cc = np.meshgrid(np.arange(n), np.arange(c), indexing="ij")
     for p, q, (h0, h1), (w0, w1), _ in _pool_windows(h, w, kernel, stride, pad):
-        win = x[:, :, h0:h1, w0:w1].reshape(n, c, -1)
+        # (The window's size, not -1, which is ambiguous for an empty batch.)
+        win = x[:, :, h0:h1, w0:w1].reshape(n, c, (h1 - h0) * (w1 - w0))
         k = win.argmax(axis=2)                       # the first maximum, row-major
         rows, cols = h0 + k // (w1 - w0), w0 + k % (w1 - w0)
         np.add.at(gx, (nn, cc, rows, cols), gy[:, :, p, q])

@@ -350,6 +350,16 @@ def test_max_pool_grad_ties_and_overlap():
     np.testing.assert_array_equal(y[0, 0], [[-1, -1], [-1, -1]])
 
 
+def test_pooling_and_its_gradients_take_an_empty_batch():
+    """A batch of 0 (a .pir file's, as the fuzzer wrote one) was a NumPy reshape error."""
+    x = np.zeros((0, 2, 4, 4), np.float32)
+    attrs = {"kernel": [2, 2], "stride": [2, 2], "pad": [0, 0]}
+    (y,) = nnref.max_pool2d(x, **attrs)
+    (gx,) = nnref.max_pool2d_grad(x, y, y, **attrs)
+    (ga,) = nnref.avg_pool2d_grad(y, **attrs, input_shape=list(x.shape))
+    assert y.shape == (0, 2, 2, 2) and gx.shape == ga.shape == x.shape
+
+
 @SETTINGS
 @given(pool_cases())
 def test_max_pool_grad_is_the_derivative(case):
