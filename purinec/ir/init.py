@@ -54,16 +54,17 @@ def parse_init(spec: str) -> tuple[str, float | None]:
     return kind, arg
 
 
-def check_init(spec: str, dtype: DType) -> None:
-    """Raise unless ``spec`` is a filler for a tensor of ``dtype``: random fillers for
-    float tensors only, and a constant or scale the dtype holds (no overflow to inf, no
-    rounding of an integer's value)."""
+def check_init(spec: str, dtype: DType) -> tuple[str, float | None]:
+    """`parse_init`, and raise unless ``spec`` is a filler for a tensor of ``dtype``:
+    random fillers for float tensors only, and a constant or scale the dtype holds (no
+    overflow to inf, no rounding of an integer's value)."""
     kind, arg = parse_init(spec)
     if kind != "constant" and not dtype.is_float:
         raise PurinecError(f"initializer {spec!r} draws random floats; a {dtype} tensor "
                            f"takes constant(v)")
     if arg is not None and not _holds(dtype, arg):
         raise PurinecError(f"initializer {spec!r}: {arg:g} is not a value of {dtype}")
+    return kind, arg
 
 
 def _holds(dtype: DType, number: float) -> bool:
@@ -77,9 +78,7 @@ def _holds(dtype: DType, number: float) -> bool:
 
 def initial_value(spec: str | None, type: TensorType, rng: np.random.Generator) -> np.ndarray:
     """A fresh array of ``type`` filled as ``spec`` says (zeros when spec is None)."""
-    if spec:
-        check_init(spec, type.dtype)
-    kind, arg = parse_init(spec) if spec else ("constant", 0.0)
+    kind, arg = check_init(spec, type.dtype) if spec else ("constant", 0.0)
     dtype = type.dtype.numpy
     shape = type.shape
     fan_in = max(1, type.size // shape[0]) if shape else 1

@@ -65,7 +65,8 @@ def shape_problem(shape: tuple[int, ...]) -> str | None:
     if len(shape) > MAX_RANK:
         return f"{len(shape)} dimensions; a tensor has at most {MAX_RANK}"
     if math.prod(shape) > MAX_ELEMENTS:
-        return "more than 2**56 elements, the most a tensor may have"
+        return (f"more than 2**{MAX_ELEMENTS.bit_length() - 1} elements, the most a tensor "
+                f"may have")
     return None
 
 

@@ -172,8 +172,9 @@ def coerce_attr(op: str, key: str, spec: Attr, value: Any) -> Any:
     """``value`` as attribute ``key`` of ``spec``'s kind, within its bound, or a
     VerifyError."""
     result = _coerce_kind(op, key, spec.kind, value)
-    bound = INT64 if spec.kind in ("int", "ints") else spec.bound
-    if bound is not None:
+    bounds = [INT64] if spec.kind in ("int", "ints") else []
+    bounds += [spec.bound] if spec.bound is not None else []
+    for bound in bounds:
         for number in result if isinstance(result, list) else [result]:
             if not bound.test(number):
                 raise VerifyError(f"op {op}: attribute {key} must be {bound.says}, got "
