@@ -83,7 +83,7 @@ class Target:
         unrun = sorted({d.kind for d in devices if d.kind in DEVICE_KINDS} -
                        {kind for target in TARGETS.values() for kind in target.device_kinds})
         hint = (f": no target runs on {' or '.join(unrun)} devices yet (the IR can describe "
-                f"them; kernels for them are still to come), so place it on cpu devices"
+                f"them; kernels for them are still to come): place the model on cpu devices"
                 if unrun else "")
         raise PurinecError(f"target {self.name} runs on {' or '.join(self.device_kinds)} "
                            f"devices, not on {', '.join(foreign)} ({what}){hint}")
