@@ -62,6 +62,7 @@ from purinec.ir.graph import Graph, Value
 from purinec.ir.parser import parse
 from purinec.layout import is_distributed, layout_ranks, onto_ranks
 from purinec.runtime import comm
+from purinec.runtime.memory import check_values_fit
 from purinec.targets import TARGETS
 from purinec.version import __version__
 from purinec.weights import check_weights, variables
@@ -591,16 +592,13 @@ def _declared(path: str, graphs: list[Graph]) -> dict[str, Value]:
                             f"{err}") from None
 
 
-def _nbytes(value: Value) -> int:
-    # In Python ints: TensorType.size is a NumPy int64, which wraps.
-    return math.prod(value.type.shape) * value.type.dtype.numpy.itemsize
-
-
 def _weights_limit(path: str, graphs: list[Graph]) -> int:
     """The most bytes weights.npz can hold for the params and state the IR declares:
-    their data and, per array, its .npy header and zip records (the name twice)."""
+    their data and, per array, its .npy header and zip records (the name twice). Weights
+    beyond the memory limit are refused here, before any is read."""
     declared = _declared(path, graphs)
-    return NPY_OVERHEAD + sum(_nbytes(v) + NPY_OVERHEAD + 2 * len(name.encode())
+    check_values_fit(declared.values(), f"the parameters and state of {path}")
+    return NPY_OVERHEAD + sum(v.type.nbytes + NPY_OVERHEAD + 2 * len(name.encode())
                               for name, v in declared.items())
 
 
@@ -665,7 +663,7 @@ def _header_if_declared(where: str, npz: zipfile.ZipFile, info: zipfile.ZipInfo,
     does not declare is not read (`check_weights` names it)."""
     if value is None or value.role != role:
         return _ArrayHeader((0,), np.dtype("V0"))
-    limit = _nbytes(value) + NPY_OVERHEAD
+    limit = value.type.nbytes + NPY_OVERHEAD
     if info.file_size > limit:
         raise ArtifactError(f"{where}: array {info.filename[:-4]} is {info.file_size:,} "
                             f"bytes, more than its type in the IR, {value.type}, takes "

@@ -23,7 +23,7 @@ from purinec import artifact
 from purinec.program import Program
 from purinec.targets import TARGETS
 from purinec.data import synthetic
-from purinec.errors import ArtifactError, PurinecError
+from purinec.errors import ArtifactError, MemoryLimitError, PurinecError
 from purinec.ir.init import initial_value
 from purinec.train import Checkpoint, train
 from tests.artifact_forging import (entry, forged, gib_of_zeros, npy, read_members,
@@ -858,3 +858,9 @@ def test_text_members_past_their_total_are_refused(saved):
                                             r"[\d,]+ bytes uncompressed; purinec reads at "
                                             r"most 134,217,728"):
         purinec.load(saved)
+
+
+def test_weights_beyond_the_memory_limit_are_refused_before_they_are_read(saved, monkeypatch):
+    monkeypatch.setenv("PURINEC_MEMORY_LIMIT", "1K")
+    with pytest.raises(MemoryLimitError, match=rf"the parameters and state of {saved}.*1\.0 KiB"):
+        purinec.load(saved, target="reference")
