@@ -445,7 +445,7 @@ def test_a_users_script_run_with_python_m_mpi4py_ends_when_a_rank_raises(fail):
         ran(done)
         # (the ranks' lines may come through the launcher run together)
         assert sorted(re.findall(r"rank \d: loss \d\.\d{4}", done.stdout)) == [
-            "rank 0: loss 2.3677", "rank 1: loss 2.3677"], done.stdout
+            "rank 0: loss 2.5463", "rank 1: loss 2.5463"], done.stdout
         return
     assert done.returncode != 0
     assert "ValueError: a bug in the user's script on rank 1" in done.stderr, done.stderr
