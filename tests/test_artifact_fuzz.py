@@ -310,44 +310,23 @@ manifest_edits = st.builds(
     json_texts, st.booleans())
 
 
-@SMALL
-@given(byte_flips)
-def test_byte_flips(saved, mutation):
-    check_loads_or_refuses(saved, mutation.apply(saved), mutation.expect)
+MUTATIONS = {"byte flips": byte_flips, "truncations": truncations,
+             "member edits": member_edits, "array edits": array_edits, "bombs": bombs,
+             "manifest edits": manifest_edits}
 
 
-@SMALL
-@given(truncations)
-def test_truncations(saved, mutation):
-    check_loads_or_refuses(saved, mutation.apply(saved), mutation.expect)
+@pytest.mark.parametrize("kind", MUTATIONS)
+def test_each_kind_of_mutation(saved, kind):
+    @SMALL
+    @given(MUTATIONS[kind])
+    def check(mutation):
+        check_loads_or_refuses(saved, mutation.apply(saved), mutation.expect)
 
-
-@SMALL
-@given(member_edits)
-def test_member_edits(saved, mutation):
-    check_loads_or_refuses(saved, mutation.apply(saved), mutation.expect)
-
-
-@SMALL
-@given(array_edits)
-def test_array_edits(saved, mutation):
-    check_loads_or_refuses(saved, mutation.apply(saved), mutation.expect)
-
-
-@SMALL
-@given(bombs)
-def test_bombs(saved, mutation):
-    check_loads_or_refuses(saved, mutation.apply(saved), mutation.expect)
-
-
-@SMALL
-@given(manifest_edits)
-def test_manifest_edits(saved, mutation):
-    check_loads_or_refuses(saved, mutation.apply(saved), mutation.expect)
+    check()
 
 
 @pytest.mark.slow
 @LARGE
-@given(byte_flips | truncations | member_edits | array_edits | bombs | manifest_edits)
+@given(st.one_of(*MUTATIONS.values()))
 def test_everything_at_once_slow(saved, mutation):
     check_loads_or_refuses(saved, mutation.apply(saved), mutation.expect)
