@@ -208,9 +208,7 @@ class Lowering:
         except ShapeError as e:
             raise LayerShapeError(f"{op.blame()}: {e} (inputs: "
                                   f"{', '.join(_fmt(v) for v in inputs)})") from e
-        except (VerifyError, UnknownOpError) as e:
-            raise ModelError(f"{op.blame()}: {e}") from e
-        except ValueError as e:  # a name claimed twice
+        except (VerifyError, UnknownOpError) as e:  # (a name claimed twice, too)
             raise ModelError(f"{op.blame()}: {e}") from e
         return node.outputs
 

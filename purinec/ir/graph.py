@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from purinec.errors import VerifyError
 from purinec.ir.ops import get_op
 from purinec.ir.printer import print_graph
 from purinec.ir.types import CPU0, Device, Distribution, TensorType
@@ -108,7 +109,7 @@ class Graph:
 
     def _claim(self, name: str) -> str:
         if name in self._names:
-            raise ValueError(f"value %{name} is already defined in graph {self.name}")
+            raise VerifyError(f"value %{name} is already defined in graph {self.name}")
         self._names.add(name)
         return name
 

@@ -255,3 +255,14 @@ def test_mutated_dumps_are_refused_cleanly_or_run(sandbox, text):
 @given(mutated())
 def test_many_mutated_dumps_are_refused_cleanly_or_run(sandbox, text):
     check(text, sandbox)
+
+
+@pytest.mark.parametrize("group", ["[cpu:0]", "[cpu:1]", "[cpu:1,cpu:0]"])
+def test_every_distribution_changed_in_turn_is_refused_cleanly_or_runs(sandbox, group):
+    """Each value of mlp's data-parallel training iteration laid out over another group
+    (random edits rarely pick these): partitioning such a graph once defined a value
+    twice, a ValueError."""
+    [text] = [t for t in dumps() if t.startswith("graph mlp.train") and "~ split" in t]
+    spans = [m.start() for m in re.finditer(re.escape("[cpu:0,cpu:1]"), text)]
+    for start in spans:
+        check(text[:start] + group + text[start + len("[cpu:0,cpu:1]"):], sandbox)

@@ -63,7 +63,12 @@ class Partitioner:
         for v in self.source.inputs:
             self._input(v)
         for node in self.source.nodes:
-            self._partition(node)
+            try:
+                self._partition(node)
+            except PurinecError as err:  # say which node, as the IR shows it
+                at = f" ({node.loc})" if node.loc else ""
+                raise type(err)(f"partitioning {node!r}{at} for rank {self.rank}: "
+                                f"{err}") from None
         self.new.set_outputs([out for name, v in self.source.outputs
                               for out in self._outputs(name, v)])
         return self.new
