@@ -44,8 +44,8 @@ from purinec.errors import IRSyntaxError, PurinecError, UnknownOpError, VerifyEr
 from purinec.ir.graph import FUSED, INPUT_ROLES, NAME_RE, Graph, Node, Value
 from purinec.ir.init import check_init
 from purinec.ir.ops import coerce_attr, get_op, unknown_op_message
-from purinec.ir.types import (DEVICE_KINDS, Device, Distribution, DistKind, DType, TensorType,
-                              shape_problem)
+from purinec.ir.types import (DEVICE_KINDS, INT64_MAX, INT64_MIN, Device, Distribution,
+                              DistKind, DType, TensorType, shape_problem)
 from purinec.ir.verify import verify
 
 # -- tokens -----------------------------------------------------------------------------
@@ -63,7 +63,6 @@ _WORD_TAIL_RE = re.compile(r"[A-Za-z0-9_.]+")
 # attributes) are int64, other numbers float64. The length bound keeps int() and float()
 # cheap (and below Python's 4,300-digit limit on int()): the printer writes an int64 in
 # at most 20 characters and a float64 in at most 24.
-INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 MAX_NUMBER_CHARS = 40
 _WHITESPACE = " \t\r\n"
 

@@ -55,6 +55,8 @@ _NUMPY_NAMES = {
 # runtime checks that when it allocates. NumPy 1.x arrays have at most 32 dimensions.
 MAX_ELEMENTS = 2**56
 MAX_RANK = 32
+# The integers the IR holds (dimensions, indices, integer attributes): int64.
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 
 
 def shape_problem(shape: tuple[int, ...]) -> str | None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from purinec.errors import UnknownOpError, VerifyError
-from purinec.ir.types import TensorType
+from purinec.ir.types import INT64_MAX, INT64_MIN, TensorType
 
 if TYPE_CHECKING:
     from purinec.ir.expr import Expr
@@ -70,7 +70,7 @@ class Bound:
 FINITE = Bound(math.isfinite, "a finite number")
 
 # Integers are int64 everywhere (attributes reach kernels as machine integers).
-INT64 = Bound(lambda v: -2**63 <= v < 2**63, "an int64 (-2**63 to 2**63 - 1)")
+INT64 = Bound(lambda v: INT64_MIN <= v <= INT64_MAX, "an int64 (-2**63 to 2**63 - 1)")
 
 
 @dataclass(frozen=True)
