@@ -145,11 +145,11 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
     for node in members:
         for i, value in enumerate(node.inputs):
             if value not in produced:
-                key = (value, _varying_axes(node, i))
+                key = (value, varying_axes(node, i))
                 if key not in loads:
                     loads[key] = operand(*key)
     stores = [operand(v, frozenset(range(len(shape)))) for v in outputs]
-    extents = _merge_axes(shape[first:], list(loads.values()) + stores)
+    extents = merge_axes(shape[first:], list(loads.values()) + stores)
     loop_vars = [module.fresh(f"i{k}") for k in range(len(extents))]
     for op in loads.values():
         op.element = module.fresh(op.hint)
@@ -183,7 +183,7 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
     for node in members:
         statements.append((node, []))
         args = [(results[v], False) if v in produced
-                else _loaded(loads[v, _varying_axes(node, i)])
+                else _loaded(loads[v, varying_axes(node, i)])
                 for i, v in enumerate(node.inputs)]
         texts = _print_expressions(module, node, args, index, bind)
         for value, text in zip(node.outputs, texts):
@@ -307,11 +307,11 @@ def _check_group(members: Sequence[Node], outputs: Sequence[Value], shape) -> No
                                f"vs {list(shape)}")
 
 
-def _varying_axes(node: Node, i: int) -> frozenset[int]:
+def varying_axes(node: Node, i: int) -> frozenset[int]:
     return frozenset(a for a in input_axes(node, i) if a is not None)
 
 
-def _merge_axes(shape, operands: list[_Operand]) -> list[int]:
+def merge_axes(shape, operands: list[_Operand]) -> list[int]:
     """Drop size-1 axes and merge neighbours along which every operand varies alike
     (for C-contiguous arrays that is a plain reshape). Returns the merged extents and
     sets each operand's ``merged`` axes."""

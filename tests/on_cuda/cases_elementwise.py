@@ -1,0 +1,39 @@
+"""Simulator cases: elementwise and broadcast ops (see `tests.on_cuda.simulate`)."""
+
+from tests.on_cuda.simulate import random_array as R
+
+
+def _unary(op, attrs=None, dtype="float32", shape=(3, 5, 7)):
+    return lambda rng: (op, [R(rng, shape, dtype)], attrs or {})
+
+
+def _binary(op, dtype="float32", shape=(2, 3, 4)):
+    return lambda rng: (op, [R(rng, shape, dtype), R(rng, shape, dtype)], {})
+
+
+CASES = {
+    "relu": _unary("relu"),
+    "sigmoid": _unary("sigmoid"),
+    "tanh": _unary("tanh", dtype="float64"),
+    "scale": _unary("scale", {"alpha": 0.37}),
+    "add_scalar_int": _unary("add_scalar", {"value": 3}, dtype="int32"),
+    "cast_f32_to_i32": _unary("cast", {"dtype": "i32"}),
+    "add": _binary("add"),
+    "sub": _binary("sub", dtype="float64"),
+    "mul_int": _binary("mul", dtype="int32"),
+    "relu_grad": _binary("relu_grad"),
+    "sigmoid_grad": _binary("sigmoid_grad"),
+    "tanh_grad": _binary("tanh_grad"),
+    "bias_add_nchw": lambda rng: ("bias_add", [R(rng, (2, 3, 4, 5), "float32"),
+                                               R(rng, (3,), "float32")], {"axis": 1}),
+    "broadcast_to": lambda rng: ("broadcast_to", [R(rng, (3, 1), "float32")],
+                                 {"shape": [2, 3, 4]}),
+    "global_avg_pool_grad": lambda rng: ("global_avg_pool_grad",
+                                         [R(rng, (2, 3, 1, 1), "float32")],
+                                         {"input_shape": [2, 3, 4, 4]}),
+    "fill": lambda rng: ("fill", [], {"shape": [4, 5], "dtype": "f32", "value": 1.5}),
+    "dropout_mask": lambda rng: ("dropout_mask", [R(rng, (), "int64")],
+                                 {"shape": [6, 7], "p": 0.3, "seed": 11, "dtype": "f32"}),
+    "sgd": lambda rng: ("sgd", [R(rng, (5, 6), "float32") for _ in range(3)],
+                        {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}),
+}

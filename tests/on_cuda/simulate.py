@@ -1,0 +1,132 @@
+"""Runs CUDA kernels in Numba's CUDA simulator, in a process of its own.
+
+The simulator must be chosen before Numba is first imported, and the test process has
+imported it long before, so tests run their cases here: ``python -m tests.on_cuda.simulate
+CASE...`` sets ``NUMBA_ENABLE_CUDASIM=1`` (it must be set when this starts) and prints
+one JSON line per case, ``{"case": name, "error": null or what went wrong}``.
+
+A case is a function of a NumPy random generator, found by name in the ``CASES`` of the
+``cases_*`` modules beside this one; it returns ``(op, inputs, attrs)``: one node is
+built with those inputs, its CUDA kernel runs on device arrays whose outputs start as
+garbage, and every output must equal the NumPy reference (floats within a tolerance
+scaled to the values, the rest exactly). A case may instead run whatever it likes and
+raise on a mismatch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pkgutil
+import sys
+import traceback
+
+import numpy as np
+
+HERE = "tests.on_cuda"
+
+
+def all_cases() -> dict:
+    """Every case of every ``cases_*`` module, by name (importing no Numba)."""
+    cases = {}
+    package = importlib.import_module(HERE)
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.name.startswith("cases_"):
+            module = importlib.import_module(f"{HERE}.{info.name}")
+            for name, case in module.CASES.items():
+                assert name not in cases, f"two cases named {name}"
+                cases[name] = case
+    return cases
+
+
+def random_array(rng, shape, dtype, low=-2.0, high=2.0) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    if dtype.kind == "f":
+        return rng.uniform(low, high, shape).astype(dtype)
+    if dtype.kind == "b":
+        return rng.integers(0, 2, shape).astype(bool)
+    return rng.integers(-50, 50, shape).astype(dtype)
+
+
+def one_node(op: str, inputs, attrs=None, device: str = "gpu:0"):
+    from purinec.ir.graph import Graph
+    from purinec.ir.types import Device, DType, TensorType
+
+    graph = Graph("t")
+    where = Device.parse(device)
+    values = [graph.add_input(f"in{i}", TensorType(a.shape, DType.from_numpy(a.dtype)),
+                              device=where)
+              for i, a in enumerate(inputs)]
+    return graph.add_node(op, values, attrs or {})
+
+
+def run_on_device(kernel, node, inputs) -> list[np.ndarray]:
+    """Launch ``kernel`` on device copies of ``inputs`` and outputs full of garbage."""
+    from numba import cuda
+
+    stream = cuda.stream()
+    args = [cuda.to_device(np.ascontiguousarray(a), stream=stream) for a in inputs]
+    outs = []
+    for value in node.outputs:
+        garbage = np.full(value.type.shape, 7, value.type.dtype.numpy)
+        if garbage.dtype.kind == "f":
+            garbage[...] = np.nan
+        outs.append(cuda.to_device(garbage, stream=stream))
+    kernel.launch(stream, *args, *outs)
+    stream.synchronize()
+    return [out.copy_to_host() for out in outs]
+
+
+def compare(got, want, what: str, tolerance: float | None = None) -> None:
+    for k, (g, w) in enumerate(zip(got, want)):
+        w = np.asarray(w)
+        if g.shape != w.shape or g.dtype != w.dtype:
+            raise AssertionError(f"{what} output {k}: got {g.dtype}{list(g.shape)}, "
+                                 f"want {w.dtype}{list(w.shape)}")
+        if g.dtype.kind != "f":
+            np.testing.assert_array_equal(g, w, err_msg=f"{what} output {k}")
+            continue
+        tol = tolerance or (2e-5 if g.dtype == np.float32 else 1e-12)
+        scale = max(1.0, float(np.abs(w).max(initial=0)))
+        np.testing.assert_allclose(g, w, rtol=tol * 10, atol=tol * scale * 10,
+                                   err_msg=f"{what} output {k}")
+
+
+def check_node(op: str, inputs, attrs=None, tolerance: float | None = None) -> None:
+    """One node's CUDA kernel against its NumPy reference."""
+    from purinec.codegen.cuda import compile_module, render_module
+    from purinec.ir.ops import REGISTRY
+
+    node = one_node(op, inputs, attrs)
+    kernel = compile_module(render_module(node))
+    got = run_on_device(kernel, node, inputs)
+    want = REGISTRY[op].reference(*inputs, **node.attrs)
+    compare(got, want, op, tolerance)
+
+
+def run_case(name: str, case) -> None:
+    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    spec = case(rng)
+    if spec is not None:
+        op, inputs, attrs = spec
+        check_node(op, inputs, attrs)
+
+
+def main(names: list[str]) -> int:
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1" or "numba" in sys.modules:
+        print("set NUMBA_ENABLE_CUDASIM=1 before starting this", file=sys.stderr)
+        return 2
+    cases = all_cases()
+    for name in names or list(cases):
+        try:
+            run_case(name, cases[name])
+            error = None
+        except Exception:
+            error = traceback.format_exc(limit=-4)
+        print(json.dumps({"case": name, "error": error}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

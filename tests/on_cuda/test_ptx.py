@@ -1,0 +1,32 @@
+"""Every CUDA kernel compiles to PTX for sm_90 (Hopper), which needs no GPU: each
+simulator case's node here; every kernel of every zoo model in `test_cuda_target`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.on_cuda.simulate import all_cases, one_node
+
+pytest.importorskip("numba_cuda", reason="the [cuda] extra (numba-cuda) is not installed")
+
+CASES = all_cases()
+
+
+def test_this_process_is_not_simulating():
+    from numba import config
+
+    assert not config.ENABLE_CUDASIM
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_case_compiles_to_ptx_for_sm90(case, tmp_path, monkeypatch):
+    monkeypatch.setenv("PURINEC_CACHE_DIR", str(tmp_path))
+    from purinec.codegen.cuda import compile_module, render_module
+
+    spec = CASES[case](np.random.default_rng(0))
+    if spec is None:
+        pytest.skip("a whole-graph case: its kernels are compiled by the zoo PTX test")
+    node = one_node(*spec)
+    ptx = compile_module(render_module(node)).ptx()
+    assert ptx and all(".target sm_90" in text and ".entry" in text for text in ptx.values())

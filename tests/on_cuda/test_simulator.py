@@ -1,0 +1,55 @@
+"""Every CUDA renderer against the NumPy reference, in Numba's CUDA simulator.
+
+The simulator must be chosen before Numba is imported, so the cases run in processes of
+their own (`tests.on_cuda.simulate`), a few at a time across the two cores."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.on_cuda.simulate import all_cases
+
+pytest.importorskip("numba_cuda", reason="the [cuda] extra (numba-cuda) is not installed")
+
+ROOT = Path(__file__).resolve().parents[2]
+CASES = sorted(all_cases())
+PROCESSES = 2
+
+
+def simulate(names: list[str], cache_dir: Path, timeout: float = 600) -> dict[str, str | None]:
+    """Run ``names`` in the simulator; each case's error, or None."""
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1", "PURINEC_CACHE_DIR": str(cache_dir)}
+    done = subprocess.run([sys.executable, "-m", "tests.on_cuda.simulate", *names], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    results = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("{"):
+            entry = json.loads(line)
+            results[entry["case"]] = entry["error"]
+    missing = [n for n in names if n not in results]
+    if missing:
+        raise AssertionError(f"the simulator process (exit {done.returncode}) reported "
+                             f"nothing for {missing}:\n{done.stderr[-3000:]}")
+    return results
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict[str, str | None]:
+    cache_dir = tmp_path_factory.mktemp("cuda_cache")
+    shares = [CASES[i::PROCESSES] for i in range(PROCESSES)]
+    with ThreadPoolExecutor(PROCESSES) as pool:
+        parts = pool.map(lambda names: simulate(names, cache_dir), shares)
+    return {name: error for part in parts for name, error in part.items()}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_equals_the_reference_in_the_simulator(outcomes, case):
+    error = outcomes[case]
+    assert error is None, error
