@@ -37,3 +37,31 @@ CASES = {
     "sgd": lambda rng: ("sgd", [R(rng, (5, 6), "float32") for _ in range(3)],
                         {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}),
 }
+
+
+def _fused(members):
+    """A case: the fused graph of ``members`` ((op, input names, attrs), in order,
+    outputs named o0, o1...) on random f32 inputs named by the letters they use."""
+    def case(rng):
+        from purinec.ir.graph import Graph
+        from purinec.ir.types import Device, DType, TensorType
+        from purinec.passes.fuse import fuse
+
+        graph = Graph("t")
+        values = {}
+        for name, shape in members[0]:
+            values[name] = graph.add_input(name, TensorType(shape, DType.f32),
+                                           device=Device.parse("gpu:0"))
+        for k, (op, names, attrs) in enumerate(members[1:]):
+            (values[f"o{k}"],) = graph.add_node(op, [values[n] for n in names], attrs,
+                                                names=[f"o{k}"]).outputs
+        graph.outputs = [("y", values[f"o{len(members) - 2}"])]
+        return fuse(graph)
+    return case
+
+
+CASES.update({
+    "fused_loop": _fused([[("x", (4, 3, 5)), ("b", (3,))],
+                          ("bias_add", ["x", "b"], {"axis": 1}), ("relu", ["o0"], {}),
+                          ("scale", ["o1"], {"alpha": 2.0})]),
+})
