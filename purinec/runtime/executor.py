@@ -141,6 +141,8 @@ class Executable:
     ``hold()`` takes what the kernels share with other executables (a target's thread
     pool; `purinec.targets.base.Target.hold`) as a call starts, returning how to let go
     of it, which `close` does.
+    ``prepare(plan)`` adapts the plan's tasks to the target's devices before anything
+    runs (the cuda target puts them on streams; `purinec.runtime.gpu.order_streams`).
     ``order``, a random.Random, is a test hook: run every task on the calling thread,
     picking each next one at random among those ready, to check the plan is correct under
     any order its counts allow.
@@ -151,12 +153,15 @@ class Executable:
                  may_alias: Callable[[Node, Value, Value], bool] = may_alias, workers: int = 1,
                  trace: Trace | None = None, order: random.Random | None = None,
                  worker_init: Callable[[Lane], None] | None = None, arenas=None,
-                 hold: Callable[[], Callable[[], None]] | None = None):
+                 hold: Callable[[], Callable[[], None]] | None = None,
+                 prepare: Callable[[Plan], None] | None = None):
         if trace is not None and not isinstance(trace, Trace):
             raise PurinecError(f"trace={trace!r}: give a purinec.runtime.trace.Trace, or "
                                f"None")
         self.graph = graph
         self.plan = Plan(graph, kernels, schedule, may_alias, arenas)
+        if prepare is not None:
+            prepare(self.plan)
         self.executor = CountingExecutor(self.plan, workers, worker_init)
         self.trace = trace
         self.order = order

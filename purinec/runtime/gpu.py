@@ -1,0 +1,364 @@
+"""GPUs as the counting runtime drives them (the cuda target's runtime half).
+
+As in Purine, each GPU device gets a compute stream and two copy streams (inbound,
+outbound). The host keeps counting dependencies as for any target, but a task on a
+stream is *launched*, not finished, when its call returns: the work is queued on its
+stream, and the stream runs it in order. So `order_streams` gives every task of a plan
+what it must wait for, from the plan's own dependencies (data and memory hazards
+alike):
+
+* a task on a stream waits on the GPU, by a CUDA event, for each predecessor on
+  another stream (the predecessor records its event after its launch); predecessors
+  on its own stream come first anyway;
+* a task on the host (a CPU kernel, a collective, a copy to host memory) first waits
+  for its predecessors on streams to finish, on their events.
+
+Copies to the host finish before their call returns, so everything a call returns is
+complete when the call does. Graph inputs and outputs live on the host
+(`with_host_io`): each input a GPU reads is copied in by a task of its own, so copies
+of one layer's weights overlap the compute of the layers before it.
+
+Logical devices map onto physical GPUs by `gpu_map`: ``gpu:N`` is GPU ``N`` modulo
+the GPUs visible, unless ``PURINEC_GPU_MAP`` lists each logical device's GPU
+(``0,0,1,1``: gpu:0 and gpu:1 on GPU 0, gpu:2 and gpu:3 on GPU 1). Several logical
+devices on one GPU share it, each with its own streams: multi-device programs run on a
+single-GPU machine.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from purinec.errors import ExecutionError, PurinecError
+from purinec.ir.graph import Graph, Node, Value
+from purinec.ir.ops import Trait, op_has
+from purinec.ir.types import Device
+from purinec.runtime.devices import Lane
+from purinec.runtime.plan import FreshArenas, Plan, Task
+
+GPU = "gpu"
+MAP_VAR = "PURINEC_GPU_MAP"
+
+
+def is_gpu(device: Device) -> bool:
+    return device.kind == GPU
+
+
+def host_of(device: Device) -> Device:
+    """The host memory of ``device``'s process: cpu:0 of its rank."""
+    return Device("cpu", 0, device.rank)
+
+
+def gpu_map(visible: int) -> Callable[[Device], int]:
+    """Logical gpu device -> physical GPU index; see the module doc."""
+    text = os.environ.get(MAP_VAR, "").strip()
+    if not text:
+        return lambda device: device.index % visible
+    try:
+        table = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise PurinecError(f"{MAP_VAR}={text!r}: give a comma-separated list of GPU "
+                           f"indices, one per logical gpu device (0,0 puts gpu:0 and "
+                           f"gpu:1 on GPU 0)") from None
+    bad = [i for i in table if not 0 <= i < visible]
+    if bad:
+        raise PurinecError(f"{MAP_VAR}={text!r} names GPU {bad[0]}, but this machine "
+                           f"shows {visible} GPU(s) (0..{visible - 1})")
+
+    def physical(device: Device) -> int:
+        if device.index >= len(table):
+            raise PurinecError(f"{MAP_VAR}={text!r} maps {len(table)} logical gpu "
+                               f"devices, not {device}; add its GPU to the list")
+        return table[device.index]
+    return physical
+
+
+def with_host_io(graph: Graph) -> Graph:
+    """A copy of ``graph`` whose inputs and outputs live on the host: each graph input
+    placed on a GPU becomes a host input of the same name copied to the GPU by a
+    ``copy`` node (the graph reads the copy), and each output on a GPU is copied back.
+    Names and roles of inputs and outputs are kept: callers see no difference."""
+    new = graph.clone()
+    inputs, copies_in = [], []
+    for value in new.inputs:
+        if not is_gpu(value.device):
+            inputs.append(value)
+            continue
+        host = Value(value.name, value.type, host_of(value.device), value.dist, None,
+                     value.role, value.init)
+        value.name = new.fresh_name(f"{value.name}.gpu")
+        value.role = value.init = None
+        new.rebuild_names()
+        copy = Node("copy", [host], [value], {}, None)
+        value.producer = copy
+        inputs.append(host)
+        copies_in.append(copy)
+    new.inputs = inputs
+    new.nodes = copies_in + new.nodes
+    new.rebuild_names()
+    outputs = []
+    for name, value in new.outputs:
+        if is_gpu(value.device):
+            (value,) = new.add_node("copy", [value], names=[new.fresh_name(f"{name}.host")],
+                                    device=host_of(value.device)).outputs
+        outputs.append((name, value))
+    new.outputs = outputs
+    return new
+
+
+@dataclass
+class Streams:
+    """One logical GPU device: its physical GPU and its streams."""
+
+    gpu: int
+    compute: Any
+    copy_in: Any
+    copy_out: Any
+
+
+class Gpus:
+    """The logical GPU devices of a graph, each with its physical GPU and streams."""
+
+    def __init__(self, graph: Graph):
+        from numba import cuda
+
+        self.cuda = cuda
+        self.simulated = bool(getattr(cuda, "simulator", None) is not None
+                              and _simulated())
+        visible = len(cuda.gpus)
+        if visible == 0:
+            raise PurinecError("no CUDA GPU is visible to this process")
+        physical = gpu_map(visible)
+        self.devices: dict[Device, Streams] = {}
+        for device in sorted({v.device for v in graph.values()} |
+                             {v.device for n in graph.flat_nodes() for v in n.outputs}):
+            if is_gpu(device):
+                gpu = physical(device)
+                with cuda.gpus[gpu]:
+                    self.devices[device] = Streams(gpu, cuda.stream(), cuda.stream(),
+                                                   cuda.stream())
+
+    def event(self):
+        """An event for ordering only (no timing, which costs on every record)."""
+        return self.cuda.event() if self.simulated else self.cuda.event(timing=False)
+
+    def select(self, device: Device) -> None:
+        """Make ``device``'s GPU current on the calling thread."""
+        self.cuda.select_device(self.devices[device].gpu)
+
+    def synchronize(self) -> None:
+        for streams in self.devices.values():
+            for stream in (streams.compute, streams.copy_in, streams.copy_out):
+                stream.synchronize()
+
+
+def _simulated() -> bool:
+    from numba import config
+
+    return bool(config.ENABLE_CUDASIM)
+
+
+class GpuArenas:
+    """The memory planner's arenas: one device allocation per GPU device, host memory
+    for the others."""
+
+    def __init__(self, gpus: Gpus):
+        self.gpus = gpus
+        self._held: list = []
+
+    def allocate(self, sizes: Mapping) -> dict:
+        arenas = {}
+        for device, nbytes in sizes.items():
+            if is_gpu(device):
+                with self.gpus.cuda.gpus[self.gpus.devices[device].gpu]:
+                    try:
+                        arenas[device] = self.gpus.cuda.device_array(max(nbytes, 1), np.uint8)
+                    except Exception as err:
+                        raise ExecutionError(f"allocating the working memory of {device} "
+                                             f"({nbytes} bytes) on GPU "
+                                             f"{self.gpus.devices[device].gpu} failed: "
+                                             f"{type(err).__name__}: {err}") from err
+            else:
+                arenas.update(FreshArenas.allocate({device: nbytes}))
+        self._held.append(arenas)
+        return arenas
+
+    def release(self) -> None:
+        self._held.clear()
+
+
+# -- kernels that move data ---------------------------------------------------------
+
+
+def is_transfer(node: Node) -> bool:
+    """A copy with a GPU at one end or both."""
+    return node.op == "copy" and (is_gpu(node.inputs[0].device) or is_gpu(node.device))
+
+
+class Transfer:
+    """A copy to, from or between GPU devices, on the copy stream of the GPU that
+    receives (or, to the host, sends) it. A copy to the host finishes before its call
+    returns."""
+
+    def __init__(self, node: Node, gpus: Gpus):
+        source, destination = node.inputs[0].device, node.device
+        self.to_host = not is_gpu(destination)
+        streams = gpus.devices[source if self.to_host else destination]
+        self.stream = streams.copy_out if self.to_host else streams.copy_in
+        self.from_host = not is_gpu(source)
+
+    def launch(self, stream, source, destination) -> None:
+        if self.to_host:
+            source.copy_to_host(destination, stream=stream)
+            stream.synchronize()
+        else:
+            destination.copy_to_device(source, stream=stream)
+
+    def __call__(self, source, destination) -> None:
+        self.launch(self.stream, source, destination)
+
+
+class Staged:
+    """A host kernel (a collective, a slice) run on GPU values through host memory: the
+    GPU inputs are copied to host buffers, the host kernel runs (a pending MPI
+    operation included), and the results are copied back to their GPUs. Finished when
+    its call (or its pending operation) is."""
+
+    def __init__(self, node: Node, host_fn: Callable, gpus: Gpus):
+        self.node, self.host_fn, self.gpus = node, host_fn, gpus
+        self.asynchronous = getattr(host_fn, "asynchronous", False)
+        operands = [*node.inputs, *node.outputs]
+        self.staging = [np.empty(v.type.shape, v.type.dtype.numpy) if is_gpu(v.device)
+                        else None for v in operands]
+        self.streams = [gpus.devices[v.device] if is_gpu(v.device) else None
+                        for v in operands]
+        self.inputs = len(node.inputs)
+
+    def __call__(self, *arrays):
+        host = list(arrays)
+        for k in range(self.inputs):
+            if self.staging[k] is not None:
+                arrays[k].copy_to_host(self.staging[k], stream=self.streams[k].copy_out)
+                self.streams[k].copy_out.synchronize()
+                host[k] = self.staging[k]
+        for k in range(self.inputs, len(arrays)):
+            if self.staging[k] is not None:
+                host[k] = self.staging[k]
+        pending = self.host_fn(*host)
+        if pending is None:
+            self._copy_back(arrays)
+            return None
+        return _StagedPending(pending, lambda: self._copy_back(arrays))
+
+    def _copy_back(self, arrays) -> None:
+        for k in range(self.inputs, len(arrays)):
+            if self.staging[k] is not None:
+                stream = self.streams[k].copy_in
+                arrays[k].copy_to_device(self.staging[k], stream=stream)
+                stream.synchronize()
+
+
+class _StagedPending:
+    """A staged kernel's pending host operation; its results go back to the GPU once
+    it completes."""
+
+    def __init__(self, pending, copy_back: Callable[[], None]):
+        self.pending, self.copy_back = pending, copy_back
+        self.nudge = getattr(pending, "nudge", None)
+
+    def test(self) -> bool:
+        if not self.pending.test():
+            return False
+        self.copy_back()
+        return True
+
+    def wait(self) -> None:
+        self.pending.wait()
+        self.copy_back()
+
+
+# -- ordering streams by events -----------------------------------------------------
+
+
+def order_streams(plan: Plan, gpus: Gpus) -> None:
+    """Give each task of ``plan`` its stream and its waits (see the module doc): a
+    task whose kernel has a ``launch(stream, *arrays)`` and a ``stream`` (or runs on a
+    GPU device: its compute stream) is launched there; any other runs on the host."""
+    streams = [_stream_of(task, gpus) for task in plan.tasks]
+    predecessors: list[list[int]] = [[] for _ in plan.tasks]
+    for task in plan.tasks:
+        for successor in task.successors:
+            predecessors[successor].append(task.index)
+    events = {}
+    for task in plan.tasks:
+        stream = streams[task.index]
+        if stream is not None and any(streams[s] is not stream for s in task.successors):
+            events[task.index] = gpus.event()
+    for task in plan.tasks:
+        stream = streams[task.index]
+        waits = [events[p] for p in predecessors[task.index]
+                 if streams[p] is not None and streams[p] is not stream]
+        task.fn = (_on_stream(task, stream, waits, events.get(task.index))
+                   if stream is not None else _on_host(task.fn, waits))
+
+
+def _stream_of(task: Task, gpus: Gpus):
+    fn = task.fn
+    if getattr(fn, "launch", None) is None:
+        return None
+    stream = getattr(fn, "stream", None)
+    return stream if stream is not None else gpus.devices[task.node.device].compute
+
+
+def _on_stream(task: Task, stream, waits: list, record) -> Callable:
+    launch = task.fn.launch
+
+    def run(*arrays):
+        for event in waits:
+            event.wait(stream)
+        launch(stream, *arrays)
+        if record is not None:
+            record.record(stream)
+    run.asynchronous = False
+    return run
+
+
+def _on_host(fn: Callable, waits: list) -> Callable:
+    if not waits:
+        return fn
+
+    def run(*arrays):
+        for event in waits:
+            event.synchronize()
+        return fn(*arrays)
+    run.asynchronous = getattr(fn, "asynchronous", False)
+    return run
+
+
+def gpu_kernels(graph: Graph, gpus: Gpus, host_fns: Mapping[Node, Callable]) -> dict:
+    """Kernels of ``graph``'s host nodes that touch GPU values: transfers, and the other
+    host kernels (``host_fns``) staged through host memory."""
+    kernels = {}
+    for node in graph.nodes:
+        if not op_has(node.op, Trait.host):
+            continue
+        if is_transfer(node):
+            kernels[node] = Transfer(node, gpus)
+        elif any(is_gpu(v.device) for v in (*node.inputs, *node.outputs)):
+            kernels[node] = Staged(node, host_fns[node], gpus)
+    return kernels
+
+
+def worker_setup(gpus: Gpus) -> Callable[[Lane], None]:
+    """Each worker makes its device's GPU current (the host's lanes keep the first)."""
+    def setup(lane: Lane) -> None:
+        device = lane.queue.device
+        if device in gpus.devices:
+            gpus.select(device)
+        elif gpus.devices:
+            gpus.select(next(iter(gpus.devices)))
+    return setup
