@@ -18,7 +18,8 @@ from purinec.train import MAX_EPOCHS, MAX_SEED, SOLVER_DEFAULTS, default_sgd
 MODEL_HELP = ("a zoo name (mlp, lenet, convnet, cifar_quick, nin, inception), a Python file "
               "NAME.py defining build(batch) (no other file is run), or a .pir IR file")
 
-TARGETS_HELP = "cpu (fused Numba kernels) or reference (NumPy, one op at a time)"
+TARGETS_HELP = ("cpu (fused Numba kernels), cuda (Numba CUDA kernels on a GPU; the [cuda] "
+                "extra) or reference (NumPy, one op at a time)")
 
 PARALLEL_HELP = """\
 parallelism: --devices cpu:0,cpu:1 (or a count: --devices 2) spreads the program over

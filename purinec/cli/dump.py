@@ -33,8 +33,10 @@ stages, in pipeline order (autodiff and optimizer only with --train):
                 collectives the boxing pass inserted (--explain says why each is there)
   partition     with --devices: the physical graph of one rank (--rank), every device's
                 nodes on their pieces of the tensors
-  fuse          nodes grouped into fused kernels (cpu target; the final IR)
-  kernels       the generated Numba source of every kernel (cpu target)
+  on_gpus       --target cuda: a graph placed on cpu devices only moved to the gpu
+                devices of the same numbers
+  fuse          nodes grouped into fused kernels (cpu and cuda targets; the final IR)
+  kernels       the generated Numba source of every kernel (cpu and cuda targets)
 """
 
 # What the op kinds in fusion's reasons mean (TVM's pattern kinds, purinec/ir/ops.py).
@@ -83,6 +85,10 @@ def add_parser(subparsers) -> None:
                               help="with --stage kernels: the LLVM IR Numba produced")
     machine_code.add_argument("--asm", action="store_true",
                               help="with --stage kernels: the machine code, as assembly")
+    machine_code.add_argument("--ptx", action="store_true",
+                              help="with --stage kernels and --target cuda: the PTX of each "
+                                   "CUDA kernel for sm_90 (Hopper), compiled here: no GPU "
+                                   "needed")
     add_solver_args(dump)
     dump.set_defaults(func=cmd_dump, parser=dump)
 
@@ -123,8 +129,8 @@ def _dump_model(args, makedirs: Callable[[str], None]) -> int:
         graphviz_dot(args.format)  # before any work
     if args.format != "text" and "kernels" in wanted:
         raise PurinecError("--stage kernels is source code, not a graph; use --format text")
-    if (args.llvm or args.asm) and wanted != ["kernels"]:
-        raise PurinecError("--llvm and --asm go with --stage kernels")
+    if (args.llvm or args.asm or args.ptx) and wanted != ["kernels"]:
+        raise PurinecError("--llvm, --asm and --ptx go with --stage kernels")
     if args.explain and not {"fuse", "parallel"} & set(wanted):
         raise PurinecError("--explain goes with --stage fuse or parallel (or all)")
     single = _single_output_file(args, several=len(wanted) > 1 or "kernels" in wanted
@@ -201,7 +207,7 @@ def _dump_artifact(args, makedirs: Callable[[str], None]) -> int:
         ("--input-shape", args.input_shape), ("--num-classes", args.num_classes),
         ("--devices", args.devices), ("--parallel", args.parallel),
         ("--micro-batches", args.micro_batches), ("--explain", args.explain),
-        ("--llvm", args.llvm), ("--asm", args.asm),
+        ("--llvm", args.llvm), ("--asm", args.asm), ("--ptx", args.ptx),
         ("--format", args.format != "text" and args.format)) if value]
     if given:
         raise PurinecError(f"{args.model} is a compiled artifact: dump shows the final IR it "
@@ -278,14 +284,29 @@ def _wanted_stages(args, runs: list[str]) -> list[str]:
     return [args.stage]
 
 
+# --llvm, --asm, --ptx: the suffix of the file each kernel's code goes to, and the
+# kernel's method that makes it.
+_MACHINE_CODE = {"llvm": (".ll", "llvm"), "asm": (".s", "asm"), "ptx": (".ptx", "ptx")}
+
+
+def _text_of(code) -> str:
+    """Machine code as text: a CUDA module's PTX comes per kernel."""
+    if isinstance(code, dict):
+        return "\n".join(f"// ---- kernel {name} ----\n{text}" for name, text in code.items())
+    return code
+
+
 def _dump_kernels(graph, args, emit) -> None:
     """The generated source of every kernel (or what Numba made of it: --llvm, --asm)."""
     folder = f"{graph.name}.kernels"
     for node, kernel in get_target(args.target).generated(graph).items():
         stem = os.path.join(folder, f"{kernel.name}.{node.name}")  # node names are unique
-        if args.llvm:
-            emit(f"{stem}.ll", kernel.llvm())
-        elif args.asm:
-            emit(f"{stem}.s", kernel.asm())
+        if args.llvm or args.asm or args.ptx:
+            suffix, show = _MACHINE_CODE["llvm" if args.llvm else "asm" if args.asm else "ptx"]
+            if not hasattr(kernel, show):
+                raise PurinecError(f"kernel {kernel.name} (node %{node.name}, target "
+                                   f"{args.target}) has no {suffix[1:]} to show: --llvm and "
+                                   f"--asm show cpu kernels, --ptx cuda kernels")
+            emit(f"{stem}{suffix}", _text_of(getattr(kernel, show)()))
         else:
             emit(f"{stem}.py", f"# cached as {kernel.path}\n{kernel.source}")
