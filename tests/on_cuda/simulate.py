@@ -10,7 +10,8 @@ A case is a function of a NumPy random generator, found by name in the ``CASES``
 built with those inputs, its CUDA kernel runs on device arrays whose outputs start as
 garbage, and every output must equal the NumPy reference (floats within a tolerance
 scaled to the values, the rest exactly). A case may instead return a graph (fused, say):
-each of its nodes is checked so on random inputs.
+each of its nodes is checked so on random inputs. A case of ``PROGRAMS`` compiles and
+runs whole programs itself, and raises on a mismatch (it returns None).
 """
 
 from __future__ import annotations
@@ -27,14 +28,16 @@ import numpy as np
 HERE = "tests.on_cuda"
 
 
-def all_cases() -> dict:
-    """Every case of every ``cases_*`` module, by name (importing no Numba)."""
+def all_cases(kinds=("CASES", "PROGRAMS")) -> dict:
+    """Every case of every ``cases_*`` module, by name (importing no Numba): node and
+    graph cases (``CASES``), and whole programs that check themselves (``PROGRAMS``)."""
     cases = {}
     package = importlib.import_module(HERE)
     for info in pkgutil.iter_modules(package.__path__):
         if info.name.startswith("cases_"):
             module = importlib.import_module(f"{HERE}.{info.name}")
-            for name, case in module.CASES.items():
+            for name, case in (item for kind in kinds
+                               for item in getattr(module, kind, {}).items()):
                 assert name not in cases, f"two cases named {name}"
                 cases[name] = case
     return cases
@@ -122,7 +125,7 @@ def run_case(name: str, case) -> None:
     spec = case(rng)
     if isinstance(spec, tuple):
         check_node(*spec)
-    else:
+    elif spec is not None:
         check_fused(spec, rng)
 
 

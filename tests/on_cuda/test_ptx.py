@@ -10,7 +10,7 @@ from tests.on_cuda.simulate import all_cases, one_node
 
 pytest.importorskip("numba_cuda", reason="the [cuda] extra (numba-cuda) is not installed")
 
-CASES = all_cases()
+CASES = all_cases(kinds=("CASES",))
 
 
 def test_this_process_is_not_simulating():

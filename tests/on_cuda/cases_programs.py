@@ -1,0 +1,94 @@
+"""Simulator cases: whole programs on the cuda target against the reference target (see
+`tests.on_cuda.simulate`): training steps, data parallelism over two gpu devices."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def tiny_mlp(batch: int = 4, hidden: int = 8, classes: int = 3):
+    from purinec.bigraph import Accuracy, Blob, InnerProduct, Net, ReLU, SoftmaxWithLoss
+
+    with Net("tiny_mlp") as net:
+        data = Blob("data", (batch, 2, 3), "f32")
+        label = Blob("label", (batch,), "i32")
+        logits = (data >> InnerProduct("ip1", hidden) >> ReLU("relu1")
+                  >> InnerProduct("ip2", classes) >> Blob("logits"))
+        loss = [logits, label] >> SoftmaxWithLoss("loss")
+        accuracy = [logits, label] >> Accuracy("accuracy")
+        net.outputs = [logits, loss, accuracy]
+    return net
+
+
+def feeds_for(program, rng, classes: int) -> dict:
+    feeds = {}
+    for value in program.ir.inputs_with_role("data"):
+        shape, dtype = value.type.shape, value.type.dtype.numpy
+        feeds[value.name] = (rng.integers(0, classes, shape).astype(dtype)
+                             if dtype.kind == "i" else rng.normal(size=shape).astype(dtype))
+    return feeds
+
+
+def same_training(model, steps: int = 2, classes: int = 10, rtol: float = 2e-4, **options):
+    """``steps`` SGD steps on cuda and on the reference target, from the same weights
+    and data: losses and every weight after them agree, and then inference."""
+    import purinec
+
+    rng = np.random.default_rng(1)
+    sgd = purinec.SGD(lr=0.1, momentum=0.9, weight_decay=1e-3)
+    cuda = purinec.compile(model, target="cuda", train=sgd, **options)
+    reference = purinec.compile(model, target="reference", train=sgd)
+    for name in reference.params:
+        cuda.params[name] = reference.params[name].copy()
+    for step in range(steps):
+        feeds = feeds_for(reference, rng, classes)
+        want, got = reference.step(feeds), cuda.step(feeds)
+        if not np.isclose(got, want, rtol=rtol, atol=1e-6):
+            raise AssertionError(f"step {step}: loss {got} on cuda, {want} on reference")
+    cuda.gather_weights()
+    for name in reference.params:
+        np.testing.assert_allclose(cuda.params[name], reference.params[name], rtol=rtol,
+                                   atol=1e-5, err_msg=f"param {name}")
+    feeds = feeds_for(reference, rng, classes)
+    got, want = cuda.run(feeds), reference.run(feeds)
+    np.testing.assert_allclose(got["logits"], want["logits"], rtol=rtol, atol=1e-5,
+                               err_msg="inference logits")
+
+
+PROGRAMS = {
+    "program_tiny_mlp_steps": lambda rng: same_training(tiny_mlp(), classes=3),
+    "program_tiny_mlp_data_parallel_2_gpus": lambda rng: same_training(
+        tiny_mlp(), classes=3, devices="gpu:0,gpu:1"),
+    "program_zoo_mlp_step": lambda rng: same_training(
+        "mlp", steps=1, batch=2, input_shape=(1, 4, 4)),
+}
+
+
+# A graph placed by hand on a cpu and a gpu device, with copies between them.
+MIXED = """graph t(%x: f32[4,3] @cpu:0, %b: f32[3] @gpu:0) {
+  %xg = copy(%x) : f32[4,3] @gpu:0
+  %y = bias_add(%xg, %b) {axis=1} : f32[4,3] @gpu:0
+  %yc = copy(%y) : f32[4,3] @cpu:0
+  %z = sigmoid(%yc) : f32[4,3] @cpu:0
+  %w = tanh(%y) : f32[4,3] @gpu:0
+  return %z, %y, %w
+}"""
+
+
+def same_outputs(text: str) -> None:
+    import purinec
+    from purinec.ir.parser import parse
+
+    rng = np.random.default_rng(2)
+    cuda = purinec.compile(parse(text), target="cuda")
+    # (the reference target runs cpu devices only: the gpu's nodes go to another)
+    reference = purinec.compile(parse(text.replace("@gpu:0", "@cpu:1")), target="reference")
+    feeds = feeds_for(reference, rng, classes=1)
+    got, want = cuda.run(feeds), reference.run(feeds)
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-6,
+                                   err_msg=f"output {name}")
+
+
+PROGRAMS["program_mixed_cpu_and_gpu"] = lambda rng: same_outputs(MIXED)

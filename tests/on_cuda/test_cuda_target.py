@@ -1,0 +1,133 @@
+"""The cuda target on a machine without a GPU: placement, host inputs and outputs, the
+device map, what it says when it cannot run, its dumps, artifacts, and the PTX of every
+kernel of every zoo model. (Its numbers: `test_simulator`.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import purinec
+from purinec.errors import PurinecError
+from purinec.ir.parser import parse
+from purinec.ir.types import Device
+from purinec.models.zoo import ZOO
+from purinec.runtime import gpu
+from purinec.targets import get_target
+from purinec.targets.cuda import on_gpus
+
+pytest.importorskip("numba_cuda", reason="the [cuda] extra (numba-cuda) is not installed")
+
+MIXED = """graph t(%x: f32[4,3] @cpu:0, %b: f32[3] @gpu:0 {param}) {
+  %xg = copy(%x) : f32[4,3] @gpu:0
+  %y = bias_add(%xg, %b) {axis=1} : f32[4,3] @gpu:0
+  %yc = copy(%y) : f32[4,3] @cpu:0
+  %z = relu(%yc) : f32[4,3] @cpu:0
+  return %z, %y
+}"""
+ON_CPU = """graph t(%x: f32[4,3] @cpu:0, %b: f32[3] @cpu:0 {param}) {
+  %y = bias_add(%x, %b) {axis=1} : f32[4,3] @cpu:0
+  %z = relu(%y) : f32[4,3] @cpu:0
+  return %z, %y
+}"""
+
+
+def gpu_here() -> bool:
+    from numba import cuda
+
+    return cuda.is_available()
+
+
+def test_a_graph_on_cpu_devices_only_moves_to_the_gpus_of_the_same_numbers():
+    moved = on_gpus(parse(ON_CPU))
+    assert moved.devices() == [Device("gpu", 0)]
+    mixed = parse(MIXED)
+    assert on_gpus(mixed) is mixed
+
+
+def test_host_io_copies_gpu_inputs_in_and_outputs_out_keeping_names_and_roles():
+    graph = gpu.with_host_io(parse(MIXED))
+    b = graph.input("b")
+    assert (b.device, b.role) == (Device("cpu", 0), "param")
+    copy_in = graph.nodes[0]
+    assert copy_in.op == "copy" and copy_in.inputs == [b] and copy_in.device == Device("gpu", 0)
+    assert graph.input("x").device == Device("cpu", 0)  # on the host already: no copy
+    assert [name for name, _ in graph.outputs] == ["z", "y"]
+    y = graph.output("y")
+    assert y.device == Device("cpu", 0) and y.producer.op == "copy"
+    assert y.producer.inputs[0].device == Device("gpu", 0)
+    assert graph.output("z").producer.op == "relu"
+
+
+def test_the_gpu_map(monkeypatch):
+    monkeypatch.delenv(gpu.MAP_VAR, raising=False)
+    assert gpu.gpu_map(2)(Device("gpu", 3)) == 1
+    monkeypatch.setenv(gpu.MAP_VAR, "0,0,1")
+    physical = gpu.gpu_map(2)
+    assert [physical(Device("gpu", i)) for i in range(3)] == [0, 0, 1]
+    with pytest.raises(PurinecError, match="maps 3 logical gpu devices, not gpu:3"):
+        physical(Device("gpu", 3))
+    monkeypatch.setenv(gpu.MAP_VAR, "0,2")
+    with pytest.raises(PurinecError, match="names GPU 2, but this machine shows 2"):
+        gpu.gpu_map(2)
+    monkeypatch.setenv(gpu.MAP_VAR, "zero")
+    with pytest.raises(PurinecError, match="comma-separated list of GPU indices"):
+        gpu.gpu_map(1)
+
+
+def test_without_the_extra_the_target_says_how_to_get_it(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "numba_cuda" else real(name, *a))
+    with pytest.raises(PurinecError, match=r"numba-cuda is not installed.*\[cuda\]"):
+        get_target("cuda")
+
+
+@pytest.mark.skipif("gpu_here()", reason="this machine has a GPU")
+def test_without_a_gpu_a_program_compiles_and_saves_but_running_says_why(tmp_path):
+    program = purinec.compile(parse(ON_CPU), target="cuda")
+    assert program.ir.devices() == [Device("gpu", 0)]
+    feeds = {"x": np.ones((4, 3), np.float32)}
+    with pytest.raises(PurinecError, match="needs an NVIDIA GPU.*NUMBA_ENABLE_CUDASIM"):
+        program.run(feeds)
+    saved = program.save(tmp_path / "t.purine")
+    loaded = purinec.load(saved.path)
+    assert str(loaded.ir) == str(program.ir)
+    with pytest.raises(PurinecError, match="needs an NVIDIA GPU"):
+        loaded.run(feeds)
+
+
+def test_dump_shows_cuda_kernels_and_their_ptx(tmp_path):
+    path = tmp_path / "t.pir"
+    path.write_text(ON_CPU)
+    run = [sys.executable, "-m", "purinec", "dump", str(path), "--target", "cuda",
+           "--stage", "kernels"]
+    source = subprocess.run(run, capture_output=True, text=True, check=True).stdout
+    assert "@cuda.jit(cache=True)" in source and "bias_add" in source
+    ptx = subprocess.run(run + ["--ptx"], capture_output=True, text=True, check=True).stdout
+    assert ".target sm_90" in ptx and ".entry" in ptx
+    refused = subprocess.run(run[:-4] + ["--target", "cpu", "--stage", "kernels", "--ptx"],
+                             capture_output=True, text=True)
+    assert refused.returncode != 0 and "--ptx cuda kernels" in refused.stderr
+
+
+def zoo_kernels(name: str):
+    """The cuda kernels of ``name``'s training step at a small batch."""
+    program = purinec.compile(name, target="cuda", train=purinec.SGD(lr=0.01), batch=2)
+    return [kernel for graph in program.executed_graphs()
+            for kernel in get_target("cuda").generated(graph).values()]
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)
+                                  if n in ("nin", "inception") else n for n in sorted(ZOO)])
+def test_every_kernel_of_every_zoo_training_step_compiles_to_ptx_for_sm90(name, tmp_path,
+                                                                         monkeypatch):
+    monkeypatch.setenv("PURINEC_CACHE_DIR", str(tmp_path))
+    kernels = {kernel.path: kernel for kernel in zoo_kernels(name)}  # distinct code
+    for kernel in kernels.values():
+        ptx = kernel.ptx()
+        assert ptx and all(".target sm_90" in text for text in ptx.values()), kernel.name
