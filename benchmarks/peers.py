@@ -220,17 +220,20 @@ def torch_module(model: str, explicit_ceil_padding: bool = False):
 class TorchTrainer:
     """PyTorch eager, or with ``compiled=True`` the loss (forward and, through
     AOTAutograd, backward) and the optimizer step compiled by ``torch.compile``, the
-    average pools then padded explicitly (see `torch_module`)."""
+    average pools then padded explicitly (see `torch_module`); on ``device`` ("cpu",
+    or "cuda" for the GPU)."""
 
     def __init__(self, model: str, params: Mapping[str, np.ndarray], lr: float,
-                 momentum: float, weight_decay: float, compiled: bool = False):
+                 momentum: float, weight_decay: float, compiled: bool = False,
+                 device: str = "cpu"):
         import torch
         import torch.nn.functional as F
 
         _check_params(model, params)
         self._torch = torch
         self._model_name = model
-        self.model = torch_module(model, explicit_ceil_padding=compiled)
+        self.device = device
+        self.model = torch_module(model, explicit_ceil_padding=compiled).to(device)
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 p.copy_(torch.from_numpy(np.asarray(params[name], dtype=np.float32)))
@@ -245,7 +248,8 @@ class TorchTrainer:
 
     def prepare(self, x: np.ndarray, y: np.ndarray):
         torch = self._torch
-        return torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y.astype(np.int64))
+        return (torch.from_numpy(np.ascontiguousarray(x)).to(self.device),
+                torch.from_numpy(y.astype(np.int64)).to(self.device))
 
     def step(self, batch) -> float:
         self.optimizer.zero_grad(set_to_none=True)
@@ -255,11 +259,13 @@ class TorchTrainer:
         return loss.item()
 
     def params(self) -> dict[str, np.ndarray]:
-        return {name: p.detach().numpy().copy() for name, p in self.model.named_parameters()}
+        return {name: p.detach().cpu().numpy().copy()
+                for name, p in self.model.named_parameters()}
 
     def layer_shapes(self, batch_size: int) -> dict[str, tuple[int, ...]]:
         record: dict[str, tuple[int, ...]] = {}
-        x = self._torch.zeros((batch_size, *spec(self._model_name).input_shape))
+        x = self._torch.zeros((batch_size, *spec(self._model_name).input_shape),
+                              device=self.device)
         with self._torch.no_grad():
             self.model(x, record)
         return record
@@ -364,11 +370,12 @@ class JaxTrainer:
 
 
 def make_trainer(peer: str, model: str, params: Mapping[str, np.ndarray], lr: float,
-                 momentum: float, weight_decay: float):
-    """A trainer for ``peer`` (one of `PEERS`) starting from ``params``."""
+                 momentum: float, weight_decay: float, device: str = "cpu"):
+    """A trainer for ``peer`` (one of `PEERS`) starting from ``params``, on ``device``
+    (PyTorch's: "cpu" or "cuda")."""
     if peer in ("torch", "torch.compile"):
         return TorchTrainer(model, params, lr, momentum, weight_decay,
-                            compiled=peer == "torch.compile")
+                            compiled=peer == "torch.compile", device=device)
     if peer == "jax":
         return JaxTrainer(model, params, lr, momentum, weight_decay)
     raise ValueError(f"unknown peer {peer!r}; peers are {', '.join(PEERS)}")
