@@ -80,11 +80,12 @@ class Target:
         foreign = sorted(str(d) for d in devices if d.kind not in self.device_kinds)
         if not foreign:
             return
-        unrun = sorted({d.kind for d in devices if d.kind in DEVICE_KINDS} -
-                       {kind for target in TARGETS.values() for kind in target.device_kinds})
-        hint = (f": no target runs on {' or '.join(unrun)} devices yet (the IR can describe "
-                f"them; kernels for them are still to come): place the model on cpu devices"
-                if unrun else "")
+        kinds = sorted({d.kind for d in devices if d.kind not in self.device_kinds
+                        and d.kind in DEVICE_KINDS})
+        runners = {kind: [name for name, target in TARGETS.items()
+                          if kind in target.device_kinds] for kind in kinds}
+        hint = "".join(f"; {kind} devices run on target {' or '.join(names)}" if names else
+                       f"; no target runs {kind} devices yet" for kind, names in runners.items())
         raise PurinecError(f"target {self.name} runs on {' or '.join(self.device_kinds)} "
                            f"devices, not on {', '.join(foreign)} ({what}){hint}")
 

@@ -170,7 +170,7 @@ def test_dump_kernel_llvm_and_stage_errors():
                        "stage fuse does not run for target reference")
     assert_clean_error(purinec("dump", "mlp", "--stage", "autodiff"),
                        "stage autodiff runs only with --train")
-    assert_clean_error(purinec("dump", "mlp", "--llvm"), "--llvm and --asm go with")
+    assert_clean_error(purinec("dump", "mlp", "--llvm"), "--llvm, --asm and --ptx go with")
 
 
 def test_dump_one_stage():

@@ -639,9 +639,10 @@ def test_parallel_options_are_checked():
     ((Device("tpu", 0), Device("cpu", 1)), "tpu:0")])
 @pytest.mark.parametrize("target", ["reference", "cpu"])
 def test_targets_refuse_devices_they_have_no_kernels_for(devices, refused, target):
-    """No target here runs GPU code: a GPU device is refused, one device alone too,
-    instead of running on the host under the GPU's name, and the error says so."""
-    unsupported = ": no target runs on gpu devices yet" if "gpu" in refused else "$"
+    """A GPU device is refused by the cpu targets, one device alone too, instead of
+    running on the host under the GPU's name, and the error names the target that runs
+    it."""
+    unsupported = "; gpu devices run on target cuda" if "gpu" in refused else "$"
     with pytest.raises(PurinecError, match=f"target {target} runs on cpu devices, not on "
                                            f"{refused} \\(the devices asked for\\)"
                                            f"{unsupported}"):
