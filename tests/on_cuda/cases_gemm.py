@@ -1,0 +1,93 @@
+"""Simulator cases: matrix products, convolutions and their epilogues (see
+`tests.on_cuda.simulate`). Sizes are tiny, as the simulator runs each thread as a Python
+thread, and none is a multiple of the kernels' 16x16 tiles."""
+
+from purinec.ir.nnref import conv_output_size
+from tests.on_cuda.cases_elementwise import _fused
+from tests.on_cuda.simulate import random_array as R
+
+
+def _matmul(m, n, k, trans_a, trans_b, dtype):
+    a_shape = (k, m) if trans_a else (m, k)
+    b_shape = (n, k) if trans_b else (k, n)
+    return lambda rng: ("matmul", [R(rng, a_shape, dtype), R(rng, b_shape, dtype)],
+                        {"trans_a": trans_a, "trans_b": trans_b})
+
+
+# Convolution problems: (input shape, weight shape, stride, pad, groups, dtype).
+CONVOLUTIONS = {
+    "stride2_pad1": ((2, 3, 7, 5), (4, 3, 3, 3), 2, 1, 1, "float32"),
+    "groups2": ((1, 4, 5, 6), (6, 2, 3, 3), 1, 1, 2, "float32"),
+    "1x1": ((2, 3, 4, 5), (5, 3, 1, 1), 1, 0, 1, "float64"),
+}
+
+
+def _output_shape(x, w, stride, pad):
+    return (x[0], w[0], conv_output_size(x[2], w[2], stride, pad),
+            conv_output_size(x[3], w[3], stride, pad))
+
+
+def _conv_cases(name, problem):
+    x, w, stride, pad, groups, dtype = problem
+    y = _output_shape(x, w, stride, pad)
+    attrs = {"stride": [stride, stride], "pad": [pad, pad], "groups": groups}
+    return {
+        f"conv2d_{name}": lambda rng: ("conv2d", [R(rng, x, dtype), R(rng, w, dtype)], attrs),
+        f"conv2d_grad_input_{name}": lambda rng: (
+            "conv2d_grad_input", [R(rng, y, dtype), R(rng, w, dtype)],
+            {**attrs, "input_shape": list(x)}),
+        f"conv2d_grad_weight_{name}": lambda rng: (
+            "conv2d_grad_weight", [R(rng, x, dtype), R(rng, y, dtype)],
+            {**attrs, "kernel": list(w[2:])}),
+    }
+
+
+def _fused_exporting(members):
+    """As `_fused`, but the graph returns every member's output (o0, o1...), so the
+    fused node exports its anchor's output too."""
+    def case(rng):
+        from purinec.ir.graph import Graph
+        from purinec.ir.types import Device, DType, TensorType
+        from purinec.passes.fuse import fuse
+
+        graph = Graph("t")
+        values = {}
+        for name, shape in members[0]:
+            values[name] = graph.add_input(name, TensorType(shape, DType.f32),
+                                           device=Device.parse("gpu:0"))
+        for k, (op, names, attrs) in enumerate(members[1:]):
+            (values[f"o{k}"],) = graph.add_node(op, [values[n] for n in names], attrs,
+                                                names=[f"o{k}"]).outputs
+        graph.outputs = [(f"y{k}", values[f"o{k}"]) for k in range(len(members) - 1)]
+        return fuse(graph)
+    return case
+
+
+CONV = {"stride": [1, 1], "pad": [1, 1], "groups": 1}
+
+CASES = {
+    "matmul_nn_5x7x19_f32": _matmul(5, 7, 19, False, False, "float32"),
+    "matmul_nt_33x9x17_f64": _matmul(33, 9, 17, False, True, "float64"),
+    "matmul_tn_33x9x17_f32": _matmul(33, 9, 17, True, False, "float32"),
+    "matmul_tt_5x7x19_f64": _matmul(5, 7, 19, True, True, "float64"),
+    # The convolution's output is not exported: it lives only in a register.
+    "fused_conv2d_bias_add_relu": _fused([[("x", (2, 3, 6, 5)), ("w", (4, 3, 3, 3)),
+                                           ("b", (4,))],
+                                          ("conv2d", ["x", "w"], CONV),
+                                          ("bias_add", ["o0", "b"], {"axis": 1}),
+                                          ("relu", ["o1"], {})]),
+    # Grouped and strided, with an epilogue reading a full-size input.
+    "fused_conv2d_add_relu": _fused([[("x", (1, 4, 7, 6)), ("w", (6, 2, 3, 3)),
+                                      ("r", (1, 6, 4, 3))],
+                                     ("conv2d", ["x", "w"],
+                                      {"stride": [2, 2], "pad": [1, 1], "groups": 2}),
+                                     ("add", ["o0", "r"], {}), ("relu", ["o1"], {})]),
+    # The product is exported as well as the epilogue's outputs.
+    "fused_matmul_bias_add_relu": _fused_exporting([[("a", (6, 19)), ("b", (19, 5)),
+                                                     ("c", (5,))],
+                                                    ("matmul", ["a", "b"], {}),
+                                                    ("bias_add", ["o0", "c"], {"axis": 1}),
+                                                    ("relu", ["o1"], {})]),
+}
+for _name, _problem in CONVOLUTIONS.items():
+    CASES.update(_conv_cases(_name, _problem))
