@@ -396,10 +396,12 @@ def _checked_model(model: str, batch: int | None, target: str, trace: Any,
     from purinec.compiler import check_differentiable, checked_layout, load_source
     from purinec.models.loader import check_model
     from purinec.program import updated_variables
+    from purinec.targets import get_target
 
     with warnings.catch_warnings():  # (compile() warns of what it finds again)
         warnings.simplefilter("ignore")
         checked_layout(target, trace=trace, **spread)
+    get_target(target).check_runnable()
     if not model.endswith(".pir"):
         check_model(model, batch, given_later=DATA_ARGUMENTS)
         return default_sgd(**solver_options)

@@ -51,6 +51,7 @@ def add_parser(subparsers) -> None:
 
 def cmd_run(args) -> int:
     from purinec.compiler import compile, load
+    from purinec.targets import get_target
 
     check_writable(args, ("output", "trace", "timeline"))
     trace = None
@@ -63,7 +64,9 @@ def cmd_run(args) -> int:
                        f"{args.model} was compiled with a fixed batch and devices")
         program = load(args.model, args.target, trace=trace)
         check_spans_the_job(program, args.model)
+        get_target(program.target).check_runnable()
     else:
+        get_target(args.target or DEFAULT_TARGET).check_runnable()
         program = compile(args.model, target=args.target or DEFAULT_TARGET, batch=args.batch,
                           seed=args.seed, trace=trace, **parallel_kwargs(args))
     wait_for_every_rank()  # else the first iteration's time would include the wait

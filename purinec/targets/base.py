@@ -6,7 +6,9 @@ says:
 
 * ``name``, ``doc``: how users pick it (``target=``, ``--target``) and one line on what
   it is; ``device_kinds``: the devices its kernels run on (``cpu``, ``gpu``);
-* `missing()`: what it needs that this machine lacks (a package, a GPU), or None;
+* `missing()`: what it needs that this machine lacks to compile for it (a package),
+  or None; `cannot_run()`: why its programs, which compile, cannot run here (no GPU),
+  or None, which `check_runnable` turns into an error before a run starts;
 * `passes()`: the passes it adds at the end of the pipeline (the cpu target fuses), and
   so `pipeline(train, parallel, rank)`, the whole `passes.pipeline.Pipeline` that
   `compile()` runs and ``purinec dump`` shows;
@@ -64,6 +66,15 @@ class Target:
 
     def missing(self) -> str | None:
         return None
+
+    def cannot_run(self) -> str | None:
+        return None
+
+    def check_runnable(self) -> None:
+        """Refuse, before any work, to run a program of this target where it cannot."""
+        reason = self.cannot_run()
+        if reason:
+            raise PurinecError(f"target {self.name} cannot run programs here: {reason}")
 
     def passes(self) -> list[Pass]:
         return []

@@ -11,6 +11,7 @@ kernels and their PTX, and saves; running it says what is missing.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import replace
 from typing import Any, Callable
@@ -38,8 +39,9 @@ def on_gpus(graph: Graph) -> Graph:
     return moved
 
 
+@functools.cache
 def gpu_missing() -> str | None:
-    """Why kernels cannot run on a GPU here, or None."""
+    """Why kernels cannot run on a GPU here, or None (asked of the driver once)."""
     from numba import cuda
 
     if cuda.is_available():
@@ -77,6 +79,9 @@ class CudaTarget(Target):
             return f"numba-cuda is not installed; install the cuda extra: {INSTALL}"
         return None
 
+    def cannot_run(self) -> str | None:
+        return gpu_missing()
+
     def passes(self) -> list[Pass]:
         return [Pass("on_gpus", on_gpus, "run a graph placed on cpu devices only on the "
                                          "gpu devices of the same numbers"),
@@ -103,7 +108,7 @@ class CudaTarget(Target):
         from purinec.runtime import gpu
         from purinec.runtime.executor import Executable
 
-        missing = gpu_missing()
+        missing = self.cannot_run()
         if missing:
             return _NeedsGpu(graph, missing)
         io = gpu.with_host_io(graph)

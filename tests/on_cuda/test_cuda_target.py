@@ -131,3 +131,23 @@ def test_every_kernel_of_every_zoo_training_step_compiles_to_ptx_for_sm90(name, 
     for kernel in kernels.values():
         ptx = kernel.ptx()
         assert ptx and all(".target sm_90" in text for text in ptx.values()), kernel.name
+
+
+@pytest.mark.skipif("gpu_here()", reason="this machine has a GPU")
+def test_the_command_line_compiles_for_cuda_without_a_gpu_and_refuses_to_run(tmp_path):
+    def purinec_command(*args):
+        return subprocess.run([sys.executable, "-m", "purinec", *args], capture_output=True,
+                              text=True, cwd=tmp_path)
+
+    artifact = tmp_path / "mlp.purine"
+    compiled = purinec_command("compile", "mlp", "--target", "cuda", "--batch", "2",
+                               "-o", str(artifact))
+    assert compiled.returncode == 0, compiled.stderr
+    for refused in (purinec_command("run", str(artifact)),
+                    purinec_command("run", "mlp", "--target", "cuda"),
+                    purinec_command("train", "mlp", "--target", "cuda", "--data", "digits")):
+        assert refused.returncode != 0
+        assert "target cuda cannot run programs here" in refused.stderr
+        assert "NVIDIA GPU" in refused.stderr and "Traceback" not in refused.stderr
+    dumped = purinec_command("dump", str(artifact))
+    assert dumped.returncode == 0 and "@gpu:0" in dumped.stdout

@@ -71,11 +71,11 @@ class CudaModule:
 
     # -- used by renderers ----------------------------------------------------------
 
-    def fresh(self, hint: str) -> str:
-        """A name not used yet in this module, made from ``hint`` (an IR value's name
-        becomes its role: ``in0``)."""
+    def fresh(self, hint: str, roles: bool = True) -> str:
+        """A name not used yet in this module, made from ``hint`` (an IR value's name,
+        alone or with a suffix, becomes its role: ``in0``, unless not ``roles``)."""
         named = [value for value in self._roles
-                 if hint == value or hint.startswith(value + "_")]
+                 if roles and (hint == value or hint.startswith(value + "_"))]
         if named:
             value = max(named, key=len)
             hint = self._roles[value] + hint[len(value):]
@@ -94,7 +94,7 @@ class CudaModule:
         unknown = [a for a in arrays if a not in self._types]
         if unknown:
             raise CodegenError(f"kernel {hint} of {self.name}: no array named {unknown}")
-        name = self.fresh(f"{self.function}_{hint}")
+        name = self.fresh(f"{self.function}_{hint}", roles=False)
         body = SourceBuilder()
         self._kernels.append((name, list(arrays), body, tuple(sorted(fastmath))))
         with body.origin(*self.nodes):
