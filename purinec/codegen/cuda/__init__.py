@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from purinec.codegen import cache
-from purinec.codegen.cuda import elementwise, fused, reduce, shape  # noqa: F401  (renderers)
+from purinec.codegen.cuda import elementwise, fused, pool, reduce, shape  # noqa: F401  (renderers)
 from purinec.codegen.cuda.module import RENDERERS, CudaModule
 from purinec.codegen.kernel import CodegenError
 from purinec.ir.graph import Graph, Node
