@@ -69,7 +69,7 @@ def run_on_device(kernel, node, inputs) -> list[np.ndarray]:
     from numba import cuda
 
     stream = cuda.stream()
-    args = [cuda.to_device(np.ascontiguousarray(a), stream=stream) for a in inputs]
+    args = [cuda.to_device(np.require(a, requirements="C"), stream=stream) for a in inputs]
     outs = []
     for value in node.outputs:
         garbage = np.full(value.type.shape, 7, value.type.dtype.numpy)

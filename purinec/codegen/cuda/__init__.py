@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from purinec.codegen import cache
-from purinec.codegen.cuda import elementwise, fused, gemm  # noqa: F401  (renderers)
+from purinec.codegen.cuda import (elementwise, fused, gemm, pool, reduce,  # noqa: F401
+                                  shape)  # (renderers)
 from purinec.codegen.cuda.module import RENDERERS, CudaModule
 from purinec.codegen.kernel import CodegenError
 from purinec.ir.graph import Graph, Node
