@@ -28,6 +28,8 @@ single-GPU machine.
 from __future__ import annotations
 
 import os
+import threading
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -127,8 +129,10 @@ class Gpus:
         from numba import cuda
 
         self.cuda = cuda
-        self.simulated = bool(getattr(cuda, "simulator", None) is not None
-                              and _simulated())
+        self.simulated = _simulated()
+        # Numba's simulator runs a launch's threads against module-wide state: two host
+        # threads launching at once (two devices' workers) would mix them up.
+        self.launching = threading.Lock() if self.simulated else None
         visible = len(cuda.gpus)
         if visible == 0:
             raise PurinecError("no CUDA GPU is visible to this process")
@@ -302,7 +306,8 @@ def order_streams(plan: Plan, gpus: Gpus) -> None:
         stream = streams[task.index]
         waits = [events[p] for p in predecessors[task.index]
                  if streams[p] is not None and streams[p] is not stream]
-        task.fn = (_on_stream(task, stream, waits, events.get(task.index))
+        task.fn = (_on_stream(task, stream, waits, events.get(task.index),
+                              gpus.launching or nullcontext())
                    if stream is not None else _on_host(task.fn, waits))
 
 
@@ -314,13 +319,14 @@ def _stream_of(task: Task, gpus: Gpus):
     return stream if stream is not None else gpus.devices[task.node.device].compute
 
 
-def _on_stream(task: Task, stream, waits: list, record) -> Callable:
+def _on_stream(task: Task, stream, waits: list, record, launching) -> Callable:
     launch = task.fn.launch
 
     def run(*arrays):
         for event in waits:
             event.wait(stream)
-        launch(stream, *arrays)
+        with launching:
+            launch(stream, *arrays)
         if record is not None:
             record.record(stream)
     run.asynchronous = False

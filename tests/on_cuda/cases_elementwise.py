@@ -65,3 +65,6 @@ CASES.update({
                           ("bias_add", ["x", "b"], {"axis": 1}), ("relu", ["o0"], {}),
                           ("scale", ["o1"], {"alpha": 2.0})]),
 })
+
+CASES["add_scalar_on_a_scalar"] = _unary("add_scalar", {"value": 1}, dtype="int64", shape=())
+CASES["relu_on_one_element"] = _unary("relu", shape=(1, 1))

@@ -19,7 +19,8 @@ from tests.on_cuda.simulate import all_cases
 pytest.importorskip("numba_cuda", reason="the [cuda] extra (numba-cuda) is not installed")
 
 ROOT = Path(__file__).resolve().parents[2]
-CASES = sorted(all_cases())
+CASES = sorted(all_cases(kinds=("CASES",)))
+PROGRAMS = sorted(all_cases(kinds=("PROGRAMS",)))
 PROCESSES = 2
 
 
@@ -40,16 +41,34 @@ def simulate(names: list[str], cache_dir: Path, timeout: float = 600) -> dict[st
     return results
 
 
+def simulate_all(names: list[str], cache_dir: Path) -> dict[str, str | None]:
+    """``names`` shared out over PROCESSES simulator processes."""
+    shares = [names[i::PROCESSES] for i in range(PROCESSES)]
+    with ThreadPoolExecutor(PROCESSES) as pool:
+        parts = pool.map(lambda share: simulate(share, cache_dir), shares)
+    return {name: error for part in parts for name, error in part.items()}
+
+
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> dict[str, str | None]:
-    cache_dir = tmp_path_factory.mktemp("cuda_cache")
-    shares = [CASES[i::PROCESSES] for i in range(PROCESSES)]
-    with ThreadPoolExecutor(PROCESSES) as pool:
-        parts = pool.map(lambda names: simulate(names, cache_dir), shares)
-    return {name: error for part in parts for name, error in part.items()}
+    return simulate_all(CASES, tmp_path_factory.mktemp("cuda_cache"))
+
+
+@pytest.fixture(scope="module")
+def program_outcomes(tmp_path_factory) -> dict[str, str | None]:
+    return simulate_all(PROGRAMS, tmp_path_factory.mktemp("cuda_cache"))
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_kernel_equals_the_reference_in_the_simulator(outcomes, case):
     error = outcomes[case]
+    assert error is None, error
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", PROGRAMS)
+def test_program_on_cuda_equals_the_reference_in_the_simulator(program_outcomes, case):
+    """Training steps of an mlp and a small convnet, data parallelism over two gpu
+    devices, a graph placed on a cpu and a gpu: whole programs, in the simulator."""
+    error = program_outcomes[case]
     assert error is None, error

@@ -150,9 +150,11 @@ def emit_loop_kernel(m: CudaModule, members: Sequence[Node], arrays: dict[Value,
         index = m.fresh("i")
 
         def at(op: _Operand) -> str:
+            if not op.merged:
+                return "0"  # the same element everywhere (a scalar, a 1-element loop)
             if len(op.merged) == len(extents):
                 return index  # varies along every axis: its flat index is the loop's
-            return ", ".join(coords[k][0] for k in op.merged) if op.merged else "0"
+            return ", ".join(coords[k][0] for k in op.merged)
 
         needed = {k for op in list(loads.values()) + stores
                   if 0 < len(op.merged) < len(extents) for k in op.merged}
