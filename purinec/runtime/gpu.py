@@ -19,8 +19,10 @@ complete when the call does. Graph inputs and outputs live on the host
 of one layer's weights overlap the compute of the layers before it.
 
 Logical devices map onto physical GPUs by `gpu_map`: ``gpu:N`` is GPU ``N`` modulo
-the GPUs visible, unless ``PURINEC_GPU_MAP`` lists each logical device's GPU
-(``0,0,1,1``: gpu:0 and gpu:1 on GPU 0, gpu:2 and gpu:3 on GPU 1). Several logical
+the GPUs visible (under mpiexec, the ranks of one machine take the GPUs in turn: the
+second rank's gpu:0 is GPU 1), unless ``PURINEC_GPU_MAP`` lists each logical device's
+GPU (``0,0,1,1``: gpu:0 and gpu:1 on GPU 0, gpu:2 and gpu:3 on GPU 1; the same list in
+every process). Several logical
 devices on one GPU share it, each with its own streams: multi-device programs run on a
 single-GPU machine.
 """
@@ -55,11 +57,23 @@ def host_of(device: Device) -> Device:
     return Device("cpu", 0, device.rank)
 
 
-def gpu_map(visible: int) -> Callable[[Device], int]:
-    """Logical gpu device -> physical GPU index; see the module doc."""
+def local_rank() -> int:
+    """This process's rank among the job's processes on this machine (0 outside a job),
+    as MPICH's and Open MPI's launchers say it."""
+    for variable in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        value = os.environ.get(variable, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def gpu_map(visible: int, per_process: int = 1) -> Callable[[Device], int]:
+    """Logical gpu device -> physical GPU index; see the module doc. Processes of one
+    job on one machine (``per_process`` gpu devices each) take GPUs in turn."""
     text = os.environ.get(MAP_VAR, "").strip()
     if not text:
-        return lambda device: device.index % visible
+        first = local_rank() * per_process
+        return lambda device: (first + device.index) % visible
     try:
         table = [int(part) for part in text.split(",")]
     except ValueError:
@@ -136,15 +150,14 @@ class Gpus:
         visible = len(cuda.gpus)
         if visible == 0:
             raise PurinecError("no CUDA GPU is visible to this process")
-        physical = gpu_map(visible)
+        devices = [d for d in graph.devices() if is_gpu(d)]
+        physical = gpu_map(visible, len(devices))
         self.devices: dict[Device, Streams] = {}
-        for device in sorted({v.device for v in graph.values()} |
-                             {v.device for n in graph.flat_nodes() for v in n.outputs}):
-            if is_gpu(device):
-                gpu = physical(device)
-                with cuda.gpus[gpu]:
-                    self.devices[device] = Streams(gpu, cuda.stream(), cuda.stream(),
-                                                   cuda.stream())
+        for device in devices:
+            gpu = physical(device)
+            with cuda.gpus[gpu]:
+                self.devices[device] = Streams(gpu, cuda.stream(), cuda.stream(),
+                                               cuda.stream())
 
     def event(self):
         """An event for ordering only (no timing, which costs on every record)."""
@@ -167,15 +180,16 @@ def _simulated() -> bool:
 
 
 class GpuArenas:
-    """The memory planner's arenas: one device allocation per GPU device, host memory
-    for the others."""
+    """The memory planner's arenas: one device allocation per GPU device; the host's
+    from ``host``, the allocator the host kernels need (shared memory for collectives
+    between the ranks of a machine: `purinec.runtime.plan.arena_source`)."""
 
-    def __init__(self, gpus: Gpus):
-        self.gpus = gpus
+    def __init__(self, gpus: Gpus, host=FreshArenas):
+        self.gpus, self.host = gpus, host
         self._held: list = []
 
     def allocate(self, sizes: Mapping) -> dict:
-        arenas = {}
+        arenas = self.host.allocate({d: n for d, n in sizes.items() if not is_gpu(d)})
         for device, nbytes in sizes.items():
             if is_gpu(device):
                 with self.gpus.cuda.gpus[self.gpus.devices[device].gpu]:
@@ -186,13 +200,12 @@ class GpuArenas:
                                              f"({nbytes} bytes) on GPU "
                                              f"{self.gpus.devices[device].gpu} failed: "
                                              f"{type(err).__name__}: {err}") from err
-            else:
-                arenas.update(FreshArenas.allocate({device: nbytes}))
         self._held.append(arenas)
         return arenas
 
     def release(self) -> None:
         self._held.clear()
+        self.host.release()
 
 
 # -- kernels that move data ---------------------------------------------------------
@@ -273,12 +286,16 @@ class _StagedPending:
     def __init__(self, pending, copy_back: Callable[[], None]):
         self.pending, self.copy_back = pending, copy_back
         self.nudge = getattr(pending, "nudge", None)
+        if hasattr(pending, "help"):  # (shared memory: an idle rank does the work)
+            self.help = lambda: self._done(pending.help())
 
     def test(self) -> bool:
-        if not self.pending.test():
-            return False
-        self.copy_back()
-        return True
+        return self._done(self.pending.test())
+
+    def _done(self, complete: bool) -> bool:
+        if complete:
+            self.copy_back()
+        return complete
 
     def wait(self) -> None:
         self.pending.wait()

@@ -83,7 +83,7 @@ class Plan:
         self.memory: MemoryPlan = plan_memory(graph, schedule, may_alias)
         check_allocation(sum(self.memory.arena_bytes.values()),
                          f"the working memory of graph {graph.name} (its arenas)")
-        self._arena_source = _arena_source(kernels, arenas or FreshArenas)
+        self._arena_source = arena_source(kernels, arenas or FreshArenas)
         self.arenas = self._arena_source.allocate(self.memory.arena_bytes)
         self._static = self._arena_views()
         self.tasks = self._make_tasks(kernels)
@@ -284,7 +284,7 @@ class _Sources:
             source.release()
 
 
-def _arena_source(kernels: Mapping[Node, Callable], target_arenas):
+def arena_source(kernels: Mapping[Node, Callable], target_arenas):
     """What allocates the arenas (``allocate(sizes)``: each device's bytes) and gives
     their memory back (``release()``): the kernels' ``arena_allocator`` where they have
     one (those of `purinec.runtime.shm` need the arenas where other ranks can see them),

@@ -21,6 +21,7 @@ from purinec.ir.graph import Graph
 from purinec.passes.fuse import fuse
 from purinec.passes.pipeline import Pass
 from purinec.runtime.host import host_kernels, without_host_nodes
+from purinec.runtime.plan import FreshArenas, arena_source
 from purinec.targets.base import Runnable, Target
 from purinec.targets.cpu import CpuTarget
 
@@ -115,8 +116,10 @@ class CudaTarget(Target):
         gpus = gpu.Gpus(io)
         host = host_kernels(io)
         kernels = {**self.kernels(io), **host, **gpu.gpu_kernels(io, gpus, host)}
-        return Executable(io, kernels, worker_init=gpu.worker_setup(gpus),
-                          arenas=gpu.GpuArenas(gpus), hold=self.hold,
+        # (staged kernels hide the allocator their host kernels need: the arenas ask it)
+        arenas = gpu.GpuArenas(gpus, arena_source(host, FreshArenas))
+        return Executable(io, kernels, worker_init=gpu.worker_setup(gpus), arenas=arenas,
+                          hold=self.hold,
                           prepare=lambda plan: gpu.order_streams(plan, gpus))
 
 

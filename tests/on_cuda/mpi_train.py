@@ -1,0 +1,44 @@
+"""Data parallelism over MPI ranks that each drive a GPU, in Numba's CUDA simulator:
+``NUMBA_ENABLE_CUDASIM=1 mpiexec -n 2 python tests/on_cuda/mpi_train.py OUT_DIR``. Each
+rank trains the small mlp of `cases_programs` over r0/gpu:0 and r1/gpu:0 and one device
+of the reference target alongside, from the same weights and batches, and writes
+OUT_DIR/rank<R>.txt: "ok", or what differed."""
+
+import sys
+import traceback
+
+import numpy as np
+
+import purinec
+from purinec.runtime import comm
+from tests.on_cuda.cases_programs import feeds_for, tiny_mlp
+
+
+def main(out: str) -> None:
+    rank = comm.world().rank
+    try:
+        sgd = purinec.SGD(lr=0.1, momentum=0.9, weight_decay=1e-3)
+        many = purinec.compile(tiny_mlp(), target="cuda", train=sgd,
+                               devices="r0/gpu:0,r1/gpu:0")
+        one = purinec.compile(tiny_mlp(), target="reference", train=sgd)
+        for name in one.params:
+            many.params[name] = one.params[name].copy()
+        rng = np.random.default_rng(3)
+        for step in range(2):
+            feeds = feeds_for(one.ir, rng, classes=3)
+            want, got = one.step(feeds), many.step(feeds)
+            assert np.isclose(got, want, rtol=2e-4), f"step {step}: {got} vs {want}"
+        many.gather_weights()
+        for name in one.params:
+            np.testing.assert_allclose(many.params[name], one.params[name], rtol=2e-4,
+                                       atol=1e-5, err_msg=name)
+        many.close()
+        result = "ok"
+    except Exception:
+        result = traceback.format_exc()
+    with open(f"{out}/rank{rank}.txt", "w") as f:
+        f.write(result)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
