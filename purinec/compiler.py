@@ -113,7 +113,7 @@ def checked_layout(target: str, devices: Any = None, parallel: str | None = None
     if devices is not None:
         devices = as_devices(devices)
         target_plugin.check_devices(devices, "the devices asked for")
-    return parallel_plan(devices, parallel, micro_batches)
+    return target_plugin.lay_out(parallel_plan(devices, parallel, micro_batches))
 
 
 def compile(model: Any, target: str = "reference", train: SGD | None = None, *,

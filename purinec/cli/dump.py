@@ -110,7 +110,8 @@ def _dump_model(args, makedirs: Callable[[str], None]) -> int:
     check_differentiable(source, train, args.model)
     placed = functools.cache(lambda: placement_of(source))  # lowered once, if at all
     strategy = default_strategy(args.parallel, args.devices, placed)
-    spread = parallel_plan(args.devices, strategy, args.micro_batches) or placed()
+    spread = get_target(args.target).lay_out(
+        parallel_plan(args.devices, strategy, args.micro_batches) or placed())
     if spread is None:
         if args.rank:
             raise PurinecError(f"--rank {args.rank}: the program runs on one device of "

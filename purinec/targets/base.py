@@ -9,6 +9,8 @@ says:
 * `missing()`: what it needs that this machine lacks to compile for it (a package),
   or None; `cannot_run()`: why its programs, which compile, cannot run here (no GPU),
   or None, which `check_runnable` turns into an error before a run starts;
+* `lay_out(spread)`: the devices it runs a layout of several devices on (the cuda
+  target moves one of cpu devices only to gpus);
 * `passes()`: the passes it adds at the end of the pipeline (the cpu target fuses), and
   so `pipeline(train, parallel, rank)`, the whole `passes.pipeline.Pipeline` that
   `compile()` runs and ``purinec dump`` shows;
@@ -75,6 +77,9 @@ class Target:
         reason = self.cannot_run()
         if reason:
             raise PurinecError(f"target {self.name} cannot run programs here: {reason}")
+
+    def lay_out(self, spread: Parallel | None) -> Parallel | None:
+        return spread
 
     def passes(self) -> list[Pass]:
         return []

@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 from purinec.errors import PurinecError
 from purinec.ir.graph import Graph
+from purinec.ir.types import Device
+from purinec.passes.parallel import Parallel
 from purinec.passes.fuse import fuse
 from purinec.passes.pipeline import Pass
 from purinec.runtime.host import host_kernels, without_host_nodes
@@ -28,6 +30,10 @@ from purinec.targets.cpu import CpuTarget
 INSTALL = "pip install -e '.[cuda]' (numba-cuda with its CUDA 13 wheels, nvmath-python, cuBLAS)"
 
 
+def _gpu(device: Device) -> Device:
+    return replace(device, kind="gpu")
+
+
 def on_gpus(graph: Graph) -> Graph:
     """A graph placed on cpu devices only, moved to the gpu devices of the same numbers
     (ranks kept); any other graph as it is."""
@@ -35,8 +41,7 @@ def on_gpus(graph: Graph) -> Graph:
         return graph
     moved = graph.clone()
     for value in [*moved.inputs, *(v for node in moved.flat_nodes() for v in node.outputs)]:
-        if value.device.kind == "cpu":
-            value.device = replace(value.device, kind="gpu")
+        value.device = _gpu(value.device)
     return moved
 
 
@@ -82,6 +87,13 @@ class CudaTarget(Target):
 
     def cannot_run(self) -> str | None:
         return gpu_missing()
+
+    def lay_out(self, spread: Parallel | None) -> Parallel | None:
+        """A layout over cpu devices only (``--devices 2``, the ranks of an MPI job, a
+        model that placed itself on cpus) runs on the gpus of the same numbers."""
+        if spread is None or any(d.kind != "cpu" for d in spread.devices):
+            return spread
+        return replace(spread, devices=tuple(map(_gpu, spread.devices)))
 
     def passes(self) -> list[Pass]:
         return [Pass("on_gpus", on_gpus, "run a graph placed on cpu devices only on the "

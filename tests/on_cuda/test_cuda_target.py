@@ -151,3 +151,13 @@ def test_the_command_line_compiles_for_cuda_without_a_gpu_and_refuses_to_run(tmp
         assert "NVIDIA GPU" in refused.stderr and "Traceback" not in refused.stderr
     dumped = purinec_command("dump", str(artifact))
     assert dumped.returncode == 0 and "@gpu:0" in dumped.stdout
+
+
+def test_a_layout_over_cpu_devices_only_runs_on_the_gpus_of_the_same_numbers():
+    for devices in (2, "cpu:0,cpu:1"):
+        program = purinec.compile("mlp", target="cuda", batch=4, input_shape=(1, 2, 2),
+                                  devices=devices)
+        assert program.devices == [Device("gpu", 0), Device("gpu", 1)]
+    mixed = purinec.compile("mlp", target="cuda", batch=4, input_shape=(1, 2, 2),
+                            devices="cpu:0,gpu:0", parallel="pipeline")
+    assert set(mixed.devices) == {Device("cpu", 0), Device("gpu", 0)}
