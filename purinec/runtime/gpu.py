@@ -14,7 +14,10 @@ alike):
   for its predecessors on streams to finish, on their events.
 
 Copies to the host finish before their call returns, so everything a call returns is
-complete when the call does. Graph inputs and outputs live on the host
+complete when the call does. A kernel that fails on the GPU (an illegal address) is
+found out at the next wait, by whichever task waits: the error says so, and with
+``PURINEC_CUDA_SYNC=1`` every launch is waited for, which names the node that failed
+(slower: for finding faults only). Graph inputs and outputs live on the host
 (`with_host_io`): each input a GPU reads is copied in by a task of its own, so copies
 of one layer's weights overlap the compute of the layers before it.
 
@@ -46,6 +49,21 @@ from purinec.runtime.plan import FreshArenas, Plan, Task
 
 GPU = "gpu"
 MAP_VAR = "PURINEC_GPU_MAP"
+SYNC_VAR = "PURINEC_CUDA_SYNC"
+
+
+def synchronize(waitable) -> None:
+    """Wait for a stream or an event; a failure of work queued before it says where
+    to look."""
+    try:
+        waitable.synchronize()
+    except Exception as err:
+        if os.environ.get(SYNC_VAR) == "1":
+            raise
+        raise ExecutionError(f"{type(err).__name__}: {err} (found while waiting for GPU "
+                             f"work queued earlier, which may belong to another node; "
+                             f"with {SYNC_VAR}=1 each kernel is waited for as it is "
+                             f"launched, which names the node that failed)") from err
 
 
 def is_gpu(device: Device) -> bool:
@@ -167,11 +185,6 @@ class Gpus:
         """Make ``device``'s GPU current on the calling thread."""
         self.cuda.select_device(self.devices[device].gpu)
 
-    def synchronize(self) -> None:
-        for streams in self.devices.values():
-            for stream in (streams.compute, streams.copy_in, streams.copy_out):
-                stream.synchronize()
-
 
 def _simulated() -> bool:
     from numba import config
@@ -231,7 +244,7 @@ class Transfer:
     def launch(self, stream, source, destination) -> None:
         if self.to_host:
             source.copy_to_host(destination, stream=stream)
-            stream.synchronize()
+            synchronize(stream)
         else:
             destination.copy_to_device(source, stream=stream)
 
@@ -260,7 +273,7 @@ class Staged:
         for k in range(self.inputs):
             if self.staging[k] is not None:
                 arrays[k].copy_to_host(self.staging[k], stream=self.streams[k].copy_out)
-                self.streams[k].copy_out.synchronize()
+                synchronize(self.streams[k].copy_out)
                 host[k] = self.staging[k]
         for k in range(self.inputs, len(arrays)):
             if self.staging[k] is not None:
@@ -276,7 +289,7 @@ class Staged:
             if self.staging[k] is not None:
                 stream = self.streams[k].copy_in
                 arrays[k].copy_to_device(self.staging[k], stream=stream)
-                stream.synchronize()
+                synchronize(stream)
 
 
 class _StagedPending:
@@ -324,7 +337,8 @@ def order_streams(plan: Plan, gpus: Gpus) -> None:
         waits = [events[p] for p in predecessors[task.index]
                  if streams[p] is not None and streams[p] is not stream]
         task.fn = (_on_stream(task, stream, waits, events.get(task.index),
-                              gpus.launching or nullcontext())
+                              gpus.launching or nullcontext(),
+                              os.environ.get(SYNC_VAR) == "1")
                    if stream is not None else _on_host(task.fn, waits))
 
 
@@ -336,7 +350,8 @@ def _stream_of(task: Task, gpus: Gpus):
     return stream if stream is not None else gpus.devices[task.node.device].compute
 
 
-def _on_stream(task: Task, stream, waits: list, record, launching) -> Callable:
+def _on_stream(task: Task, stream, waits: list, record, launching,
+               wait_each: bool) -> Callable:
     launch = task.fn.launch
 
     def run(*arrays):
@@ -346,6 +361,8 @@ def _on_stream(task: Task, stream, waits: list, record, launching) -> Callable:
             launch(stream, *arrays)
         if record is not None:
             record.record(stream)
+        if wait_each:
+            stream.synchronize()
     run.asynchronous = False
     return run
 
@@ -356,7 +373,7 @@ def _on_host(fn: Callable, waits: list) -> Callable:
 
     def run(*arrays):
         for event in waits:
-            event.synchronize()
+            synchronize(event)
         return fn(*arrays)
     run.asynchronous = getattr(fn, "asynchronous", False)
     return run

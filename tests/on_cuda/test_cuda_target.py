@@ -161,3 +161,40 @@ def test_a_layout_over_cpu_devices_only_runs_on_the_gpus_of_the_same_numbers():
     mixed = purinec.compile("mlp", target="cuda", batch=4, input_shape=(1, 2, 2),
                             devices="cpu:0,gpu:0", parallel="pipeline")
     assert set(mixed.devices) == {Device("cpu", 0), Device("gpu", 0)}
+
+
+class FakeStream:
+    """Records what is asked of it; fails at its wait if told to."""
+
+    def __init__(self, fail: bool = False):
+        self.calls, self.fail = [], fail
+
+    def synchronize(self):
+        self.calls.append("synchronize")
+        if self.fail:
+            raise RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS")
+
+
+def test_a_failure_found_at_a_wait_says_how_to_find_its_node(monkeypatch):
+    monkeypatch.delenv(gpu.SYNC_VAR, raising=False)
+    with pytest.raises(PurinecError, match=r"ILLEGAL_ADDRESS \(found while waiting.*"
+                                           r"PURINEC_CUDA_SYNC=1"):
+        gpu.synchronize(FakeStream(fail=True))
+    monkeypatch.setenv(gpu.SYNC_VAR, "1")
+    with pytest.raises(RuntimeError, match="ILLEGAL_ADDRESS$"):
+        gpu.synchronize(FakeStream(fail=True))
+
+
+@pytest.mark.parametrize("wait_each", [False, True])
+def test_with_cuda_sync_each_launch_is_waited_for(wait_each):
+    class Kernel:
+        def launch(self, stream, *arrays):
+            stream.calls.append(("launch", arrays))
+
+    class Task:
+        fn = Kernel()
+
+    stream = FakeStream()
+    run = gpu._on_stream(Task(), stream, [], None, gpu.nullcontext(), wait_each)
+    run("x", "y")
+    assert stream.calls == [("launch", ("x", "y"))] + (["synchronize"] if wait_each else [])
