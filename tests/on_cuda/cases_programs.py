@@ -49,14 +49,15 @@ def feeds_for(graph, rng, classes: int) -> dict:
 
 
 def same_training(model, steps: int = 2, classes: int = 10, rtol: float = 2e-4,
-                  devices=None, **model_options):
+                  devices=None, parallel=None, **model_options):
     """``steps`` SGD steps on cuda and on the reference target, from the same weights
     and data: losses and every weight after them agree, and then inference."""
     import purinec
 
     rng = np.random.default_rng(1)
     sgd = purinec.SGD(lr=0.1, momentum=0.9, weight_decay=1e-3)
-    cuda = purinec.compile(model, target="cuda", train=sgd, devices=devices, **model_options)
+    cuda = purinec.compile(model, target="cuda", train=sgd, devices=devices,
+                           parallel=parallel, **model_options)
     reference = purinec.compile(model, target="reference", train=sgd, **model_options)
     for name in reference.params:
         cuda.params[name] = reference.params[name].copy()
@@ -79,6 +80,11 @@ PROGRAMS = {
     "program_tiny_mlp_steps": lambda rng: same_training(tiny_mlp(), classes=3),
     "program_tiny_mlp_data_parallel_2_gpus": lambda rng: same_training(
         tiny_mlp(), classes=3, devices="gpu:0,gpu:1"),
+    **{f"program_tiny_mlp_{strategy}_2_gpus": (lambda rng, strategy=strategy: same_training(
+        tiny_mlp(), classes=3, devices="gpu:0,gpu:1", parallel=strategy))
+       for strategy in ("ps", "model", "pipeline")},
+    "program_tiny_convnet_hybrid_2_gpus": lambda rng: same_training(
+        tiny_convnet(), classes=3, devices=2, parallel="hybrid"),
     "program_tiny_convnet_steps": lambda rng: same_training(tiny_convnet(), classes=3),
 }
 
