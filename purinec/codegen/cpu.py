@@ -37,7 +37,7 @@ from purinec.codegen.cpu_runtime import NUMPY_BLAS, Blocked, limit_blas_threads,
 from purinec.codegen.cpu_module import DEFAULT_OPTIONS, RENDERERS, CpuOptions, KernelModule
 from purinec.codegen.kernel import CodegenError, Kernel
 from purinec.codegen.progress import kernel_counter
-from purinec.ir.graph import Graph, Node, Value
+from purinec.ir.graph import Graph, Node
 
 __all__ = ["compile_kernels", "compile_node", "render", "RENDERERS",
            "CpuOptions", "set_threads"]

@@ -17,9 +17,9 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
-from purinec.codegen.kernel import CodegenError
+from purinec.codegen.kernel import CodegenError, renderer_registry
 from purinec.codegen.source import SourceBuilder, node_comment
 from purinec.ir.graph import Node, Value
 from purinec.ir.types import DType
@@ -240,18 +240,5 @@ def _roles(nodes: Sequence[Node], inputs: Sequence[Value], outputs: Sequence[Val
     return roles
 
 
-Renderer = Callable[[Node, KernelModule], None]
-
-# op name -> the function writing that op's kernel body. Adding an op to the CPU target
-# is adding one entry (see `renders`).
-RENDERERS: dict[str, Renderer] = {}
-
-
-def renders(*ops: str) -> Callable[[Renderer], Renderer]:
-    """Register the decorated function as the CPU renderer of ``ops``."""
-    def register(fn: Renderer) -> Renderer:
-        for op in ops:
-            assert op not in RENDERERS, op
-            RENDERERS[op] = fn
-        return fn
-    return register
+# op name -> the function writing that op's kernel into a module (``@renders(op)``).
+RENDERERS, renders = renderer_registry()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from purinec.codegen.cpu_module import HELPERS, KernelModule, literal, numpy_name
-from purinec.codegen.expr_print import print_exprs
+from purinec.codegen.expr_print import PYTHON_OPERATORS, print_exprs
 from purinec.codegen.kernel import CodegenError
 from purinec.ir.expr import U64, Arg, Call, Const, walk
 from purinec.ir.graph import Node, Value
@@ -40,13 +40,9 @@ def _cast(call: Call, args: list[str]) -> str:
 
 
 CPU_FUNCTIONS = {
-    "add": "{0} + {1}", "sub": "{0} - {1}", "mul": "{0} * {1}", "div": "{0} / {1}",
-    "neg": "-{0}",
-    "lt": "{0} < {1}", "le": "{0} <= {1}", "gt": "{0} > {1}", "ne": "{0} != {1}",
-    "or": "{0} or {1}", "select": "{1} if {0} else {2}",
+    **PYTHON_OPERATORS,
     "exp": "np.exp({0})", "tanh": "np.tanh({0})", "cast": _cast,
-    "u64": "np.uint64(np.int64({0}))", "xor": "{0} ^ {1}", "shr": "{0} >> {1}",
-    "mix64": "splitmix64({0})",
+    "u64": "np.uint64(np.int64({0}))", "mix64": "splitmix64({0})",
 }
 
 

@@ -18,6 +18,15 @@ from purinec.ir.expr import Arg, Call, Const, Expr, Index, walk
 
 Template = Union[str, Callable[[Call, list[str]], str]]
 
+# Functions every Python-printing backend spells as Python's own operators.
+PYTHON_OPERATORS: dict[str, Template] = {
+    "add": "{0} + {1}", "sub": "{0} - {1}", "mul": "{0} * {1}", "div": "{0} / {1}",
+    "neg": "-{0}",
+    "lt": "{0} < {1}", "le": "{0} <= {1}", "gt": "{0} > {1}", "ne": "{0} != {1}",
+    "or": "{0} or {1}", "select": "{1} if {0} else {2}",
+    "xor": "{0} ^ {1}", "shr": "{0} >> {1}",
+}
+
 
 def print_exprs(roots: Sequence[Expr], args: Sequence[tuple[str, bool]],
                 functions: dict[str, Template], literal: Callable[[Const], str],

@@ -39,9 +39,11 @@ CASES = {
 }
 
 
-def _fused(members):
-    """A case: the fused graph of ``members`` ((op, input names, attrs), in order,
-    outputs named o0, o1...) on random f32 inputs named by the letters they use."""
+def fused_case(members, export_all: bool = False):
+    """A case: the fused graph of ``members``: first the inputs, (name, shape) of f32;
+    then (op, input names, attrs) in order, their outputs named o0, o1... The graph
+    returns the last output, or with ``export_all`` every one (so a fused node exports
+    its anchor's output too)."""
     def case(rng):
         from purinec.ir.graph import Graph
         from purinec.ir.types import Device, DType, TensorType
@@ -55,13 +57,15 @@ def _fused(members):
         for k, (op, names, attrs) in enumerate(members[1:]):
             (values[f"o{k}"],) = graph.add_node(op, [values[n] for n in names], attrs,
                                                 names=[f"o{k}"]).outputs
-        graph.outputs = [("y", values[f"o{len(members) - 2}"])]
+        last = len(members) - 2
+        graph.outputs = [(f"y{k}", values[f"o{k}"])
+                         for k in (range(last + 1) if export_all else [last])]
         return fuse(graph)
     return case
 
 
 CASES.update({
-    "fused_loop": _fused([[("x", (4, 3, 5)), ("b", (3,))],
+    "fused_loop": fused_case([[("x", (4, 3, 5)), ("b", (3,))],
                           ("bias_add", ["x", "b"], {"axis": 1}), ("relu", ["o0"], {}),
                           ("scale", ["o1"], {"alpha": 2.0})]),
 })

@@ -3,7 +3,7 @@
 thread, and none is a multiple of the kernels' 16x16 tiles."""
 
 from purinec.ir.nnref import conv_output_size
-from tests.on_cuda.cases_elementwise import _fused
+from tests.on_cuda.cases_elementwise import fused_case
 from tests.on_cuda.simulate import random_array as R
 
 
@@ -42,25 +42,6 @@ def _conv_cases(name, problem):
     }
 
 
-def _fused_exporting(members):
-    """As `_fused`, but the graph returns every member's output (o0, o1...), so the
-    fused node exports its anchor's output too."""
-    def case(rng):
-        from purinec.ir.graph import Graph
-        from purinec.ir.types import Device, DType, TensorType
-        from purinec.passes.fuse import fuse
-
-        graph = Graph("t")
-        values = {}
-        for name, shape in members[0]:
-            values[name] = graph.add_input(name, TensorType(shape, DType.f32),
-                                           device=Device.parse("gpu:0"))
-        for k, (op, names, attrs) in enumerate(members[1:]):
-            (values[f"o{k}"],) = graph.add_node(op, [values[n] for n in names], attrs,
-                                                names=[f"o{k}"]).outputs
-        graph.outputs = [(f"y{k}", values[f"o{k}"]) for k in range(len(members) - 1)]
-        return fuse(graph)
-    return case
 
 
 CONV = {"stride": [1, 1], "pad": [1, 1], "groups": 1}
@@ -71,23 +52,22 @@ CASES = {
     "matmul_tn_33x9x17_f32": _matmul(33, 9, 17, True, False, "float32"),
     "matmul_tt_5x7x19_f64": _matmul(5, 7, 19, True, True, "float64"),
     # The convolution's output is not exported: it lives only in a register.
-    "fused_conv2d_bias_add_relu": _fused([[("x", (2, 3, 6, 5)), ("w", (4, 3, 3, 3)),
-                                           ("b", (4,))],
-                                          ("conv2d", ["x", "w"], CONV),
-                                          ("bias_add", ["o0", "b"], {"axis": 1}),
-                                          ("relu", ["o1"], {})]),
+    "fused_conv2d_bias_add_relu": fused_case([[("x", (2, 3, 6, 5)), ("w", (4, 3, 3, 3)),
+                                               ("b", (4,))],
+                                              ("conv2d", ["x", "w"], CONV),
+                                              ("bias_add", ["o0", "b"], {"axis": 1}),
+                                              ("relu", ["o1"], {})]),
     # Grouped and strided, with an epilogue reading a full-size input.
-    "fused_conv2d_add_relu": _fused([[("x", (1, 4, 7, 6)), ("w", (6, 2, 3, 3)),
-                                      ("r", (1, 6, 4, 3))],
-                                     ("conv2d", ["x", "w"],
-                                      {"stride": [2, 2], "pad": [1, 1], "groups": 2}),
-                                     ("add", ["o0", "r"], {}), ("relu", ["o1"], {})]),
+    "fused_conv2d_add_relu": fused_case([[("x", (1, 4, 7, 6)), ("w", (6, 2, 3, 3)),
+                                          ("r", (1, 6, 4, 3))],
+                                         ("conv2d", ["x", "w"],
+                                          {"stride": [2, 2], "pad": [1, 1], "groups": 2}),
+                                         ("add", ["o0", "r"], {}), ("relu", ["o1"], {})]),
     # The product is exported as well as the epilogue's outputs.
-    "fused_matmul_bias_add_relu": _fused_exporting([[("a", (6, 19)), ("b", (19, 5)),
-                                                     ("c", (5,))],
-                                                    ("matmul", ["a", "b"], {}),
-                                                    ("bias_add", ["o0", "c"], {"axis": 1}),
-                                                    ("relu", ["o1"], {})]),
+    "fused_matmul_bias_add_relu": fused_case([[("a", (6, 19)), ("b", (19, 5)), ("c", (5,))],
+                                              ("matmul", ["a", "b"], {}),
+                                              ("bias_add", ["o0", "c"], {"axis": 1}),
+                                              ("relu", ["o1"], {})], export_all=True),
 }
 for _name, _problem in CONVOLUTIONS.items():
     CASES.update(_conv_cases(_name, _problem))

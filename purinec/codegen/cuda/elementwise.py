@@ -18,8 +18,9 @@ from typing import Callable, Sequence
 
 from purinec.codegen.cuda.module import (HELPERS, THREADS, CudaModule, blocks_for, literal,
                                          numpy_name, renders)
-from purinec.codegen.elementwise import input_axes, merge_axes, varying_axes
-from purinec.codegen.expr_print import print_exprs
+from purinec.codegen.elementwise import merge_axes, varying_axes
+from purinec.codegen.cpu_module import HELPERS as CPU_HELPERS
+from purinec.codegen.expr_print import PYTHON_OPERATORS, print_exprs
 from purinec.codegen.kernel import CodegenError
 from purinec.codegen.source import SourceBuilder
 from purinec.ir.expr import U64, Arg, Call, Const, walk
@@ -35,13 +36,9 @@ def _cast(call: Call, args: list[str]) -> str:
 # How element expressions print in a Numba CUDA kernel: `math` functions of float32
 # arguments become CUDA's single-precision ones (expf, tanhf).
 CUDA_FUNCTIONS = {
-    "add": "{0} + {1}", "sub": "{0} - {1}", "mul": "{0} * {1}", "div": "{0} / {1}",
-    "neg": "-{0}",
-    "lt": "{0} < {1}", "le": "{0} <= {1}", "gt": "{0} > {1}", "ne": "{0} != {1}",
-    "or": "{0} or {1}", "select": "{1} if {0} else {2}",
+    **PYTHON_OPERATORS,
     "exp": "math.exp({0})", "tanh": "math.tanh({0})", "cast": _cast,
-    "u64": "np.uint64(np.int64({0}))", "xor": "{0} ^ {1}", "shr": "{0} >> {1}",
-    "mix64": "splitmix64({0})",
+    "u64": "np.uint64(np.int64({0}))", "mix64": "splitmix64({0})",
 }
 
 
@@ -51,14 +48,9 @@ def _literal(const: Const) -> str:
     return literal(const.value, DType(const.dtype))
 
 
-HELPERS["splitmix64"] = '''\
-@cuda.jit(device=True, inline=True)
-def splitmix64(z):
-    # purinec.ir.nnref.splitmix64 on uint64, wrapping modulo 2**64
-    z = z + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))'''
+# The CPU's helper as a device function.
+HELPERS["splitmix64"] = CPU_HELPERS["splitmix64"].replace('@njit(inline="always")',
+                                                          "@cuda.jit(device=True, inline=True)")
 
 
 @dataclass

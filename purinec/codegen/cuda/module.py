@@ -16,10 +16,10 @@ can be compiled ahead of time for a GPU that is not here (`cuda.compile_ptx`).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 from purinec.codegen.cpu_module import _roles, identifier, literal, numpy_name
-from purinec.codegen.kernel import CodegenError
+from purinec.codegen.kernel import CodegenError, renderer_registry
 from purinec.codegen.source import SourceBuilder, node_comment
 from purinec.ir.graph import Node, Value
 
@@ -165,17 +165,5 @@ class CudaModule:
         return out.text()
 
 
-Renderer = Callable[[Node, CudaModule], None]
-
-# op name -> the function writing that op's kernels into a module (see `renders`).
-RENDERERS: dict[str, Renderer] = {}
-
-
-def renders(*ops: str) -> Callable[[Renderer], Renderer]:
-    """Register the decorated function as the CUDA renderer of ``ops``."""
-    def register(fn: Renderer) -> Renderer:
-        for op in ops:
-            assert op not in RENDERERS, op
-            RENDERERS[op] = fn
-        return fn
-    return register
+# op name -> the function writing that op's kernel into a module (``@renders(op)``).
+RENDERERS, renders = renderer_registry()
