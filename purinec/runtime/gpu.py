@@ -45,7 +45,8 @@ from purinec.ir.graph import Graph, Node, Value
 from purinec.ir.ops import Trait, op_has
 from purinec.ir.types import Device
 from purinec.runtime.devices import Lane
-from purinec.runtime.plan import FreshArenas, Plan, Task
+from purinec.runtime.memory import ALIGNMENT
+from purinec.runtime.plan import Plan, Task, aligned_start
 
 GPU = "gpu"
 MAP_VAR = "PURINEC_GPU_MAP"
@@ -192,13 +193,29 @@ def _simulated() -> bool:
     return bool(config.ENABLE_CUDASIM)
 
 
+class PinnedArenas:
+    """Host arenas in page-locked memory, which copies to and from a GPU read and write
+    directly (pageable memory goes through a driver buffer, at a fraction of the
+    speed)."""
+
+    def __init__(self, gpus: Gpus):
+        self.gpus = gpus
+
+    def allocate(self, sizes: Mapping) -> dict:
+        return {device: aligned_start(self.gpus.cuda.pinned_array(n + ALIGNMENT, np.uint8), n)
+                for device, n in sizes.items()}
+
+    def release(self) -> None:
+        pass
+
+
 class GpuArenas:
     """The memory planner's arenas: one device allocation per GPU device; the host's
-    from ``host``, the allocator the host kernels need (shared memory for collectives
-    between the ranks of a machine: `purinec.runtime.plan.arena_source`)."""
+    from ``host``: pinned memory, or the allocator the host kernels need (shared memory
+    for collectives between the ranks of a machine: `purinec.runtime.plan.arena_source`)."""
 
-    def __init__(self, gpus: Gpus, host=FreshArenas):
-        self.gpus, self.host = gpus, host
+    def __init__(self, gpus: Gpus, host=None):
+        self.gpus, self.host = gpus, host or PinnedArenas(gpus)
         self._held: list = []
 
     def allocate(self, sizes: Mapping) -> dict:
@@ -254,7 +271,7 @@ class Transfer:
 
 class Staged:
     """A host kernel (a collective, a slice) run on GPU values through host memory: the
-    GPU inputs are copied to host buffers, the host kernel runs (a pending MPI
+    GPU inputs are copied to pinned host buffers, the host kernel runs (a pending MPI
     operation included), and the results are copied back to their GPUs. Finished when
     its call (or its pending operation) is."""
 
@@ -262,8 +279,8 @@ class Staged:
         self.node, self.host_fn, self.gpus = node, host_fn, gpus
         self.asynchronous = getattr(host_fn, "asynchronous", False)
         operands = [*node.inputs, *node.outputs]
-        self.staging = [np.empty(v.type.shape, v.type.dtype.numpy) if is_gpu(v.device)
-                        else None for v in operands]
+        self.staging = [gpus.cuda.pinned_array(v.type.shape, v.type.dtype.numpy)
+                        if is_gpu(v.device) else None for v in operands]
         self.streams = [gpus.devices[v.device] if is_gpu(v.device) else None
                         for v in operands]
         self.inputs = len(node.inputs)

@@ -23,7 +23,7 @@ from purinec.passes.parallel import Parallel
 from purinec.passes.fuse import fuse
 from purinec.passes.pipeline import Pass
 from purinec.runtime.host import host_kernels, without_host_nodes
-from purinec.runtime.plan import FreshArenas, arena_source
+from purinec.runtime.plan import arena_source
 from purinec.targets.base import Runnable, Target
 from purinec.targets.cpu import CpuTarget
 
@@ -129,7 +129,7 @@ class CudaTarget(Target):
         host = host_kernels(io)
         kernels = {**self.kernels(io), **host, **gpu.gpu_kernels(io, gpus, host)}
         # (staged kernels hide the allocator their host kernels need: the arenas ask it)
-        arenas = gpu.GpuArenas(gpus, arena_source(host, FreshArenas))
+        arenas = gpu.GpuArenas(gpus, arena_source(host, None))
         return Executable(io, kernels, worker_init=gpu.worker_setup(gpus), arenas=arenas,
                           hold=self.hold,
                           prepare=lambda plan: gpu.order_streams(plan, gpus))
