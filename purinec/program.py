@@ -7,7 +7,7 @@ import os
 import threading
 import warnings
 from collections.abc import MutableMapping
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -36,9 +36,14 @@ class TensorStore(MutableMapping):
     def __init__(self, kind: str, arrays: dict[str, np.ndarray]):
         self._kind = kind
         self._arrays = arrays
+        # Set by the program: bring the arrays up to date before they are read (values
+        # kept on a device), and say when one was assigned.
+        self.before_read: Callable[[], None] = lambda: None
+        self.assigned: Callable[[str], None] = lambda name: None
 
     def __getitem__(self, name: str) -> np.ndarray:
         self._check_known(name)
+        self.before_read()
         view = self._arrays[name].view()
         view.flags.writeable = False
         return view
@@ -65,6 +70,7 @@ class TensorStore(MutableMapping):
             raise PurinecError(f"{self._kind} {name} has shape {list(current.shape)}, "
                                f"got an array of shape {list(array.shape)}")
         self._arrays[name] = array.astype(current.dtype, copy=True)
+        self.assigned(name)
 
     def _follow(self, name: str, value: np.ndarray) -> None:
         """Keep a step's new value of ``name`` in the array the views look at (a target
@@ -139,12 +145,49 @@ class Program:
         self._run_main = self._executable(graph, trace, after)
         self._run_eval = (self._run_main if self.eval_ir is graph
                           else self._executable(self.eval_ir, trace))
+        self._keep_variables_on_devices()
         self.last_outputs: dict[str, np.ndarray] = {}  # of the latest step
         if self.trainable:
             _warn_if_frozen(graph, self.params)
         self._partial_weights = False  # weights split over ranks, not gathered since
         # Calls from several threads take turns: a step updates the weights a run reads.
         self._turn = threading.Lock()
+
+    def _keep_variables_on_devices(self) -> None:
+        """Let executables that can keep variables on their devices between calls do so
+        (`purinec.runtime.gpu.GpuExecutable`): a step then leaves the new values
+        there (``_on_device``), and they are pulled into the host's arrays only when
+        something reads them."""
+        self._kept = {id(run): keep() for run in self._runs()
+                      for keep in [getattr(run, "keep_variables", None)] if keep}
+        self._on_device: set[str] = set()  # variables whose latest value the main run holds
+        for store in (self.params, self.state):
+            store.before_read = self._pull
+            store.assigned = lambda name: self._host_changed([name])
+
+    def _pull(self) -> None:
+        """Bring the host's arrays of the variables a step left on a device up to date."""
+        if not self._on_device:
+            return
+        names = sorted(self._on_device)
+        self._on_device.clear()
+        self._run_main.pull({name: self._variable(name) for name in names})
+        self._host_changed(names, but=self._run_main)
+
+    def _host_changed(self, names: list[str], but: Any = None) -> None:
+        """Tell each run that keeps variables (except ``but``) that the host's arrays of
+        ``names`` changed."""
+        for run in self._runs():
+            kept = self._kept.get(id(run), ())
+            changed = [name for name in names if name in kept]
+            if run is not but and changed:
+                run.host_changed(changed)
+        if but is None:
+            self._on_device.difference_update(names)
+
+    def _variable(self, name: str) -> np.ndarray:
+        store = self.params if name in self.params else self.state
+        return store._arrays[name]
 
     @classmethod
     def from_ir(cls, graph: Graph, eval_graph: Graph | None = None, target: str = "reference",
@@ -240,6 +283,7 @@ class Program:
         graph run as it is, such as a .pir file of one): it then works on copies."""
         updates = bool(updated_variables(self.eval_ir))
         with self._turn:
+            self._pull()
             outputs = self._run_eval(self._env(self.eval_ir, feeds, copy_variables=updates))
         return {k: v for k, v in outputs.items()
                 if k not in self.params and k not in self.state}
@@ -252,10 +296,15 @@ class Program:
         with self._turn:
             outputs = self._run_main(self._env(self.ir, feeds))
             self._partial_weights = getattr(self._run_main, "spans_ranks", False)
+            followed = []
             for name, value in outputs.items():
                 for store in (self.params, self.state):
                     if name in store:
                         store._follow(name, value)
+                        followed.append(name)
+            self._host_changed(followed, but=self._run_main)
+            self._on_device.update(name for name in updated_variables(self.ir)
+                                   if name in self._kept.get(id(self._run_main), ()))
             self.last_outputs = outputs
         return float(outputs["loss"])
 
@@ -264,8 +313,10 @@ class Program:
         strategy splits weights over MPI ranks (model, hybrid): after a step each rank
         holds its own pieces. Collective: every rank of the job must call it."""
         gather = getattr(self._run_main, "gather_variables", None)
+        self._pull()
         if gather is not None:
             gather({**self.params._arrays, **self.state._arrays})
+            self._host_changed([*self.params, *self.state], but=self._run_main)
         self._partial_weights = False
 
     def save(self, path: str | os.PathLike, metadata: dict | None = None):

@@ -112,15 +112,20 @@ def gpu_map(visible: int, per_process: int = 1) -> Callable[[Device], int]:
     return physical
 
 
-def with_host_io(graph: Graph) -> Graph:
+def with_host_io(graph: Graph, resident: frozenset[str] = frozenset()
+                 ) -> tuple[Graph, list[Node]]:
     """A copy of ``graph`` whose inputs and outputs live on the host: each graph input
     placed on a GPU becomes a host input of the same name copied to the GPU by a
     ``copy`` node (the graph reads the copy), and each output on a GPU is copied back.
-    Names and roles of inputs and outputs are kept: callers see no difference."""
+    Names and roles of inputs and outputs are kept: callers see no difference. The
+    variables named in ``resident`` stay on their GPU, inputs and outputs alike (the
+    executable keeps them there between calls: `GpuExecutable`). Also returns the new
+    graph's copies of ``graph``'s nodes, in order."""
     new = graph.clone()
+    copied = list(new.nodes)
     inputs, copies_in = [], []
     for value in new.inputs:
-        if not is_gpu(value.device):
+        if not is_gpu(value.device) or value.name in resident:
             inputs.append(value)
             continue
         host = Value(value.name, value.type, host_of(value.device), value.dist, None,
@@ -137,12 +142,12 @@ def with_host_io(graph: Graph) -> Graph:
     new.rebuild_names()
     outputs = []
     for name, value in new.outputs:
-        if is_gpu(value.device):
+        if is_gpu(value.device) and name not in resident:
             (value,) = new.add_node("copy", [value], names=[new.fresh_name(f"{name}.host")],
                                     device=host_of(value.device)).outputs
         outputs.append((name, value))
     new.outputs = outputs
-    return new
+    return new, copied
 
 
 @dataclass
@@ -236,6 +241,11 @@ class GpuArenas:
     def release(self) -> None:
         self._held.clear()
         self.host.release()
+
+    @staticmethod
+    def device_memory(device: Device) -> bool:
+        """Whether ``device``'s values are in GPU memory (the executable binds them)."""
+        return is_gpu(device)
 
 
 # -- kernels that move data ---------------------------------------------------------
@@ -419,3 +429,85 @@ def worker_setup(gpus: Gpus) -> Callable[[Lane], None]:
         elif gpus.devices:
             gpus.select(next(iter(gpus.devices)))
     return setup
+
+
+# -- variables kept on the GPU between calls ----------------------------------------
+
+_NEVER = object()  # a variable never copied to its GPU, or changed on the host since
+
+
+class GpuExecutable:
+    """A cuda program's executable, ``exe(env) -> outputs``, built at its first call.
+
+    By default every call copies the graph's inputs to the GPUs and its outputs back.
+    A caller that keeps the program's variables (params, state) calls `keep_variables`
+    first: the variables on GPUs then stay there between calls, each copied in only
+    when the host's array is new to it or reported changed (`host_changed`); their next
+    values stay on the GPU too (the call's outputs leave them out) until `pull` copies
+    them into host arrays. A training step then moves only its batch and its loss.
+    """
+
+    def __init__(self, graph: Graph, build: Callable[[frozenset[str]], Any], gpus: Gpus):
+        self.graph, self._build, self.gpus = graph, build, gpus
+        self._inner = None
+        self.resident: frozenset[str] = frozenset()
+        self._mirrors: dict[str, Any] = {}
+        self._loaded: dict[str, Any] = {}  # name -> host array the GPU holds, None: newer
+
+    def keep_variables(self) -> frozenset[str]:
+        """Keep the variables that live on GPUs there between calls; returns their names.
+        Only before the first call."""
+        if self._inner is None:
+            updated = {name for name, _ in self.graph.outputs}
+            self.resident = frozenset(v.name for v in self.graph.inputs
+                                      if v.role in ("param", "state") and is_gpu(v.device)
+                                      and (v.name in updated or v.role == "param"))
+        return self.resident
+
+    @property
+    def plan(self):
+        return getattr(self._built(), "plan", None)
+
+    def _built(self):
+        if self._inner is None:
+            self._inner = self._build(self.resident)
+            for value in self.graph.inputs:
+                if value.name in self.resident:
+                    with self.gpus.cuda.gpus[self.gpus.devices[value.device].gpu]:
+                        self._mirrors[value.name] = self.gpus.cuda.device_array(
+                            value.type.shape, value.type.dtype.numpy)
+        return self._inner
+
+    def __call__(self, env: Mapping[str, np.ndarray]) -> dict:
+        inner = self._built()
+        bound = dict(env)
+        for name, mirror in self._mirrors.items():
+            host = env[name]
+            loaded = self._loaded.get(name, _NEVER)
+            if loaded is _NEVER or (loaded is not None and loaded is not host):
+                mirror.copy_to_device(np.ascontiguousarray(host))
+                self._loaded[name] = host
+            bound[name] = mirror
+        outputs = inner(bound)
+        for name, mirror in self._mirrors.items():
+            if name in outputs:
+                value = outputs.pop(name)
+                if value is not mirror:  # an update not made in place
+                    mirror.copy_to_device(value)
+                self._loaded[name] = None
+        return outputs
+
+    def pull(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Copy the GPU's values of these variables into the host ``arrays``."""
+        for name, host in arrays.items():
+            self._mirrors[name].copy_to_host(host)
+            self._loaded[name] = host
+
+    def host_changed(self, names) -> None:
+        """The host arrays of these variables changed: copy them in at the next call."""
+        for name in names:
+            self._loaded.pop(name, None)
+
+    def close(self) -> None:
+        if self._inner is not None:
+            self._inner.close()

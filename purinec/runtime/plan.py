@@ -150,10 +150,13 @@ class Plan:
             task.successors = tuple(successors.get(task.index, ()))
 
     def _input_checks(self):
+        """What to check of each input's array: those in a target's own device memory
+        (`device_memory`) are the target's executable's to bind, and not checked here."""
         written = {cls.external for cls in self.memory.classes
                    if cls.storage == EXTERNAL and cls.external is not cls.root}
+        device_memory = getattr(self._arena_source, "device_memory", lambda device: False)
         return [(v.name, v.type.shape, v.type.dtype.numpy, v in written, str(v.type))
-                for v in self.graph.inputs]
+                for v in self.graph.inputs if not device_memory(v.device)]
 
     # -- each call --------------------------------------------------------------------
 
@@ -219,7 +222,7 @@ class Plan:
                 result[spec.name] = array
             else:
                 assert spec.mode == COPY
-                result[spec.name] = array.copy()
+                result[spec.name] = np.array(array)  # (a device array comes to the host)
         return result
 
     def array(self, value: Value) -> np.ndarray:

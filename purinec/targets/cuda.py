@@ -124,15 +124,21 @@ class CudaTarget(Target):
         missing = self.cannot_run()
         if missing:
             return _NeedsGpu(graph, missing)
-        io = gpu.with_host_io(graph)
-        gpus = gpu.Gpus(io)
-        host = host_kernels(io)
-        kernels = {**self.kernels(io), **host, **gpu.gpu_kernels(io, gpus, host)}
-        # (staged kernels hide the allocator their host kernels need: the arenas ask it)
-        arenas = gpu.GpuArenas(gpus, arena_source(host, None))
-        return Executable(io, kernels, worker_init=gpu.worker_setup(gpus), arenas=arenas,
-                          hold=self.hold,
-                          prepare=lambda plan: gpu.order_streams(plan, gpus))
+        gpus = gpu.Gpus(graph)
+        compute = self.kernels(graph)  # compiled now: a renderer's error surfaces here
+
+        def build(resident: frozenset[str]) -> Executable:
+            io, copied = gpu.with_host_io(graph, resident)
+            kernels = {copy: compute[node] for node, copy in zip(graph.nodes, copied)
+                       if node in compute}
+            host = host_kernels(io)
+            kernels.update({**host, **gpu.gpu_kernels(io, gpus, host)})
+            # (staged kernels hide the allocator their host kernels need: the arenas ask)
+            arenas = gpu.GpuArenas(gpus, arena_source(host, None))
+            return Executable(io, kernels, worker_init=gpu.worker_setup(gpus),
+                              arenas=arenas, hold=self.hold,
+                              prepare=lambda plan: gpu.order_streams(plan, gpus))
+        return gpu.GpuExecutable(graph, build, gpus)
 
 
 def _split_by_kind(graph: Graph) -> tuple[Graph, Graph]:

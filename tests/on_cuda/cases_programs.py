@@ -76,7 +76,49 @@ def same_training(model, steps: int = 2, classes: int = 10, rtol: float = 2e-4,
                                err_msg="inference logits")
 
 
+def weights_stay_on_the_gpu() -> None:
+    """Between steps the weights stay on the GPU (nothing copies them in or out); a read,
+    an assignment and an inference run in between each see and use the latest values,
+    as on the reference target."""
+    import purinec
+    from purinec.runtime.gpu import GpuExecutable
+
+    rng = np.random.default_rng(4)
+    sgd = purinec.SGD(lr=0.1, momentum=0.9)
+    cuda = purinec.compile(tiny_mlp(), target="cuda", train=sgd)
+    reference = purinec.compile(tiny_mlp(), target="reference", train=sgd)
+    for name in reference.params:
+        cuda.params[name] = reference.params[name].copy()
+    main = cuda._run_main
+    assert isinstance(main, GpuExecutable) and main.resident >= set(reference.params)
+
+    def step_both():
+        feeds = feeds_for(reference.ir, rng, classes=3)
+        want, got = reference.step(feeds), cuda.step(feeds)
+        assert np.isclose(got, want, rtol=2e-4), (got, want)
+
+    step_both()
+    assert main._loaded and all(host is None for host in main._loaded.values()), \
+        "after a step the GPU holds the newest weights, and no host array does"
+    stale = cuda.params._arrays["ip1.weight"].copy()
+    step_both()
+    np.testing.assert_array_equal(cuda.params._arrays["ip1.weight"], stale)  # not pulled
+    np.testing.assert_allclose(cuda.params["ip1.weight"], reference.params["ip1.weight"],
+                               rtol=2e-4, atol=1e-6)  # a read pulls
+    for program in (cuda, reference):
+        program.params["ip2.weight"] = program.params["ip2.weight"] * 0.5
+    step_both()
+    feeds = feeds_for(reference.eval_ir, rng, classes=3)
+    np.testing.assert_allclose(cuda.run(feeds)["logits"], reference.run(feeds)["logits"],
+                               rtol=2e-4, atol=1e-5)
+    step_both()
+    for name in reference.params:
+        np.testing.assert_allclose(cuda.params[name], reference.params[name], rtol=2e-4,
+                                   atol=1e-5, err_msg=name)
+
+
 PROGRAMS = {
+    "program_weights_stay_on_the_gpu": lambda rng: weights_stay_on_the_gpu(),
     "program_tiny_mlp_steps": lambda rng: same_training(tiny_mlp(), classes=3),
     "program_tiny_mlp_data_parallel_2_gpus": lambda rng: same_training(
         tiny_mlp(), classes=3, devices="gpu:0,gpu:1"),

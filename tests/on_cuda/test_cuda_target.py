@@ -50,7 +50,8 @@ def test_a_graph_on_cpu_devices_only_moves_to_the_gpus_of_the_same_numbers():
 
 
 def test_host_io_copies_gpu_inputs_in_and_outputs_out_keeping_names_and_roles():
-    graph = gpu.with_host_io(parse(MIXED))
+    graph, copied = gpu.with_host_io(parse(MIXED))
+    assert [n.op for n in copied] == [n.op for n in parse(MIXED).nodes]
     b = graph.input("b")
     assert (b.device, b.role) == (Device("cpu", 0), "param")
     copy_in = graph.nodes[0]
