@@ -380,6 +380,11 @@ def _stream_of(task: Task, gpus: Gpus):
 def _on_stream(task: Task, stream, waits: list, record, launching,
                wait_each: bool) -> Callable:
     launch = task.fn.launch
+    # Arrays bound once for all calls go over in the shape the kernels read them in
+    # (an array bound per call is reshaped by the kernel's host function).
+    for position, shape in getattr(task.fn, "views", {}).items():
+        if task.args[position] is not None:
+            task.args[position] = task.args[position].reshape(shape)
 
     def run(*arrays):
         for event in waits:

@@ -48,6 +48,8 @@ class CudaKernel:
     so on the default stream (the target's generic kernel convention). ``kernels`` are
     its Numba CUDA dispatchers by name, ``argument_types`` their arguments (dtype name,
     rank), ``source`` the module text for ``nodes``, kept at ``path`` in the cache.
+    ``views``: parameter position -> the shape the kernels read it in, for parameters
+    read through that one view (handing them over in it saves a reshape per launch).
     """
 
     name: str
@@ -57,6 +59,7 @@ class CudaKernel:
     launch: Any
     kernels: dict[str, Any]
     argument_types: dict[str, tuple[tuple[str, int], ...]]
+    views: dict[int, tuple[int, ...]]
 
     def fn(self, *arrays):
         from numba import cuda
@@ -147,4 +150,4 @@ def compile_module(module: CudaModule) -> CudaKernel:
     return CudaKernel(module.name, source, cache.kernel_path(source, "cuda"), nodes,
                       getattr(loaded, module.function),
                       {name: getattr(loaded, name) for name in argument_types},
-                      argument_types)
+                      argument_types, loaded.VIEWS)

@@ -126,16 +126,14 @@ def emit_loop_kernel(m: CudaModule, members: Sequence[Node], arrays: dict[Value,
     stores = [_Operand(v, frozenset(range(len(shape)))) for v in outputs]
     extents = merge_axes(shape, list(loads.values()) + stores)
     count = _prod(extents)
-    used = [arrays[v] for v in dict.fromkeys([op.value for op in loads.values()] + list(outputs))]
-    with m.kernel(hint, used) as (name, body):
+    with m.kernel(hint) as (name, body):
         views: dict[tuple[Value, tuple[int, ...]], str] = {}
         for op in list(loads.values()) + stores:
             key = (op.value, op.merged)
             if key not in views:
                 full = len(op.merged) == len(extents)  # indexed flat, by the loop's index
                 dims = [count] if full else [extents[k] for k in op.merged] or [1]
-                views[key] = m.fresh(op.value.name + "_v")
-                body.line(f"{views[key]} = {arrays[op.value]}.reshape(({', '.join(map(str, dims))},))")
+                views[key] = m.view(arrays[op.value], dims)
         coords = _coordinates(m, extents)
         head = SourceBuilder()
         loop = SourceBuilder()
@@ -169,7 +167,7 @@ def emit_loop_kernel(m: CudaModule, members: Sequence[Node], arrays: dict[Value,
         body.extend(head)
         with body.block(f"for {index} in range(cuda.grid(1), {count}, cuda.gridsize(1)):"):
             body.extend(loop)
-    m.launch(name, blocks_for(count), THREADS, used)
+    m.launch(name, blocks_for(count), THREADS)
 
 
 def _coordinates(m: CudaModule, extents: list[int]) -> list[tuple[str, str]]:

@@ -110,7 +110,7 @@ def emit_gemm(m: CudaModule, gemm: Gemm, arrays: Sequence[str], store: Store) ->
                            f"{gemm.groups} group(s) needs a grid of {row_tiles} x "
                            f"{gemm.groups} blocks along y and z, over CUDA's {MAX_GRID_YZ}")
     kind, zero = gemm.dtype.numpy.name, literal(0, gemm.dtype)
-    with m.kernel("gemm", arrays) as (name, body), body.origin(*_anchor(m)):
+    with m.kernel("gemm") as (name, body), body.origin(*_anchor(m)):
         for line in gemm.formula.split("\n"):
             body.line(f"# {line}")
         rows, cols, depth = gemm.axes
@@ -156,7 +156,7 @@ def emit_gemm(m: CudaModule, gemm: Gemm, arrays: Sequence[str], store: Store) ->
         else:
             store(body, gemm.at(body, group, row, col), acc)
     blocks = (col_tiles, row_tiles) + ((gemm.groups,) if gemm.groups > 1 else ())
-    m.launch(name, blocks, (TILE, TILE), arrays)
+    m.launch(name, blocks, (TILE, TILE))
 
 
 def _load_tile(m: CudaModule, body: SourceBuilder, operand: Operand, letter: str,

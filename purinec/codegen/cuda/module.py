@@ -7,14 +7,19 @@ fused kernel, that launches them in order on a stream: ``fn(stream, *inputs,
 baked into the text, values are called by their role (``in0``, ``out1``, ``v2``), and
 two nodes that render to the same code share one cached file and one compile.
 
-Kernels take the node's arrays in their IR shapes (a kernel reshapes a C-contiguous
-array to the view it wants; that is free on the device) and never allocate. Each
-kernel's argument types are written into the module (``ARGUMENT_TYPES``) so that it
-can be compiled ahead of time for a GPU that is not here (`cuda.compile_ptx`).
+Kernels take the node's arrays, in their IR shapes or as the views a renderer asks
+for (`CudaModule.view`: a C-contiguous array reshaped, on the host: a reshape inside a
+kernel would make Numba link a helper compiled by NVRTC into every kernel, and call it
+in every thread), and never allocate. The host function makes each view, unless the
+array it is given has that shape already: the runtime gives an array that is only seen
+through one view in that shape from the start (``VIEWS``). Each kernel's argument types
+are written into the module (``ARGUMENT_TYPES``) so that it can be compiled ahead of
+time for a GPU that is not here (`cuda.compile_ptx`).
 """
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
@@ -63,11 +68,14 @@ class CudaModule:
         self.inputs = [self.fresh(v.name) for v in inputs]
         self.outputs = [self.fresh(v.name) for v in outputs]
         self.params = list(zip(self.inputs + self.outputs, list(inputs) + list(outputs)))
-        self._types = {name: value for name, value in self.params}
+        # Every array name a kernel may take -> (NumPy dtype name, rank).
+        self._types = {name: (value.type.dtype.numpy.name, value.type.rank)
+                       for name, value in self.params}
+        self._views: dict[tuple[str, tuple[int, ...]], str] = {}  # (array, shape) -> name
         self._kernels: list[tuple[str, list[str], SourceBuilder, tuple[str, ...]]] = []
         self._helpers: list[str] = []
         self._constants: list[str] = []
-        self.launches = SourceBuilder()
+        self._launches: list[tuple[str, str, str]] = []
 
     # -- used by renderers ----------------------------------------------------------
 
@@ -86,24 +94,31 @@ class CudaModule:
         self._taken.add(name)
         return name
 
+    def view(self, array: str, shape: Sequence[int]) -> str:
+        """The name of ``array`` (one of ``params``) reshaped to ``shape`` (its size),
+        which any kernel of the module may read as an argument."""
+        shape = tuple(int(n) for n in shape) or (1,)
+        key = (array, shape)
+        if key not in self._views:
+            dtype, _ = self._types[array]
+            self._views[key] = self.fresh(f"{array}_v")
+            self._types[self._views[key]] = (dtype, len(shape))
+        return self._views[key]
+
     @contextmanager
-    def kernel(self, hint: str, arrays: Sequence[str], fastmath: Sequence[str] = ()
+    def kernel(self, hint: str, fastmath: Sequence[str] = ()
                ) -> Iterator[tuple[str, SourceBuilder]]:
-        """A new device kernel taking the module's ``arrays`` (names from ``params``):
-        yields its name and the builder of its body."""
-        unknown = [a for a in arrays if a not in self._types]
-        if unknown:
-            raise CodegenError(f"kernel {hint} of {self.name}: no array named {unknown}")
+        """A new device kernel: yields its name and the builder of its body. It takes
+        the arrays and views its body names (`kernel_arguments`)."""
         name = self.fresh(f"{self.function}_{hint}", roles=False)
         body = SourceBuilder()
-        self._kernels.append((name, list(arrays), body, tuple(sorted(fastmath))))
+        self._kernels.append((name, [], body, tuple(sorted(fastmath))))
         with body.origin(*self.nodes):
             yield name, body
 
-    def launch(self, kernel: str, blocks: int | tuple, threads: int | tuple,
-               arrays: Sequence[str]) -> None:
+    def launch(self, kernel: str, blocks: int | tuple, threads: int | tuple) -> None:
         """Launch ``kernel`` on the host function's stream (in the order of calls)."""
-        self.launches.line(f"{kernel}[{blocks}, {threads}, stream]({', '.join(arrays)})")
+        self._launches.append((kernel, str(blocks), str(threads)))
 
     def helper(self, name: str) -> str:
         """Ask for the device helper ``name`` (see `HELPERS`); returns its name."""
@@ -121,11 +136,31 @@ class CudaModule:
 
     # -- the module text ------------------------------------------------------------
 
+    def kernel_arguments(self) -> dict[str, list[str]]:
+        """Each kernel's arguments: the arrays and views its body names, in order."""
+        names = list(self._types)
+        result = {}
+        for kernel, _, body, _ in self._kernels:
+            code = "\n".join(line for line in body.text().splitlines()
+                             if not line.lstrip().startswith("#"))
+            result[kernel] = [a for a in names if re.search(rf"\b{a}\b", code)]
+        return result
+
     def argument_types(self) -> dict[str, tuple[tuple[str, int], ...]]:
         """Each kernel's arguments as (NumPy dtype name, rank): C-contiguous arrays."""
-        return {name: tuple((self._types[a].type.dtype.numpy.name, self._types[a].type.rank)
-                            for a in arrays)
-                for name, arrays, _, _ in self._kernels}
+        return {kernel: tuple(self._types[a] for a in arrays)
+                for kernel, arrays in self.kernel_arguments().items()}
+
+    def single_views(self) -> dict[int, tuple[int, ...]]:
+        """Parameter position -> shape, for each parameter that the kernels read only
+        through one view: the runtime may hand it over in that shape from the start."""
+        read = {a for arrays in self.kernel_arguments().values() for a in arrays}
+        shapes: dict[str, list[tuple[int, ...]]] = {}
+        for (array, shape), view in self._views.items():
+            if view in read:
+                shapes.setdefault(array, []).append(shape)
+        return {k: shapes[name][0] for k, (name, _) in enumerate(self.params)
+                if len(shapes.get(name, ())) == 1 and name not in read}
 
     def text(self) -> str:
         if not self._kernels:
@@ -144,24 +179,34 @@ class CudaModule:
         out.line("# Each kernel's arguments, (dtype, rank) of C-contiguous arrays: what it is")
         out.line("# compiled for ahead of time.")
         out.line(f"ARGUMENT_TYPES = {self.argument_types()!r}")
+        out.line("# Parameters the kernels read through one view only, and its shape.")
+        out.line(f"VIEWS = {self.single_views()!r}")
         out.lines(self._constants)
         for name in self._helpers:
             out.line()
             out.line()
             out.line(HELPERS[name])
-        for name, arrays, body, fastmath in self._kernels:
+        arguments = self.kernel_arguments()
+        for name, _, body, fastmath in self._kernels:
             out.line()
             out.line()
             flags = f", fastmath={{{', '.join(map(repr, fastmath))}}}" if fastmath else ""
             out.line(f"@cuda.jit(cache=True{flags})")
-            with out.block(f"def {name}({', '.join(arrays)}):"):
+            with out.block(f"def {name}({', '.join(arguments[name])}):"):
                 out.extend(body)
         out.line()
         out.line()
         params = ", ".join(["stream"] + [p for p, _ in self.params])
+        read = {a for arrays in arguments.values() for a in arrays}
         with out.block(f"def {self.function}({params}):"):
             with out.origin(*self.nodes):
-                out.extend(self.launches)
+                for (array, shape), view in self._views.items():
+                    if view in read:
+                        out.line(f"{view} = {array} if {array}.shape == {shape!r} else "
+                                 f"{array}.reshape({shape!r})")
+                for kernel, blocks, threads in self._launches:
+                    out.line(f"{kernel}[{blocks}, {threads}, stream]"
+                             f"({', '.join(arguments[kernel])})")
         return out.text()
 
 

@@ -110,14 +110,9 @@ def _pool(x_shape, attrs) -> _Pool:
                  _Axis(w, kw, sw, pw, pool_output_size(w, kw, sw, pw)))
 
 
-def _views(m: CudaModule, body: SourceBuilder, arrays: list[tuple[str, tuple]]) -> list[str]:
-    """Binds each ``(array, shape)`` reshaped as ``shape``; returns the views."""
-    views = []
-    for name, shape in arrays:
-        view = m.fresh(name + "_p")
-        body.line(f"{view} = {name}.reshape({shape!r})")
-        views.append(view)
-    return views
+def _views(m: CudaModule, arrays: list[tuple[str, tuple]]) -> list[str]:
+    """The view of each ``(array, shape)``: the array reshaped as ``shape``."""
+    return [m.view(name, shape) for name, shape in arrays]
 
 
 @contextmanager
@@ -183,12 +178,12 @@ def _window_max(m: CudaModule, body: SourceBuilder, x: str, nc: str,
 def render_max_pool2d(node: Node, m: CudaModule) -> None:
     g = _pool(node.inputs[0].type.shape, node.attrs)
     arrays = [m.inputs[0], m.outputs[0]]
-    with m.kernel("windows", arrays) as (name, body):
-        x, y = _views(m, body, [(arrays[0], g.input_shape), (arrays[1], g.output_shape)])
+    with m.kernel("windows") as (name, body):
+        x, y = _views(m, [(arrays[0], g.input_shape), (arrays[1], g.output_shape)])
         with _per_element(m, body, g.output_shape, ("nc", "p", "q")) as (nc, p, q):
             (best,) = _window_max(m, body, x, nc, _window(m, body, g, p, q))
             body.line(f"{y}[{nc}, {p}, {q}] = {best}")
-    m.launch(name, blocks_for(math.prod(g.output_shape)), THREADS, arrays)
+    m.launch(name, blocks_for(math.prod(g.output_shape)), THREADS)
 
 
 @renders("max_pool2d_grad")
@@ -197,9 +192,8 @@ def render_max_pool2d_grad(node: Node, m: CudaModule) -> None:
     it is."""
     g = _pool(node.inputs[0].type.shape, node.attrs)
     x_name, gy_name, gx_name = m.inputs[0], m.inputs[2], m.outputs[0]
-    arrays = [x_name, gy_name, gx_name]
-    with m.kernel("gather", arrays) as (name, body):
-        x, gy, gx = _views(m, body, [(x_name, g.input_shape), (gy_name, g.output_shape),
+    with m.kernel("gather") as (name, body):
+        x, gy, gx = _views(m, [(x_name, g.input_shape), (gy_name, g.output_shape),
                                      (gx_name, g.input_shape)])
         with _per_element(m, body, g.input_shape, ("nc", "h", "w")) as (nc, h, w):
             total = m.fresh("total")
@@ -210,7 +204,7 @@ def render_max_pool2d_grad(node: Node, m: CudaModule) -> None:
                 with body.block(f"if {at_h} == {h} and {at_w} == {w}:"):
                     body.line(f"{total} += {gy}[{nc}, {p}, {q}]")
             body.line(f"{gx}[{nc}, {h}, {w}] = {total}")
-    m.launch(name, blocks_for(math.prod(g.input_shape)), THREADS, arrays)
+    m.launch(name, blocks_for(math.prod(g.input_shape)), THREADS)
 
 
 @renders("avg_pool2d")
@@ -219,8 +213,8 @@ def render_avg_pool2d(node: Node, m: CudaModule) -> None:
     (the window clipped to the padded input only)."""
     g = _pool(node.inputs[0].type.shape, node.attrs)
     arrays = [m.inputs[0], m.outputs[0]]
-    with m.kernel("windows", arrays) as (name, body):
-        x, y = _views(m, body, [(arrays[0], g.input_shape), (arrays[1], g.output_shape)])
+    with m.kernel("windows") as (name, body):
+        x, y = _views(m, [(arrays[0], g.input_shape), (arrays[1], g.output_shape)])
         with _per_element(m, body, g.output_shape, ("nc", "p", "q")) as (nc, p, q):
             h0, h1, w0, w1 = _window(m, body, g, p, q)
             total, h, w = m.fresh("total"), m.fresh("h"), m.fresh("w")
@@ -229,7 +223,7 @@ def render_avg_pool2d(node: Node, m: CudaModule) -> None:
                 with body.block(f"for {w} in range({w0}, {w1}):"):
                     body.line(f"{total} += {x}[{nc}, {h}, {w}]")
             body.line(f"{y}[{nc}, {p}, {q}] = {total} / {dtype_name(node)}({g.divisor(p, q)})")
-    m.launch(name, blocks_for(math.prod(g.output_shape)), THREADS, arrays)
+    m.launch(name, blocks_for(math.prod(g.output_shape)), THREADS)
 
 
 @renders("avg_pool2d_grad")
@@ -237,8 +231,8 @@ def render_avg_pool2d_grad(node: Node, m: CudaModule) -> None:
     """Each input element adds up ``gy / divisor`` of the windows that contain it."""
     g = _pool(node.attrs["input_shape"], node.attrs)
     arrays = [m.inputs[0], m.outputs[0]]
-    with m.kernel("gather", arrays) as (name, body):
-        gy, gx = _views(m, body, [(arrays[0], g.output_shape), (arrays[1], g.input_shape)])
+    with m.kernel("gather") as (name, body):
+        gy, gx = _views(m, [(arrays[0], g.output_shape), (arrays[1], g.input_shape)])
         with _per_element(m, body, g.input_shape, ("nc", "h", "w")) as (nc, h, w):
             total = m.fresh("total")
             body.line(f"{total} = {literal(0, node.outputs[0].type.dtype)}")
@@ -246,7 +240,7 @@ def render_avg_pool2d_grad(node: Node, m: CudaModule) -> None:
                 share = f"{gy}[{nc}, {p}, {q}] / {dtype_name(node)}({g.divisor(p, q)})"
                 body.line(f"{total} += {share}")
             body.line(f"{gx}[{nc}, {h}, {w}] = {total}")
-    m.launch(name, blocks_for(math.prod(g.input_shape)), THREADS, arrays)
+    m.launch(name, blocks_for(math.prod(g.input_shape)), THREADS)
 
 
 @renders("global_avg_pool")
@@ -302,13 +296,13 @@ def render_lrn(node: Node, m: CudaModule) -> None:
     """``y = x * scale ** -beta``, one element per thread."""
     g, dt = _lrn(node), node.outputs[0].type.dtype
     arrays = [m.inputs[0], m.outputs[0]]
-    with m.kernel("channels", arrays) as (name, body):
-        x, y = _views(m, body, [(a, g.shape) for a in arrays])
+    with m.kernel("channels") as (name, body):
+        x, y = _views(m, [(a, g.shape) for a in arrays])
         with _per_element(m, body, g.shape, ("n", "c", "s")) as (n, c, s):
             scale = _scale(m, body, node, g, x, n, c, s)
             power = literal(-node.attrs["beta"], dt)
             body.line(f"{y}[{n}, {c}, {s}] = {x}[{n}, {c}, {s}] * {scale} ** {power}")
-    m.launch(name, blocks_for(math.prod(g.shape)), THREADS, arrays)
+    m.launch(name, blocks_for(math.prod(g.shape)), THREADS)
 
 
 @renders("lrn_grad")
@@ -319,8 +313,8 @@ def render_lrn_grad(node: Node, m: CudaModule) -> None:
     g, dt = _lrn(node), node.outputs[0].type.dtype
     beta, alpha, size = node.attrs["beta"], node.attrs["alpha"], node.attrs["size"]
     arrays = m.inputs + m.outputs
-    with m.kernel("channels", arrays) as (name, body):
-        x, gy, gx = _views(m, body, [(a, g.shape) for a in arrays])
+    with m.kernel("channels") as (name, body):
+        x, gy, gx = _views(m, [(a, g.shape) for a in arrays])
         with _per_element(m, body, g.shape, ("n", "j", "s")) as (n, j, s):
             c, own, inner = m.fresh("c"), m.fresh("own"), m.fresh("inner")
             body.line(f"{own} = {literal(node.attrs['k'], dt)}  # j's scale, set below: "
@@ -335,4 +329,4 @@ def render_lrn_grad(node: Node, m: CudaModule) -> None:
             at = f"[{n}, {j}, {s}]"
             body.line(f"{gx}{at} = {gy}{at} * {own} ** {literal(-beta, dt)} - "
                       f"{literal(2 * alpha * beta / size, dt)} * {x}{at} * {inner}")
-    m.launch(name, blocks_for(math.prod(g.shape)), THREADS, arrays)
+    m.launch(name, blocks_for(math.prod(g.shape)), THREADS)

@@ -94,7 +94,7 @@ def _thread_loop(m: CudaModule, count: int, hint: str = "k") -> tuple[str, str]:
 
 def _launch(m: CudaModule, name: str, results: int, arrays: Sequence[str]) -> None:
     """One block per result, up to the most a grid has."""
-    m.launch(name, blocks_for(results, 1), REDUCE_THREADS, arrays)
+    m.launch(name, blocks_for(results, 1), REDUCE_THREADS)
 
 
 # ---------------------------------------------------------------------------------------
@@ -109,10 +109,8 @@ def emit_sum_kernel(m: CudaModule, x: str, out: str, groups: Sequence[tuple[bool
     kept = [extent for summed, extent in groups if not summed]
     summed = [extent for summed, extent in groups if summed]
     results, count = math.prod(kept), math.prod(summed)
-    with m.kernel("sum", [x, out]) as (name, body):
-        view, out_flat = m.fresh(x + "_v"), m.fresh(out + "_flat")
-        body.line(f"{view} = {x}.reshape({tuple(e for _, e in groups)!r})")
-        body.line(f"{out_flat} = {out}.reshape(({results},))")
+    with m.kernel("sum") as (name, body):
+        view, out_flat = m.view(x, [e for _, e in groups]), m.view(out, [results])
         partials = _shared(m, body, _accumulator(dtype))
         header, o = _block_loop(m, results, "o")
         with body.block(header):
@@ -171,12 +169,7 @@ class _Rows:
 
     def views(self, m: CudaModule, body: SourceBuilder, arrays: Sequence[str]) -> list[str]:
         shape = (self.outer, self.classes) + ((self.inner,) if self.inner > 1 else ())
-        names = []
-        for name in arrays:
-            view = m.fresh(name + "_v")
-            body.line(f"{view} = {name}.reshape({shape!r})")
-            names.append(view)
-        return names
+        return [m.view(name, shape) for name in arrays]
 
     def locate(self, m: CudaModule, body: SourceBuilder, row: str
                ) -> Callable[[str, str], str]:
@@ -217,7 +210,7 @@ def render_softmax(node: Node, m: CudaModule) -> None:
     """``exp(x - max) / sum exp(x - max)`` along the axis, one block per row."""
     rows = _Rows(node, node.attrs["axis"])
     arrays = [m.inputs[0], m.outputs[0]]
-    with m.kernel("rows", arrays) as (name, body):
+    with m.kernel("rows") as (name, body):
         x, y = rows.views(m, body, arrays)
         partials = _shared(m, body, "float64")
         header, row = _block_loop(m, rows.count, "row")
@@ -235,7 +228,7 @@ def render_softmax_grad(node: Node, m: CudaModule) -> None:
     """``gx = y * (gy - sum over the axis of gy * y)``, one block per row."""
     rows = _Rows(node, node.attrs["axis"])
     arrays = m.inputs + m.outputs
-    with m.kernel("rows", arrays) as (name, body):
+    with m.kernel("rows") as (name, body):
         y, gy, gx = rows.views(m, body, arrays)
         partials = _shared(m, body, "float64")
         header, row = _block_loop(m, rows.count, "row")
@@ -265,7 +258,7 @@ def render_softmax_xent(node: Node, m: CudaModule) -> None:
     block, its threads sharing each row in turn; every thread keeps the same sum."""
     rows = _Rows(node, 1)
     (logits, label), (loss,) = m.inputs, m.outputs
-    with m.kernel("loss", [logits, label, loss]) as (name, body):
+    with m.kernel("loss") as (name, body):
         partials = _shared(m, body, "float64")
         row, loss_sum = m.fresh("row"), m.fresh("loss_sum")
         body.line(f"{loss_sum} = 0.0")
@@ -280,7 +273,7 @@ def render_softmax_xent(node: Node, m: CudaModule) -> None:
                 body.line(f"{loss_sum} = math.nan")
         with body.block("if cuda.threadIdx.x == 0:"):
             body.line(f"{loss}[()] = {dtype_name(node)}(-({loss_sum} / {rows.outer}))")
-    m.launch(name, 1, REDUCE_THREADS, [logits, label, loss])
+    m.launch(name, 1, REDUCE_THREADS)
 
 
 @renders("softmax_xent_grad")
@@ -290,7 +283,7 @@ def render_softmax_xent_grad(node: Node, m: CudaModule) -> None:
     dt = node.outputs[0].type.dtype
     (logits, label, gy), (gx,) = m.inputs, m.outputs
     arrays = m.inputs + m.outputs
-    with m.kernel("rows", arrays) as (name, body):
+    with m.kernel("rows") as (name, body):
         partials = _shared(m, body, "float64")
         factor = m.fresh("factor")
         body.line(f"{factor} = {gy}[()] / {literal(rows.outer, dt)}")
@@ -318,7 +311,7 @@ def render_accuracy(node: Node, m: CudaModule) -> None:
     value and place in shared memory), the hits summed over the block."""
     rows, classes = node.inputs[0].type.shape
     (logits, label), (out,) = m.inputs, m.outputs
-    with m.kernel("hits", [logits, label, out]) as (name, body):
+    with m.kernel("hits") as (name, body):
         partials = _shared(m, body, "int64")
         hits, best, c, total = (m.fresh(s) for s in ("hits", "best", "c", "total"))
         body.line(f"{hits} = int64(0)")
@@ -334,4 +327,4 @@ def render_accuracy(node: Node, m: CudaModule) -> None:
         with body.block("if cuda.threadIdx.x == 0:"):
             body.line(f"{out}[()] = {dtype_name(node)}({total} / {rows})")
     m.helper("block_sum")
-    m.launch(name, 1, REDUCE_THREADS, [logits, label, out])
+    m.launch(name, 1, REDUCE_THREADS)

@@ -47,14 +47,12 @@ def render_reshape(node: Node, m: CudaModule) -> None:
     """A flat copy: the element order does not change."""
     size = node.outputs[0].type.size
     (x,), (y,) = m.inputs, m.outputs
-    with m.kernel("copy", [x, y]) as (name, body):
-        src, dst = m.fresh("src"), m.fresh("dst")
-        body.line(f"{src} = {x}.reshape(({size},))")
-        body.line(f"{dst} = {y}.reshape(({size},))")
+    with m.kernel("copy") as (name, body):
+        src, dst = m.view(x, [size]), m.view(y, [size])
         header, i = grid_stride(m, size)
         with body.block(header):
             body.line(f"{dst}[{i}] = {src}[{i}]")
-    m.launch(name, blocks_for(size), THREADS, [x, y])
+    m.launch(name, blocks_for(size), THREADS)
 
 
 @renders("concat", "split")
@@ -67,15 +65,12 @@ def render_concat_split(node: Node, m: CudaModule) -> None:
         whole, whole_value, parts = m.inputs[0], node.inputs[0], zip(m.outputs, node.outputs)
     shape = whole_value.type.shape
     outer, inner = math.prod(shape[:axis]), math.prod(shape[axis + 1:])
-    arrays = m.inputs + m.outputs
-    with m.kernel("copy", arrays) as (name, body):
-        whole_rows = m.fresh(whole + "_rows")
-        body.line(f"{whole_rows} = {whole}.reshape(({outer}, {shape[axis] * inner}))")
+    with m.kernel("copy") as (name, body):
+        whole_rows = m.view(whole, [outer, shape[axis] * inner])
         offset = 0
         for part, value in parts:
             width = value.type.shape[axis] * inner
-            rows = m.fresh(part + "_rows")
-            body.line(f"{rows} = {part}.reshape(({outer}, {width}))")
+            rows = m.view(part, [outer, width])
             header, i = grid_stride(m, outer * width)
             row, column = m.fresh("row"), m.fresh("column")
             in_part = f"{rows}[{row}, {column}]"
@@ -84,4 +79,4 @@ def render_concat_split(node: Node, m: CudaModule) -> None:
                 body.line(f"{row}, {column} = {', '.join(coordinates(i, [outer, width]))}")
                 body.line(f"{in_whole} = {in_part}" if concat else f"{in_part} = {in_whole}")
             offset += width
-    m.launch(name, blocks_for(whole_value.type.size), THREADS, arrays)
+    m.launch(name, blocks_for(whole_value.type.size), THREADS)
