@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from purinec.codegen.kernel import CodegenError, renderer_registry
-from purinec.codegen.source import SourceBuilder, node_comment
+from purinec.codegen.source import SourceBuilder, ir_header
 from purinec.ir.graph import Node, Value
 from purinec.ir.types import DType
 
@@ -171,11 +171,7 @@ class KernelModule:
     def builder(self) -> SourceBuilder:
         out = SourceBuilder()
         out.lines(HEADER)
-        out.line(f"# Written for kernel `{self.name}`, from this IR:")
-        for node in self.nodes:
-            out.line("#   " + node_comment(node)[2:])
-            for member in node.body or ():
-                out.line("#     " + node_comment(member)[2:])
+        out.lines(ir_header(self.name, self.nodes))
         out.line("import numpy as np")
         out.line("from numba import njit")
         out.lines(self._imports)

@@ -35,18 +35,21 @@ from purinec.ir.types import DType
 # How the CPU prints element expressions (purinec.ir.expr): Numba-compiled Python.
 
 
-def _cast(call: Call, args: list[str]) -> str:
+def numpy_cast(call: Call, args: list[str]) -> str:
+    """A cast printed as NumPy's scalar constructor (``np.float32(x)``), which Numba
+    compiles for the CPU and for CUDA alike."""
     return f"{numpy_name(DType(call.dtype))}({args[0]})"
 
 
 CPU_FUNCTIONS = {
     **PYTHON_OPERATORS,
-    "exp": "np.exp({0})", "tanh": "np.tanh({0})", "cast": _cast,
+    "exp": "np.exp({0})", "tanh": "np.tanh({0})", "cast": numpy_cast,
     "u64": "np.uint64(np.int64({0}))", "mix64": "splitmix64({0})",
 }
 
 
-def _cpu_literal(const: Const) -> str:
+def numpy_literal(const: Const) -> str:
+    """A constant of exactly its type, for the CPU and for CUDA alike."""
     if const.dtype == U64:
         return f"np.uint64({int(const.value)})"
     return literal(const.value, DType(const.dtype))
@@ -284,7 +287,7 @@ def _print_expressions(module: KernelModule, node: Node, args: list[tuple[str, b
     exprs = get_op(node.op).expr(node, [Arg(i) for i in range(len(args))])
     if any(isinstance(e, Call) and e.fn == "mix64" for e in walk(exprs)):
         module.helper("splitmix64")
-    return print_exprs(exprs, args, CPU_FUNCTIONS, _cpu_literal, index, bind)
+    return print_exprs(exprs, args, CPU_FUNCTIONS, numpy_literal, index, bind)
 
 
 def _check_group(members: Sequence[Node], outputs: Sequence[Value], shape) -> None:

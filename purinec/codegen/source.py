@@ -28,6 +28,16 @@ def node_comment(node: Node) -> str:
     return "# " + line
 
 
+def ir_header(kernel: str, nodes) -> list[str]:
+    """The comment lines opening a generated module: the IR of ``nodes`` (a fused
+    node's members indented under it) that kernel ``kernel`` was written for."""
+    lines = [f"# Written for kernel `{kernel}`, from this IR:"]
+    for node in nodes:
+        lines.append("#   " + node_comment(node)[2:])
+        lines.extend("#     " + node_comment(member)[2:] for member in node.body or ())
+    return lines
+
+
 class SourceBuilder:
     """Lines of Python source, each with its indentation and its originating nodes."""
 

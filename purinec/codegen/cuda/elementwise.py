@@ -16,36 +16,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from purinec.codegen.cuda.module import (HELPERS, THREADS, CudaModule, blocks_for, literal,
-                                         numpy_name, renders)
-from purinec.codegen.elementwise import merge_axes, varying_axes
 from purinec.codegen.cpu_module import HELPERS as CPU_HELPERS
+from purinec.codegen.cuda.module import HELPERS, THREADS, CudaModule, blocks_for, renders
+from purinec.codegen.elementwise import merge_axes, numpy_cast, numpy_literal, varying_axes
 from purinec.codegen.expr_print import PYTHON_OPERATORS, print_exprs
 from purinec.codegen.kernel import CodegenError
 from purinec.codegen.source import SourceBuilder
-from purinec.ir.expr import U64, Arg, Call, Const, walk
+from purinec.ir.expr import Arg, Call, walk
 from purinec.ir.graph import Node, Value
 from purinec.ir.ops import REGISTRY, get_op
-from purinec.ir.types import DType
-
-
-def _cast(call: Call, args: list[str]) -> str:
-    return f"{numpy_name(DType(call.dtype))}({args[0]})"
 
 
 # How element expressions print in a Numba CUDA kernel: `math` functions of float32
 # arguments become CUDA's single-precision ones (expf, tanhf).
 CUDA_FUNCTIONS = {
     **PYTHON_OPERATORS,
-    "exp": "math.exp({0})", "tanh": "math.tanh({0})", "cast": _cast,
+    "exp": "math.exp({0})", "tanh": "math.tanh({0})", "cast": numpy_cast,
     "u64": "np.uint64(np.int64({0}))", "mix64": "splitmix64({0})",
 }
-
-
-def _literal(const: Const) -> str:
-    if const.dtype == U64:
-        return f"np.uint64({int(const.value)})"
-    return literal(const.value, DType(const.dtype))
 
 
 # The CPU's helper as a device function.
@@ -96,7 +84,7 @@ def emit_element(m: CudaModule, body: SourceBuilder, members: Sequence[Node],
         if any(isinstance(e, Call) and e.fn == "mix64" for e in walk(exprs)):
             m.helper("splitmix64")
         with body.origin(node):
-            texts = print_exprs(exprs, args, CUDA_FUNCTIONS, _literal, index, bind)
+            texts = print_exprs(exprs, args, CUDA_FUNCTIONS, numpy_literal, index, bind)
             for value, text in zip(node.outputs, texts):
                 results[value] = bind(text, False, value.name)
     for value in outputs:

@@ -25,7 +25,7 @@ from typing import Iterator, Sequence
 
 from purinec.codegen.cpu_module import _roles, identifier, literal, numpy_name
 from purinec.codegen.kernel import CodegenError, renderer_registry
-from purinec.codegen.source import SourceBuilder, node_comment
+from purinec.codegen.source import SourceBuilder, ir_header
 from purinec.ir.graph import Node, Value
 
 __all__ = ["CudaModule", "RENDERERS", "renders", "literal", "numpy_name", "THREADS",
@@ -167,11 +167,7 @@ class CudaModule:
             raise CodegenError(f"CUDA kernel module {self.name} has no kernel")
         out = SourceBuilder()
         out.lines(HEADER)
-        out.line(f"# Written for kernel `{self.name}`, from this IR:")
-        for node in self.nodes:
-            out.line("#   " + node_comment(node)[2:])
-            for member in node.body or ():
-                out.line("#     " + node_comment(member)[2:])
+        out.lines(ir_header(self.name, self.nodes))
         out.line("import math")
         out.line("import numpy as np")
         out.line("from numba import cuda, float32, float64, int32, int64, uint64")
