@@ -1,6 +1,7 @@
 """The cuda target on a real GPU, in one command that finishes within about 8 minutes:
 
     python -m benchmarks.gpu_check [--json FILE] [--budget SECONDS]
+    NUMBA_ENABLE_CUDASIM=1 python -m benchmarks.gpu_check --smoke   # the script itself
 
 1. numerics: every zoo model's training step, 3 steps on ``cuda`` from the reference
    target's initial weights and batches, against the reference (the tolerances of
@@ -15,6 +16,11 @@
 It prints a table and writes everything as JSON (``--json``, default
 ``gpu_check.json``). A section that fails is reported and the others still run; one that
 would pass the time budget is skipped and says so. Nothing here is a test: it measures.
+``--smoke`` runs every section on tiny sizes (a small mlp from a model file,
+`tests/on_cuda/tiny_net.py`, at batch 2; 4,096 elements; one timed step), which Numba's
+CUDA simulator can do: the test suite runs it so, so that a GPU's few minutes are not
+lost to a bug in this script. (The PyTorch peers know the zoo's networks only: on it
+they report an error, as they would for a network they lack.)
 """
 
 from __future__ import annotations
@@ -26,17 +32,31 @@ import sys
 import time
 import traceback
 from datetime import datetime, timezone
+from pathlib import Path
 
 import numpy as np
 
 from benchmarks.bench_train import CheckData, PurinecTrainer, compare, solver
 
-CHECK_BATCH = 4
 CHECK_STEPS = 3
-SPEED = [("lenet", 64), ("cifar_quick", 100), ("cifar_quick", 1024), ("inception", 64)]
 PEERS = ("torch", "torch.compile")
-WARMUP, ITERATIONS = 3, 20
-ELEMENTS = 1 << 26
+TINY_NET = str(Path(__file__).resolve().parents[1] / "tests" / "on_cuda" / "tiny_net.py")
+
+
+class Sizes:
+    """What each section runs: the real check, or ``smoke``'s tiny one."""
+
+    def __init__(self, smoke: bool = False):
+        from purinec.models.zoo import ZOO
+
+        self.models = [TINY_NET] if smoke else sorted(ZOO)
+        self.check_batch = 2 if smoke else 4
+        self.speed = ([(TINY_NET, 2)] if smoke else
+                      [("lenet", 64), ("cifar_quick", 100), ("cifar_quick", 1024),
+                       ("inception", 64)])
+        self.warmup, self.iterations = (1, 1) if smoke else (3, 20)
+        self.elements = 1 << 12 if smoke else 1 << 26
+        self.reserve = 0 if smoke else 60  # seconds a section needs to start
 
 
 class Budget:
@@ -54,42 +74,48 @@ def say(message: str) -> None:
 
 
 def environment() -> dict:
+    """The date, the machine, the GPU and the versions that matter (each fact that
+    cannot be read says why)."""
     from numba import cuda
 
     info = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "python": platform.python_version(), "machine": platform.node()}
-    device = cuda.get_current_device()
-    info["gpu"] = device.name.decode() if isinstance(device.name, bytes) else str(device.name)
-    info["compute_capability"] = list(device.compute_capability)
-    info["driver"] = cuda.cudadrv.driver.driver.get_version()
+    facts = {
+        "gpu": lambda: cuda.get_current_device().name,
+        "compute_capability": lambda: list(cuda.get_current_device().compute_capability),
+        "driver": lambda: cuda.cudadrv.driver.driver.get_version(),
+        "simulated": lambda: bool(cuda.simulator_enabled()) if hasattr(
+            cuda, "simulator_enabled") else __import__("numba").config.ENABLE_CUDASIM,
+    }
     for module in ("numba", "numba_cuda", "torch", "nvmath"):
+        facts[module] = lambda module=module: __import__(module).__version__
+    for name, read in facts.items():
         try:
-            info[module] = __import__(module).__version__
-        except Exception as err:  # absent, or no version: say which
-            info[module] = f"unavailable ({type(err).__name__})"
+            value = read()
+            info[name] = value.decode() if isinstance(value, bytes) else value
+        except Exception as err:  # absent, or not in the simulator: say which
+            info[name] = f"unavailable ({type(err).__name__})"
     return info
 
 
 # -- 1. numerics --------------------------------------------------------------------
 
 
-def check_numerics(budget: Budget) -> list[dict]:
-    from purinec.models.zoo import ZOO
-
+def check_numerics(budget: Budget, sizes: Sizes) -> list[dict]:
     rows = []
-    for model in sorted(ZOO):
-        if budget.left() < 60:
+    for model in sizes.models:
+        if budget.left() < sizes.reserve:
             rows.append({"model": model, "skipped": "time budget"})
             continue
         start = time.perf_counter()
         try:
-            check = CheckData.compute(model, CHECK_BATCH)
-            check = _more_steps(check, model)
-            trainer = PurinecTrainer(model, CHECK_BATCH, "cuda", check.init)
+            check = _more_steps(CheckData.compute(model, sizes.check_batch), model,
+                                sizes.check_batch)
+            trainer = PurinecTrainer(model, sizes.check_batch, "cuda", check.init)
             losses = [trainer.step({"data": x, "label": y}) for x, y in check.batches]
             errors, problems = compare(check, losses, trainer.params())
             trainer.close()
-            rows.append({"model": model, "batch": CHECK_BATCH, **errors,
+            rows.append({"model": model, "batch": sizes.check_batch, **errors,
                          "problems": problems, "seconds": time.perf_counter() - start})
         except Exception:
             rows.append({"model": model, "error": traceback.format_exc(limit=-3)})
@@ -97,11 +123,11 @@ def check_numerics(budget: Budget) -> list[dict]:
     return rows
 
 
-def _more_steps(check: CheckData, model: str) -> CheckData:
+def _more_steps(check: CheckData, model: str, batch: int) -> CheckData:
     """``check`` run for CHECK_STEPS steps (bench_train's has fewer)."""
     import purinec
 
-    program = purinec.compile(model, target="reference", train=solver(), batch=CHECK_BATCH)
+    program = purinec.compile(model, target="reference", train=solver(), batch=batch)
     for name, value in check.init.items():
         program.params[name] = value.copy()
     rng = np.random.default_rng(5)
@@ -118,13 +144,13 @@ def _more_steps(check: CheckData, model: str) -> CheckData:
 # -- 2. speed -----------------------------------------------------------------------
 
 
-def check_speed(budget: Budget) -> list[dict]:
+def check_speed(budget: Budget, sizes: Sizes) -> list[dict]:
     import purinec
     from benchmarks import peers
 
     rows = []
-    for model, batch in SPEED:
-        if budget.left() < 90:
+    for model, batch in sizes.speed:
+        if budget.left() < 1.5 * sizes.reserve:
             rows.append({"model": model, "batch": batch, "skipped": "time budget"})
             continue
         row = {"model": model, "batch": batch}
@@ -141,7 +167,7 @@ def check_speed(budget: Budget) -> list[dict]:
                 peer, model, params, device="cuda", **_solver_args()))
         for name, make in contenders.items():
             try:
-                row[name] = _median_step_ms(make(), x, y)
+                row[name] = _median_step_ms(make(), x, y, sizes)
             except Exception as err:
                 row[name] = None
                 row[f"{name}_error"] = f"{type(err).__name__}: {str(err)[:300]}"
@@ -158,12 +184,12 @@ def _solver_args() -> dict:
     return {"lr": sgd.lr, "momentum": sgd.momentum, "weight_decay": sgd.weight_decay}
 
 
-def _median_step_ms(trainer, x, y) -> float:
+def _median_step_ms(trainer, x, y, sizes: Sizes) -> float:
     batch = trainer.prepare(x, y)
-    for _ in range(WARMUP):
+    for _ in range(sizes.warmup):
         trainer.step(batch)  # (each step returns its loss: the GPU is done with it)
     times = []
-    for _ in range(ITERATIONS):
+    for _ in range(sizes.iterations):
         start = time.perf_counter()
         trainer.step(batch)
         times.append((time.perf_counter() - start) * 1e3)
@@ -175,10 +201,10 @@ def _median_step_ms(trainer, x, y) -> float:
 # -- 3. bandwidth -------------------------------------------------------------------
 
 
-def check_bandwidth() -> dict:
-    """A fused scale+add+relu over ELEMENTS float32 (three arrays: 12 bytes an element)
-    against a device-to-device copy (8 bytes an element), each the median of 20 runs
-    timed by CUDA events."""
+def check_bandwidth(sizes: Sizes) -> dict:
+    """A fused scale+add+relu over ``sizes.elements`` float32 (three arrays: 12 bytes an
+    element) against a device-to-device copy (8 bytes an element), each the median of
+    20 runs timed by CUDA events."""
     from numba import cuda
 
     from purinec.codegen.cuda import compile_module, render_module
@@ -186,10 +212,11 @@ def check_bandwidth() -> dict:
     from purinec.ir.types import Device, DType, TensorType
     from purinec.passes.fuse import fuse
 
+    elements = sizes.elements
     graph = Graph("bandwidth")
     gpu0 = Device("gpu", 0)
-    a = graph.add_input("a", TensorType((ELEMENTS,), DType.f32), gpu0)
-    b = graph.add_input("b", TensorType((ELEMENTS,), DType.f32), gpu0)
+    a = graph.add_input("a", TensorType((elements,), DType.f32), gpu0)
+    b = graph.add_input("b", TensorType((elements,), DType.f32), gpu0)
     (scaled,) = graph.add_node("scale", [a], {"alpha": 2.0}).outputs
     (total,) = graph.add_node("add", [scaled, b]).outputs
     (out,) = graph.add_node("relu", [total]).outputs
@@ -197,25 +224,33 @@ def check_bandwidth() -> dict:
     (node,) = fuse(graph).nodes
     kernel = compile_module(render_module(node))
     stream = cuda.stream()
-    x = cuda.to_device(np.ones(ELEMENTS, np.float32), stream=stream)
-    y = cuda.to_device(np.ones(ELEMENTS, np.float32), stream=stream)
-    z = cuda.device_array(ELEMENTS, np.float32, stream=stream)
+    x = cuda.to_device(np.ones(elements, np.float32), stream=stream)
+    y = cuda.to_device(np.ones(elements, np.float32), stream=stream)
+    z = cuda.device_array(elements, np.float32, stream=stream)
     fused_ms = _event_ms(lambda: kernel.launch(stream, x, y, z), stream)
     copy_ms = _event_ms(lambda: z.copy_to_device(x, stream=stream), stream)
-    fused_rate = 12 * ELEMENTS / fused_ms / 1e6  # GB/s
-    copy_rate = 8 * ELEMENTS / copy_ms / 1e6
-    return {"elements": ELEMENTS, "fused_ms": fused_ms, "copy_ms": copy_ms,
+    fused_rate = 12 * elements / fused_ms / 1e6  # GB/s
+    copy_rate = 8 * elements / copy_ms / 1e6
+    return {"elements": elements, "fused_ms": fused_ms, "copy_ms": copy_ms,
             "fused_GBps": fused_rate, "copy_GBps": copy_rate,
             "share_of_copy": fused_rate / copy_rate}
 
 
 def _event_ms(work, stream, runs: int = 20) -> float:
-    from numba import cuda
+    """The median time of ``work`` on ``stream``: by CUDA events, or in the simulator
+    (which has no event timing) by the wall clock."""
+    from numba import config, cuda
 
     work()
     stream.synchronize()
     times = []
     for _ in range(runs):
+        if config.ENABLE_CUDASIM:
+            start = time.perf_counter()
+            work()
+            stream.synchronize()
+            times.append((time.perf_counter() - start) * 1e3)
+            continue
         start, end = cuda.event(), cuda.event()
         start.record(stream)
         work()
@@ -272,13 +307,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="gpu_check.json", help="where the JSON goes")
     parser.add_argument("--budget", type=float, default=450,
                         help="seconds for the whole check (default 450)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes, to check this script (in the CUDA simulator)")
     args = parser.parse_args(argv)
     budget = Budget(args.budget)
+    sizes = Sizes(args.smoke)
     report: dict = {"environment": environment()}
     say(f"gpu_check on {report['environment']['gpu']}")
-    sections = [("numerics", lambda: check_numerics(budget)),
-                ("bandwidth", check_bandwidth),
-                ("speed", lambda: check_speed(budget)),
+    sections = [("numerics", lambda: check_numerics(budget, sizes)),
+                ("bandwidth", lambda: check_bandwidth(sizes)),
+                ("speed", lambda: check_speed(budget, sizes)),
                 ("cuda_graphs", check_cuda_graphs)]
     for name, run in sections:
         try:
