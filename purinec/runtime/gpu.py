@@ -183,6 +183,17 @@ class Gpus:
                 self.devices[device] = Streams(gpu, cuda.stream(), cuda.stream(),
                                                cuda.stream())
 
+    def allocate(self, device: Device, shape: tuple, dtype, what: str):
+        """A device array on ``device``'s GPU, or an error saying what did not fit."""
+        gpu = self.devices[device].gpu
+        try:
+            with self.cuda.gpus[gpu]:
+                return self.cuda.device_array(shape, dtype)
+        except Exception as err:
+            nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            raise ExecutionError(f"allocating {what} for {device} ({nbytes:,} bytes) on "
+                                 f"GPU {gpu} failed: {type(err).__name__}: {err}") from err
+
     def event(self):
         """An event for ordering only (no timing, which costs on every record)."""
         return self.cuda.event() if self.simulated else self.cuda.event(timing=False)
@@ -227,14 +238,8 @@ class GpuArenas:
         arenas = self.host.allocate({d: n for d, n in sizes.items() if not is_gpu(d)})
         for device, nbytes in sizes.items():
             if is_gpu(device):
-                with self.gpus.cuda.gpus[self.gpus.devices[device].gpu]:
-                    try:
-                        arenas[device] = self.gpus.cuda.device_array(max(nbytes, 1), np.uint8)
-                    except Exception as err:
-                        raise ExecutionError(f"allocating the working memory of {device} "
-                                             f"({nbytes} bytes) on GPU "
-                                             f"{self.gpus.devices[device].gpu} failed: "
-                                             f"{type(err).__name__}: {err}") from err
+                arenas[device] = self.gpus.allocate(device, (max(nbytes, 1),), np.uint8,
+                                                    "its working memory (the arena)")
         self._held.append(arenas)
         return arenas
 
@@ -478,9 +483,9 @@ class GpuExecutable:
             self._inner = self._build(self.resident)
             for value in self.graph.inputs:
                 if value.name in self.resident:
-                    with self.gpus.cuda.gpus[self.gpus.devices[value.device].gpu]:
-                        self._mirrors[value.name] = self.gpus.cuda.device_array(
-                            value.type.shape, value.type.dtype.numpy)
+                    self._mirrors[value.name] = self.gpus.allocate(
+                        value.device, value.type.shape, value.type.dtype.numpy,
+                        f"{value.role} {value.name}")
         return self._inner
 
     def __call__(self, env: Mapping[str, np.ndarray]) -> dict:

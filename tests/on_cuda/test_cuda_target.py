@@ -199,3 +199,20 @@ def test_with_cuda_sync_each_launch_is_waited_for(wait_each):
     run = gpu._on_stream(Task(), stream, [], None, gpu.nullcontext(), wait_each)
     run("x", "y")
     assert stream.calls == [("launch", ("x", "y"))] + (["synchronize"] if wait_each else [])
+
+
+def test_memory_a_gpu_cannot_give_is_an_error_naming_what_and_where():
+    class OutOfMemory:
+        gpus = {0: gpu.nullcontext()}
+
+        @staticmethod
+        def device_array(shape, dtype):
+            raise MemoryError("CUDA_ERROR_OUT_OF_MEMORY")
+
+    gpus = object.__new__(gpu.Gpus)
+    gpus.cuda = OutOfMemory()
+    gpus.devices = {Device("gpu", 1): gpu.Streams(0, None, None, None)}
+    with pytest.raises(PurinecError, match=r"allocating param w for gpu:1 \(4,000,000 "
+                                           r"bytes\) on GPU 0 failed: MemoryError: "
+                                           r"CUDA_ERROR_OUT_OF_MEMORY"):
+        gpus.allocate(Device("gpu", 1), (1000, 1000), np.float32, "param w")
