@@ -10,6 +10,11 @@ variable (new weights were set), the replicas are refreshed from it. The executa
 one program (its training step and its inference graph) share one `Replicas`: a step
 updates the caller's array in place, and the inference graph's replicas must follow.
 Outputs come back under their logical names, from the first local member.
+
+When ``physical`` can keep variables on its devices between calls (`keep_variables`,
+`purinec.runtime.gpu.GpuExecutable`) and every variable is replicated on this rank, so
+can this executable: every member's copy stays on its device, `pull` fetches the first
+member's, and `host_changed` refreshes the replicas too.
 """
 
 from __future__ import annotations
@@ -54,6 +59,43 @@ class DistributedExecutable:
         self.owners = {name: min(d.rank for d in v.dist.group) for name, v in logical.outputs
                        if name not in self.variables and self._on_some_ranks(v)}
         self.replicas = replicas or Replicas()
+        self.kept: frozenset[str] = frozenset()
+
+    def keep_variables(self) -> frozenset[str]:
+        """Keep the variables on the devices between calls, where ``physical`` can and
+        each variable is replicated over this rank's members (see the module doc)."""
+        keep = getattr(self.physical, "keep_variables", None)
+        members = self._variable_members()
+        if keep is None or members is None:
+            return frozenset()
+        kept = keep()
+        self.kept = frozenset(name for name, names in members.items()
+                              if all(member in kept for member in names))
+        return self.kept
+
+    def _variable_members(self) -> dict[str, list[str]] | None:
+        """Each variable's physical names on this rank, or None if one is split or lives
+        on other ranks only."""
+        members = {}
+        for v, on_rank in self.inputs:
+            if v.name in self.variables:
+                if v.dist.kind is DistKind.split or not on_rank:
+                    return None
+                members[v.name] = [member_name(v.name, k, len(v.dist.group))
+                                   for k, _ in on_rank]
+        return members
+
+    def pull(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Copy the devices' values of these kept variables into ``arrays``."""
+        members = self._variable_members()
+        self.physical.pull({members[name][0]: array for name, array in arrays.items()})
+
+    def host_changed(self, names) -> None:
+        """The caller's arrays of these variables changed: refresh them everywhere."""
+        members = self._variable_members()
+        self.physical.host_changed([m for name in names for m in members[name]])
+        for name in names:
+            self.replicas.synced.pop(name, None)
 
     def __call__(self, env: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         physical_env = {}
@@ -77,7 +119,7 @@ class DistributedExecutable:
         results = self.physical(physical_env)
         outputs = {}
         for name, members, n in self.outputs:
-            if not members:
+            if not members or name in self.kept:
                 continue
             if name in split_variables:
                 outputs[name] = self._assembled(name, n, results, *split_variables[name])

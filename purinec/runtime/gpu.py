@@ -252,6 +252,13 @@ class GpuArenas:
         """Whether ``device``'s values are in GPU memory (the executable binds them)."""
         return is_gpu(device)
 
+    def empty(self, value: Value):
+        """A new array for ``value`` (one computed into fresh memory each call)."""
+        if not is_gpu(value.device):
+            return np.empty(value.type.shape, value.type.dtype.numpy)
+        return self.gpus.allocate(value.device, value.type.shape, value.type.dtype.numpy,
+                                  f"%{value.name}")
+
 
 # -- kernels that move data ---------------------------------------------------------
 

@@ -92,6 +92,10 @@ class Plan:
         self.roots = tuple(task.index for task in self.tasks if task.count == 0)
         self.queues = tuple(sorted({task.queue for task in self.tasks}))
         self._inputs = self._input_checks()
+        # A value computed into a new array each call: host memory, or the target's
+        # (``empty(value)``) where its arenas have device memory.
+        self._fresh = getattr(self._arena_source, "empty",
+                              lambda v: np.empty(v.type.shape, v.type.dtype.numpy))
         self._current: dict[Value, np.ndarray] = {}
 
     # -- building ---------------------------------------------------------------------
@@ -168,7 +172,7 @@ class Plan:
             if var.source is not None:
                 base = env[var.source]
             else:
-                base = np.empty(var.root.type.shape, var.root.type.dtype.numpy)
+                base = self._fresh(var.root)
             for value, slots in var.members:
                 array = base if value.type.shape == base.shape else base.reshape(value.type.shape)
                 current[value] = array

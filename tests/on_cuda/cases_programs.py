@@ -76,21 +76,24 @@ def same_training(model, steps: int = 2, classes: int = 10, rtol: float = 2e-4,
                                err_msg="inference logits")
 
 
-def weights_stay_on_the_gpu() -> None:
+def weights_stay_on_the_gpu(devices=None) -> None:
     """Between steps the weights stay on the GPU (nothing copies them in or out); a read,
     an assignment and an inference run in between each see and use the latest values,
-    as on the reference target."""
+    as on the reference target. With ``devices``, every replica stays on its GPU."""
     import purinec
     from purinec.runtime.gpu import GpuExecutable
 
     rng = np.random.default_rng(4)
     sgd = purinec.SGD(lr=0.1, momentum=0.9)
-    cuda = purinec.compile(tiny_mlp(), target="cuda", train=sgd)
+    cuda = purinec.compile(tiny_mlp(), target="cuda", train=sgd, devices=devices)
     reference = purinec.compile(tiny_mlp(), target="reference", train=sgd)
     for name in reference.params:
         cuda.params[name] = reference.params[name].copy()
     main = cuda._run_main
-    assert isinstance(main, GpuExecutable) and main.resident >= set(reference.params)
+    if devices is not None:
+        assert main.kept >= set(reference.params), main.kept
+        main = main.physical
+    assert isinstance(main, GpuExecutable) and main.resident, main
 
     def step_both():
         feeds = feeds_for(reference.ir, rng, classes=3)
@@ -119,6 +122,7 @@ def weights_stay_on_the_gpu() -> None:
 
 PROGRAMS = {
     "program_weights_stay_on_the_gpu": lambda rng: weights_stay_on_the_gpu(),
+    "program_weights_stay_on_2_gpus": lambda rng: weights_stay_on_the_gpu("gpu:0,gpu:1"),
     "program_tiny_mlp_steps": lambda rng: same_training(tiny_mlp(), classes=3),
     "program_tiny_mlp_data_parallel_2_gpus": lambda rng: same_training(
         tiny_mlp(), classes=3, devices="gpu:0,gpu:1"),
