@@ -64,7 +64,30 @@ def fused_case(members, export_all: bool = False):
     return case
 
 
+def horizontal_sgd(rng):
+    """Two parameters' SGD updates fused horizontally (members of several shapes)."""
+    from purinec.ir.graph import Graph
+    from purinec.ir.types import Device, DType, TensorType
+
+    graph = Graph("t")
+    gpu0 = Device("gpu", 0)
+    outputs = []
+    for name, shape in (("a", (5, 3)), ("b", (7,))):
+        w, g, h = (graph.add_input(f"{name}.{part}", TensorType(shape, DType.f32), gpu0)
+                   for part in ("w", "g", "h"))
+        node = graph.add_node("sgd", [w, g, h], {"lr": 0.1, "momentum": 0.9,
+                                                 "weight_decay": 0.01})
+        outputs += [(f"{name}{k}", v) for k, v in enumerate(node.outputs)]
+    body = list(graph.nodes)
+    graph.nodes = []
+    graph.add_fused(body, [v for n in body for v in n.inputs], [v for _, v in outputs],
+                    "fused_sgd_x2")
+    graph.outputs = outputs
+    return graph
+
+
 CASES.update({
+    "fused_horizontal_sgd": horizontal_sgd,
     "fused_loop": fused_case([[("x", (4, 3, 5)), ("b", (3,))],
                           ("bias_add", ["x", "b"], {"axis": 1}), ("relu", ["o0"], {}),
                           ("scale", ["o1"], {"alpha": 2.0})]),

@@ -97,6 +97,15 @@ def emit_loop_kernel(m: CudaModule, members: Sequence[Node], arrays: dict[Value,
     """One grid-stride kernel computing ``outputs`` (all of one shape) from the
     elementwise ``members``, launched by the module's host function. ``arrays`` names
     the module's array of each outside input and each output."""
+    with m.kernel(hint) as (name, body):
+        count = emit_loop(m, body, members, arrays, outputs)
+    m.launch(name, blocks_for(count), THREADS)
+
+
+def emit_loop(m: CudaModule, body: SourceBuilder, members: Sequence[Node],
+              arrays: dict[Value, str], outputs: Sequence[Value]) -> int:
+    """The grid-stride loop of `emit_loop_kernel` into a kernel's ``body``; returns how
+    many elements it covers."""
     shape = outputs[0].type.shape
     for node in members:
         for value in node.outputs:
@@ -114,48 +123,47 @@ def emit_loop_kernel(m: CudaModule, members: Sequence[Node], arrays: dict[Value,
     stores = [_Operand(v, frozenset(range(len(shape)))) for v in outputs]
     extents = merge_axes(shape, list(loads.values()) + stores)
     count = _prod(extents)
-    with m.kernel(hint) as (name, body):
-        views: dict[tuple[Value, tuple[int, ...]], str] = {}
-        for op in list(loads.values()) + stores:
-            key = (op.value, op.merged)
-            if key not in views:
-                full = len(op.merged) == len(extents)  # indexed flat, by the loop's index
-                dims = [count] if full else [extents[k] for k in op.merged] or [1]
-                views[key] = m.view(arrays[op.value], dims)
-        coords = _coordinates(m, extents)
-        head = SourceBuilder()
-        loop = SourceBuilder()
-        index = m.fresh("i")
+    views: dict[tuple[Value, tuple[int, ...]], str] = {}
+    for op in list(loads.values()) + stores:
+        key = (op.value, op.merged)
+        if key not in views:
+            full = len(op.merged) == len(extents)  # indexed flat, by the loop's index
+            dims = [count] if full else [extents[k] for k in op.merged] or [1]
+            views[key] = m.view(arrays[op.value], dims)
+    coords = _coordinates(m, extents)
+    head = SourceBuilder()
+    loop = SourceBuilder()
+    index = m.fresh("i")
 
-        def at(op: _Operand) -> str:
-            if not op.merged:
-                return "0"  # the same element everywhere (a scalar, a 1-element loop)
-            if len(op.merged) == len(extents):
-                return index  # varies along every axis: its flat index is the loop's
-            return ", ".join(coords[k][0] for k in op.merged)
+    def at(op: _Operand) -> str:
+        if not op.merged:
+            return "0"  # the same element everywhere (a scalar, a 1-element loop)
+        if len(op.merged) == len(extents):
+            return index  # varies along every axis: its flat index is the loop's
+        return ", ".join(coords[k][0] for k in op.merged)
 
-        needed = {k for op in list(loads.values()) + stores
-                  if 0 < len(op.merged) < len(extents) for k in op.merged}
-        for k in sorted(needed):
-            loop.line(f"{coords[k][0]} = {coords[k][1].format(index)}")
+    needed = {k for op in list(loads.values()) + stores
+              if 0 < len(op.merged) < len(extents) for k in op.merged}
+    for k in sorted(needed):
+        loop.line(f"{coords[k][0]} = {coords[k][1].format(index)}")
 
-        def load(node: Node, i: int) -> str:
-            op = loads[node.inputs[i], varying_axes(node, i)]
-            if not op.element:
-                op.element = m.fresh(op.value.name)
-                target = loop if op.merged else head
-                target.line(f"{op.element} = {views[op.value, op.merged]}[{at(op)}]")
-            return op.element
+    def load(node: Node, i: int) -> str:
+        op = loads[node.inputs[i], varying_axes(node, i)]
+        if not op.element:
+            op.element = m.fresh(op.value.name)
+            target = loop if op.merged else head
+            target.line(f"{op.element} = {views[op.value, op.merged]}[{at(op)}]")
+        return op.element
 
-        def store(value: Value, text: str) -> str:
-            op = stores[list(outputs).index(value)]
-            return f"{views[value, op.merged]}[{at(op)}] = {text}"
+    def store(value: Value, text: str) -> str:
+        op = stores[list(outputs).index(value)]
+        return f"{views[value, op.merged]}[{at(op)}] = {text}"
 
-        emit_element(m, loop, members, outputs, load, store, index, prologue=head)
-        body.extend(head)
-        with body.block(f"for {index} in range(cuda.grid(1), {count}, cuda.gridsize(1)):"):
-            body.extend(loop)
-    m.launch(name, blocks_for(count), THREADS)
+    emit_element(m, loop, members, outputs, load, store, index, prologue=head)
+    body.extend(head)
+    with body.block(f"for {index} in range(cuda.grid(1), {count}, cuda.gridsize(1)):"):
+        body.extend(loop)
+    return count
 
 
 def _coordinates(m: CudaModule, extents: list[int]) -> list[tuple[str, str]]:

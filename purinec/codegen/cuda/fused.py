@@ -6,15 +6,16 @@
 * loop: elementwise and broadcast members whose outputs have one shape: one
   grid-stride kernel;
 * horizontal: members of several shapes that do not read one another (the solver's
-  updates): one kernel each, launched one after another.
+  updates): one kernel, each thread taking its share of one loop after another (one
+  launch for every parameter's update).
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from purinec.codegen.cuda.elementwise import emit_loop_kernel
-from purinec.codegen.cuda.module import CudaModule, renders
+from purinec.codegen.cuda.elementwise import emit_loop, emit_loop_kernel
+from purinec.codegen.cuda.module import THREADS, CudaModule, blocks_for, renders
 from purinec.codegen.kernel import CodegenError
 from purinec.ir.graph import Node, Value
 from purinec.ir.ops import Trait, op_has
@@ -43,7 +44,7 @@ def render_fused(node: Node, m: CudaModule) -> None:
         raise CodegenError(f"fused node {node!r}: members of several shapes that read one "
                            f"another cannot be one loop nor independent loops")
     exported = set(node.outputs)
-    for k, member in enumerate(body):
-        outputs = [v for v in member.outputs if v in exported]
-        if outputs:
-            emit_loop_kernel(m, [member], arrays, outputs, hint=f"loop{k}")
+    with m.kernel("loops") as (name, kernel):
+        counts = [emit_loop(m, kernel, [member], arrays, outputs) for member in body
+                  for outputs in [[v for v in member.outputs if v in exported]] if outputs]
+    m.launch(name, blocks_for(max(counts)), THREADS)
