@@ -230,6 +230,8 @@ class GpuArenas:
     from ``host``: pinned memory, or the allocator the host kernels need (shared memory
     for collectives between the ranks of a machine: `purinec.runtime.plan.arena_source`)."""
 
+    holds_kernel_allocators = True  # (``host`` is theirs: see `arena_source`)
+
     def __init__(self, gpus: Gpus, host=None):
         self.gpus, self.host = gpus, host or PinnedArenas(gpus)
         self._held: list = []

@@ -295,7 +295,11 @@ def arena_source(kernels: Mapping[Node, Callable], target_arenas):
     """What allocates the arenas (``allocate(sizes)``: each device's bytes) and gives
     their memory back (``release()``): the kernels' ``arena_allocator`` where they have
     one (those of `purinec.runtime.shm` need the arenas where other ranks can see them),
-    else the target's (``FreshArenas``: the process's own memory)."""
+    else the target's (``FreshArenas``: the process's own memory). Target arenas that
+    take the kernels' allocators in themselves (``holds_kernel_allocators``: the cuda
+    target's, for its host memory) are used as they are."""
+    if getattr(target_arenas, "holds_kernel_allocators", False):
+        return target_arenas
     sources = {getattr(fn, "arena_allocator", None) for fn in kernels.values()}
     sources.discard(None)
     if not sources:

@@ -133,7 +133,7 @@ class CudaTarget(Target):
                        if node in compute}
             host = host_kernels(io)
             kernels.update({**host, **gpu.gpu_kernels(io, gpus, host)})
-            # (staged kernels hide the allocator their host kernels need: the arenas ask)
+            # The host kernels' allocator (shared memory between ranks) for host memory.
             arenas = gpu.GpuArenas(gpus, arena_source(host, None))
             return Executable(io, kernels, worker_init=gpu.worker_setup(gpus),
                               arenas=arenas, hold=self.hold,
