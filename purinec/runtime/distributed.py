@@ -60,6 +60,7 @@ class DistributedExecutable:
                        if name not in self.variables and self._on_some_ranks(v)}
         self.replicas = replicas or Replicas()
         self.kept: frozenset[str] = frozenset()
+        self._members: dict[str, list[str]] = {}  # each kept variable's physical names
 
     def keep_variables(self) -> frozenset[str]:
         """Keep the variables on the devices between calls, where ``physical`` can and
@@ -69,6 +70,7 @@ class DistributedExecutable:
         if keep is None or members is None:
             return frozenset()
         kept = keep()
+        self._members = members
         self.kept = frozenset(name for name, names in members.items()
                               if all(member in kept for member in names))
         return self.kept
@@ -87,13 +89,12 @@ class DistributedExecutable:
 
     def pull(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Copy the devices' values of these kept variables into ``arrays``."""
-        members = self._variable_members()
-        self.physical.pull({members[name][0]: array for name, array in arrays.items()})
+        self.physical.pull({self._members[name][0]: array
+                            for name, array in arrays.items()})
 
     def host_changed(self, names) -> None:
         """The caller's arrays of these variables changed: refresh them everywhere."""
-        members = self._variable_members()
-        self.physical.host_changed([m for name in names for m in members[name]])
+        self.physical.host_changed([m for name in names for m in self._members[name]])
         for name in names:
             self.replicas.synced.pop(name, None)
 

@@ -234,7 +234,6 @@ class GpuArenas:
 
     def __init__(self, gpus: Gpus, host=None):
         self.gpus, self.host = gpus, host or PinnedArenas(gpus)
-        self._held: list = []
 
     def allocate(self, sizes: Mapping) -> dict:
         arenas = self.host.allocate({d: n for d, n in sizes.items() if not is_gpu(d)})
@@ -242,11 +241,9 @@ class GpuArenas:
             if is_gpu(device):
                 arenas[device] = self.gpus.allocate(device, (max(nbytes, 1),), np.uint8,
                                                     "its working memory (the arena)")
-        self._held.append(arenas)
         return arenas
 
     def release(self) -> None:
-        self._held.clear()
         self.host.release()
 
     @staticmethod
@@ -280,7 +277,6 @@ class Transfer:
         self.to_host = not is_gpu(destination)
         streams = gpus.devices[source if self.to_host else destination]
         self.stream = streams.copy_out if self.to_host else streams.copy_in
-        self.from_host = not is_gpu(source)
 
     def launch(self, stream, source, destination) -> None:
         if self.to_host:
@@ -300,7 +296,7 @@ class Staged:
     its call (or its pending operation) is."""
 
     def __init__(self, node: Node, host_fn: Callable, gpus: Gpus):
-        self.node, self.host_fn, self.gpus = node, host_fn, gpus
+        self.host_fn = host_fn
         self.asynchronous = getattr(host_fn, "asynchronous", False)
         operands = [*node.inputs, *node.outputs]
         self.staging = [gpus.cuda.pinned_array(v.type.shape, v.type.dtype.numpy)
@@ -409,7 +405,6 @@ def _on_stream(task: Task, stream, waits: list, record, launching,
             record.record(stream)
         if wait_each:
             stream.synchronize()
-    run.asynchronous = False
     return run
 
 
