@@ -12,6 +12,7 @@ from purinec.errors import ModelError, PurinecError, PurinecWarning
 from purinec.ir.graph import Graph
 from purinec.ir.parser import parse
 from purinec.layout import as_devices, parallel_plan, pinned_to, placement, warn_if_idle
+from purinec.onnxio import OnnxModel, read_onnx
 from purinec.passes.optimizer import SGD
 from purinec.passes.parallel import Parallel
 from purinec.passes.pipeline import StageHook
@@ -22,12 +23,19 @@ from purinec.targets import get_target
 def load_source(model: Any, batch: int | None = None, **model_kwargs) -> Any:
     """A bi-graph Net or an IR Graph from whatever the user named: a Net or Graph as it
     is, a ``.pir`` file parsed, a zoo name or a Python file (``.py``) built by
-    `load_model`. Any other file is refused, said what it is where that shows (an
+    `load_model`, an ONNX file (``.onnx``, or an ``onnx.ModelProto``) read as an
+    `OnnxModel`. Any other file is refused, said what it is where that shows (an
     artifact, a NumPy array), and never run."""
     from purinec.bigraph import Net
     from purinec.models import load_model
 
-    if isinstance(model, (Net, Graph)):
+    if type(model).__name__ == "ModelProto" or \
+            (isinstance(model, (str, os.PathLike)) and os.fspath(model).endswith(".onnx")):
+        if model_kwargs:
+            raise ModelError(f"an ONNX model takes no model options (given "
+                             f"{', '.join(sorted(model_kwargs))}); only batch (--batch)")
+        return read_onnx(model, batch)
+    if isinstance(model, (Net, Graph, OnnxModel)):
         if batch is not None or model_kwargs:
             raise ModelError(f"a {type(model).__name__} has fixed shapes; batch and model "
                              f"options apply only to zoo models and Python files (build "
@@ -68,6 +76,8 @@ def build_graph(source: Any, train: SGD | None, after: StageHook | None = None,
 
     if isinstance(source, Graph):
         graph = source.clone()
+    elif isinstance(source, OnnxModel):
+        graph = source.lower("train" if train is not None else "inference")
     else:
         graph = lower(source, mode="train" if train is not None else "inference")
     if after is not None:
@@ -150,9 +160,19 @@ def compile(model: Any, target: str = "reference", train: SGD | None = None, *,
                               parallel=spread and pinned_to(graph, spread))
                   if train is not None else None)
     program = Program(graph, eval_graph, target, seed, trace=trace, after=after)
+    if isinstance(source, OnnxModel):
+        _start_from_file(program, source)
     if spread is not None:
         warn_if_idle(spread, program.ir)
     return program
+
+
+def _start_from_file(program: Program, source: Any) -> None:
+    """The weights an ONNX file gives, in place of the fillers' draws."""
+    for role, arrays in source.variables(program.ir).items():
+        store = program.params if role == "param" else program.state
+        for name, array in arrays.items():
+            store[name] = array
 
 
 def _warn_if_placement_dropped(source: Any) -> None:
@@ -160,6 +180,8 @@ def _warn_if_placement_dropped(source: Any) -> None:
     strategy: the strategy lays it out anew and the model's placement is not used."""
     from purinec.bigraph.lower import lower
 
+    if isinstance(source, OnnxModel):
+        return  # a file places nothing
     graph = source if isinstance(source, Graph) else lower(source, mode="inference")
     own = placement(graph)
     if own is not None:
