@@ -141,6 +141,41 @@ def test_binary(op, shape, dtype, seed, options):
     check(op, [random_array(rng, shape, dtype), random_array(rng, shape, dtype)], {}, options)
 
 
+# ONNX's arithmetic and activations and their gradients: op -> (attrs, the range of its
+# inputs), log, sqrt and pow on positive inputs, the kinked ones across their kinks.
+ONNX_ELEMENTWISE = {
+    "neg": ({}, (-2, 2)), "exp": ({}, (-2, 2)), "log": ({}, (0.1, 3)),
+    "sqrt": ({}, (0.1, 3)), "abs": ({}, (-2, 2)), "erf": ({}, (-2, 2)),
+    "leaky_relu": ({"alpha": 0.1}, (-2, 2)), "clip": ({"min": -0.5, "max": 1.0}, (-2, 2)),
+    "hard_sigmoid": ({"alpha": 0.3, "beta": 0.4}, (-4, 4)), "hard_swish": ({}, (-5, 5)),
+    "div": ({}, (0.5, 2)), "pow": ({}, (0.1, 2)), "div_grad_b": ({}, (0.5, 2)),
+    "pow_grad_a": ({}, (0.1, 2)), "pow_grad_b": ({}, (0.1, 2)), "sqrt_grad": ({}, (0.1, 3)),
+    "abs_grad": ({}, (-2, 2)), "erf_grad": ({}, (-2, 2)),
+    "leaky_relu_grad": ({"alpha": 0.1}, (-2, 2)),
+    "clip_grad": ({"min": -0.5, "max": 1.0}, (-2, 2)),
+    "hard_sigmoid_grad": ({"alpha": 0.3, "beta": 0.4}, (-4, 4)),
+    "hard_swish_grad": ({}, (-5, 5)),
+}
+
+
+@pytest.mark.parametrize("op", sorted(ONNX_ELEMENTWISE))
+@settings(SETTINGS, max_examples=2)
+@given(shape=shapes(), dtype=st.sampled_from(FLOATS), seed=seeds,
+       options=st.sampled_from(OPTIONS))
+def test_onnx_elementwise(op, shape, dtype, seed, options):
+    attrs, (low, high) = ONNX_ELEMENTWISE[op]
+    rng = np.random.default_rng(seed)
+    inputs = [random_array(rng, shape, dtype, low, high) for _ in REGISTRY[op].inputs]
+    check(op, inputs, attrs, options)
+
+
+def test_clip_takes_infinite_bounds_and_passes_nan_through():
+    x = np.array([-np.inf, -3.0, np.nan, 0.25, 2.0, np.inf], np.float32)
+    check("clip", [x], {"min": -np.inf, "max": 1.0}, exact=True)
+    check("clip", [x], {"min": -1.0, "max": np.inf}, exact=True)
+    check("clip_grad", [x, np.ones_like(x)], {"min": -1.0, "max": 2.0}, exact=True)
+
+
 @SETTINGS
 @given(shape=shapes(4).filter(len), dtype=st.sampled_from(FLOATS), data=st.data(),
        options=st.sampled_from(OPTIONS))
