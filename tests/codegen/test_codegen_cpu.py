@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from purinec.codegen import CodegenError, cpu
 from purinec.codegen.cpu_module import RENDERERS, CpuOptions
 from purinec.codegen.cpu_runtime import run_blocked, set_threads
+from purinec.errors import ShapeError
 from purinec.ir import nnref
 from purinec.ir.graph import Graph, Node, external_inputs
 from purinec.ir.ops import REGISTRY, conv_output_size, pool_output_size
@@ -338,6 +339,66 @@ def test_concat_and_split(shape, data, options):
     check("concat", parts, {"axis": axis}, options, exact=True)
     whole = np.concatenate(parts, axis=axis)
     check("split", [whole], {"axis": axis, "sections": sections}, options, exact=True)
+
+
+@SETTINGS
+@given(shape=shapes(4), data=st.data(), dtype=st.sampled_from([*FLOATS, DType.i64, DType.bool]),
+       options=st.sampled_from(OPTIONS))
+def test_transpose(shape, data, dtype, options):
+    perm = data.draw(st.permutations(range(len(shape))))
+    x = random_array(np.random.default_rng(data.draw(seeds)), shape, dtype)
+    check("transpose", [x], {"perm": list(perm)}, options, exact=True)
+
+
+@st.composite
+def windows(draw, shape):
+    """starts, steps and sizes of a random strided window inside ``shape`` (no empty
+    axes)."""
+    axes = []
+    for n in shape:
+        step = draw(st.sampled_from([1, 2, 3, -1, -2]))
+        start = draw(st.integers(0, n - 1))
+        room = (n - 1 - start) // step if step > 0 else start // -step
+        axes.append((start, step, draw(st.integers(0, room + 1))))
+    starts, steps, sizes = zip(*axes) if axes else ((), (), ())
+    return list(starts), list(steps), list(sizes)
+
+
+@SETTINGS
+@given(shape=shapes(4, sizes=(1, 2, 5, 7)), data=st.data(),
+       dtype=st.sampled_from([DType.f32, DType.i32]), options=st.sampled_from(OPTIONS))
+def test_strided_slice_and_its_gradient(shape, data, dtype, options):
+    starts, steps, sizes = data.draw(windows(shape))
+    rng = np.random.default_rng(data.draw(seeds))
+    x = random_array(rng, shape, dtype)
+    check("strided_slice", [x], {"starts": starts, "steps": steps, "sizes": sizes}, options,
+          exact=True)
+    gy = random_array(rng, tuple(sizes), dtype)
+    check("strided_slice_grad", [gy], {"input_shape": list(shape), "starts": starts,
+                                       "steps": steps}, options, exact=True)
+
+
+@SETTINGS
+@given(shape=shapes(3, sizes=(1, 3, 4)), data=st.data(),
+       mode=st.sampled_from(["constant", "reflect", "edge"]), options=st.sampled_from(OPTIONS))
+def test_pad_and_its_gradient(shape, data, mode, options):
+    most = [n - 1 if mode == "reflect" else 3 for n in shape]
+    pads = [data.draw(st.integers(0, m)) for m in most * 2]
+    rng = np.random.default_rng(data.draw(seeds))
+    x = random_array(rng, shape, DType.f32)
+    check("pad", [x], {"pads": pads, "mode": mode, "value": -1.5}, options, exact=True)
+    padded = tuple(n + pads[a] + pads[len(shape) + a] for a, n in enumerate(shape))
+    gy = random_array(rng, padded, DType.f64)
+    check("pad_grad", [gy], {"pads": pads, "mode": mode, "input_shape": list(shape)}, options)
+
+
+def test_pad_of_integers_and_what_pads_are_refused():
+    x = np.arange(6, dtype=np.int32).reshape(2, 3)
+    check("pad", [x], {"pads": [1, 2, 0, 1], "value": 7.0}, exact=True)
+    with pytest.raises(ShapeError, match="reflection needs pads shorter than the axis"):
+        one_node("pad", [x], {"pads": [0, 3, 0, 0], "mode": "reflect"})
+    with pytest.raises(ShapeError, match=r"indices 1, 3, \.\.\., 5 .* leave"):
+        one_node("strided_slice", [x], {"starts": [0, 1], "steps": [1, 2], "sizes": [2, 3]})
 
 
 # ---------------------------------------------------------------------------------------

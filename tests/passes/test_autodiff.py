@@ -340,6 +340,30 @@ def _():
     return b
 
 
+
+# -- ONNX's data movement ----------------------------------------------------------------
+
+
+def _moved(op, shape, name=None, **attrs):
+    b = Builder(name or op)
+    b.weighted_loss(b.op(op, b.param("x", shape), **attrs))
+    return b
+
+
+case("transpose", "3d")(lambda: _moved("transpose", (2, 3, 4), perm=[2, 0, 1]))
+case("transpose", "2d")(lambda: _moved("transpose", (3, 2), "transpose2", perm=[1, 0]))
+case("strided_slice", "steps_and_reversal")(
+    lambda: _moved("strided_slice", (5, 4, 3), starts=[1, 3, 0], steps=[2, -1, 1],
+                   sizes=[2, 3, 3]))
+case("strided_slice", "reversed_with_stride")(
+    lambda: _moved("strided_slice", (7,), "strided_slice1", starts=[6], steps=[-3],
+                   sizes=[3]))
+case("pad", "constant")(lambda: _moved("pad", (2, 3), pads=[1, 0, 2, 1], mode="constant",
+                                       value=1.5))
+case("pad", "reflect")(lambda: _moved("pad", (3, 4), "pad_reflect", pads=[2, 1, 1, 3],
+                                      mode="reflect"))
+case("pad", "edge")(lambda: _moved("pad", (2, 3), "pad_edge", pads=[3, 0, 1, 2], mode="edge"))
+
 ALL_CASES = [(op, variant) for op, variants in sorted(CASES.items()) for variant in variants]
 
 
