@@ -744,6 +744,22 @@ def test_fused_loop_and_horizontal_groups(options):
         check_fused(graph, node, _inputs(graph, 2), options)
 
 
+def test_a_fused_gelu_imports_what_its_erf_needs():
+    """erf is Python's math.erf (NumPy has none): a fused loop using it imports math."""
+    def gelu(g, make):
+        x = g.add_input("x", TensorType((3, 7), DType.f32))
+        s = make("scale", [x], {"alpha": 2 ** -0.5}, ["s"])
+        e = make("erf", s.outputs, {}, ["e"])
+        one = make("add_scalar", e.outputs, {"value": 1.0}, ["one"])
+        half = make("scale", [x], {"alpha": 0.5}, ["half"])
+        y = make("mul", [half.outputs[0], one.outputs[0]], {}, ["y"])
+        return [s, e, one, half, y], y.outputs
+
+    graph, node = fused_graph(gelu)
+    assert "import math" in cpu.render(node)
+    check_fused(graph, node, _inputs(graph, 3), CpuOptions())
+
+
 def _relu_then_tanh(g, make):
     x = g.add_input("x", TensorType((2, 3), DType.f32))
     a = make("relu", [x], {}, ["a"])

@@ -121,6 +121,9 @@ CASES.update({
     "clip_grad": _on("clip_grad", 2, -2, 2, {"min": -0.5, "max": 1.0}),
     "hard_sigmoid_grad": _on("hard_sigmoid_grad", 2, -4, 4, {"alpha": 0.3, "beta": 0.4}),
     "hard_swish_grad": _on("hard_swish_grad", 2, -5, 5),
+    "fused_gelu": fused_case([[("x", (3, 7))], ("scale", ["x"], {"alpha": 2 ** -0.5}),
+                              ("erf", ["o0"], {}), ("add_scalar", ["o1"], {"value": 1.0}),
+                              ("scale", ["x"], {"alpha": 0.5}), ("mul", ["o3", "o2"], {})]),
 })
 
 CASES["add_scalar_on_a_scalar"] = _unary("add_scalar", {"value": 1}, dtype="int64", shape=())
