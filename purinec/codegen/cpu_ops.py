@@ -230,50 +230,67 @@ def render_strided_slice(node: Node, m: KernelModule) -> None:
         m.body.line(f"{y}[{index_of(at)}] = {x}[{index_of(source)}]")
 
 
+def table_sources(m, node: Node, at: list[str]) -> tuple[list[str], list[str]]:
+    """For a table copy on either target (``m`` a CPU or CUDA module): the coordinates
+    in the input of the output element at ``at``, and the tests (or'ed) saying it is
+    the constant instead."""
+    source, outside = [], []
+    for a, (table, var) in enumerate(zip(axis_sources(node), at)):
+        if table is None:
+            source.append(var)
+            continue
+        source.append(f"{m.constant(f'SRC{a}', table)}[{var}]")
+        if -1 in table:
+            outside.append(f"{source[-1]} < 0")
+    return source, outside
+
+
+def copy_loops(m, body, node: Node, at: list[str], loops: ExitStack) -> list[str]:
+    """For pad's gradient on either target: opens in ``body`` (each loop entered on
+    ``loops``) a loop over the copies (`copies_of`) of the element of x at ``at`` along
+    each padded axis; returns the coordinates in gy of one copy."""
+    pads, mode = node.attrs["pads"], node.attrs["mode"]
+    rank = len(at)
+    source = []
+    for a, (n, var) in enumerate(zip(node.outputs[0].type.shape, at)):
+        if pads[a] == pads[rank + a] == 0:
+            source.append(var)
+            continue
+        first, copies = copies_of(pad_sources(n, pads[a], pads[rank + a], mode), n)
+        first, copies = m.constant(f"FIRST{a}", first), m.constant(f"COPIES{a}", copies)
+        k = m.fresh(f"k{a}")
+        loops.enter_context(body.block(f"for {k} in range({first}[{var}], "
+                                       f"{first}[{var} + 1]):"))
+        source.append(f"{copies}[{k}]")
+    return source
+
+
 @renders("pad", "strided_slice_grad")
 def render_table_copy(node: Node, m: KernelModule) -> None:
     """Each element copies the input element the axes' tables (`axis_sources`) name, or
     is the constant where a table says -1 (pad's value, or a gradient's 0)."""
     (x,), (y,) = m.inputs, m.outputs
-    dtype = node.outputs[0].type.dtype
-    tables = axis_sources(node)
-    names = [m.constant(f"SRC{a}", t) if t is not None else None
-             for a, t in enumerate(tables)]
-    value = literal(node.attrs.get("value", 0.0), dtype)
+    value = literal(node.attrs.get("value", 0.0), node.outputs[0].type.dtype)
     with each_element(m, node.outputs[0].type.shape) as at:
-        source = [f"{name}[{v}]" if name else v for name, v in zip(names, at)]
-        outside = [s for s, t in zip(source, tables) if t is not None and -1 in t]
+        source, outside = table_sources(m, node, at)
         read = f"{x}[{index_of(source)}]"
         if outside:
-            read = f"{value} if {' or '.join(f'{s} < 0' for s in outside)} else {read}"
+            read = f"{value} if {' or '.join(outside)} else {read}"
         m.body.line(f"{y}[{index_of(at)}] = {read}")
 
 
 @renders("pad_grad")
 def render_pad_grad(node: Node, m: KernelModule) -> None:
-    """Each element of gx adds up the elements of gy that are copies of it (`copies_of`),
-    in float64: loops over the copies along each padded axis."""
+    """Each element of gx adds up the elements of gy that are copies of it, in float64."""
     (gy,), (gx,), b = m.inputs, m.outputs, m.body
-    pads, mode = node.attrs["pads"], node.attrs["mode"]
-    shape = node.outputs[0].type.shape
-    with each_element(m, shape) as at, ExitStack() as stack:
+    dtype = node.outputs[0].type.dtype
+    with each_element(m, node.outputs[0].type.shape) as at:
         acc = m.fresh("acc")
-        b.line(f"{acc} = {_accumulator(node.outputs[0].type.dtype)}(0)")
-        source = []
-        for a, (n, var) in enumerate(zip(shape, at)):
-            if pads[a] == pads[len(shape) + a] == 0:
-                source.append(var)
-                continue
-            first, copies = copies_of(pad_sources(n, pads[a], pads[len(shape) + a], mode), n)
-            first_name, copies_name = m.constant(f"FIRST{a}", first), m.constant(f"COPIES{a}",
-                                                                                 copies)
-            k = m.fresh(f"k{a}")
-            stack.enter_context(b.block(f"for {k} in range({first_name}[{var}], "
-                                        f"{first_name}[{var} + 1]):"))
-            source.append(f"{copies_name}[{k}]")
-        b.line(f"{acc} += {gy}[{index_of(source)}]")
-        stack.close()
-        b.line(f"{gx}[{index_of(at)}] = {_cast(acc, node.outputs[0].type.dtype)}")
+        b.line(f"{acc} = {_accumulator(dtype)}(0)")
+        with ExitStack() as loops:
+            source = copy_loops(m, b, node, at, loops)
+            b.line(f"{acc} += {gy}[{index_of(source)}]")
+        b.line(f"{gx}[{index_of(at)}] = {_cast(acc, dtype)}")
 
 
 # ---------------------------------------------------------------------------------------

@@ -17,11 +17,10 @@ import math
 from contextlib import ExitStack, contextmanager
 from typing import Iterator, Sequence
 
-from purinec.codegen.cpu_ops import affine, axis_sources, copies_of
+from purinec.codegen.cpu_ops import affine, copy_loops, table_sources
 from purinec.codegen.cuda.module import THREADS, CudaModule, blocks_for, literal, renders
 from purinec.codegen.source import SourceBuilder
 from purinec.ir.graph import Node
-from purinec.ir.ops.shape import pad_sources
 
 
 def coordinates(flat: str, extents: Sequence[int]) -> list[str]:
@@ -138,16 +137,12 @@ def render_strided_slice(node: Node, m: CudaModule) -> None:
 def render_table_copy(node: Node, m: CudaModule) -> None:
     """As on the CPU (`purinec.codegen.cpu_ops.render_table_copy`): each element copies
     the input element its axes' tables name, or is the constant where one says -1."""
-    tables = axis_sources(node)
-    names = [m.constant(f"SRC{a}", t) if t is not None else None
-             for a, t in enumerate(tables)]
     value = literal(node.attrs.get("value", 0.0), node.outputs[0].type.dtype)
     with each_element(m, node) as (at, src, dst, body):
-        source = [f"{name}[{v}]" if name else v for name, v in zip(names, at)]
-        outside = [s for s, t in zip(source, tables) if t is not None and -1 in t]
+        source, outside = table_sources(m, node, at)
         read = f"{src}[{flat_index(source, node.inputs[0].type.shape)}]"
         if outside:
-            read = f"{value} if {' or '.join(f'{s} < 0' for s in outside)} else {read}"
+            read = f"{value} if {' or '.join(outside)} else {read}"
         body.line(f"{dst} = {read}")
 
 
@@ -155,24 +150,10 @@ def render_table_copy(node: Node, m: CudaModule) -> None:
 def render_pad_grad(node: Node, m: CudaModule) -> None:
     """As on the CPU (`purinec.codegen.cpu_ops.render_pad_grad`): each element adds up
     its copies, here in the gradient's own dtype (a few terms)."""
-    pads, mode = node.attrs["pads"], node.attrs["mode"]
-    shape, dtype = node.outputs[0].type.shape, node.outputs[0].type.dtype
-    rank = len(shape)
-    with each_element(m, node) as (at, src, dst, body), ExitStack() as loops:
+    with each_element(m, node) as (at, src, dst, body):
         acc = m.fresh("acc")
-        body.line(f"{acc} = {literal(0, dtype)}")
-        source = []
-        for a, (n, var) in enumerate(zip(shape, at)):
-            if pads[a] == pads[rank + a] == 0:
-                source.append(var)
-                continue
-            first, copies = copies_of(pad_sources(n, pads[a], pads[rank + a], mode), n)
-            first_name = m.constant(f"FIRST{a}", first)
-            copies_name = m.constant(f"COPIES{a}", copies)
-            k = m.fresh(f"k{a}")
-            loops.enter_context(body.block(f"for {k} in range({first_name}[{var}], "
-                                           f"{first_name}[{var} + 1]):"))
-            source.append(f"{copies_name}[{k}]")
-        body.line(f"{acc} += {src}[{flat_index(source, node.inputs[0].type.shape)}]")
-        loops.close()
+        body.line(f"{acc} = {literal(0, node.outputs[0].type.dtype)}")
+        with ExitStack() as loops:
+            source = copy_loops(m, body, node, at, loops)
+            body.line(f"{acc} += {src}[{flat_index(source, node.inputs[0].type.shape)}]")
         body.line(f"{dst} = {acc}")

@@ -171,6 +171,7 @@ register(OpDef("tanh_grad", ("y", "gy"), float_infer("tanh_grad"),
 # one type: an importer broadcasts them first (broadcast_to). Each gradient op follows
 # PyTorch's convention where the derivative is undefined (kinks, pow at a = 0).
 
+
 def _erf(x):
     """NumPy has no erf: Python's, element by element, in x's dtype."""
     return np.vectorize(math.erf, otypes=[x.dtype])(x)
@@ -358,6 +359,18 @@ def _hard_swish_grad_ref(x, gy):
     return (np.where(x < -3, 0, np.where(x <= 3, slope, gy)).astype(gy.dtype),)
 
 
+def _clip_grad_expr(node, x, gy):
+    """gy where min <= x <= max (a NaN x fails both tests: 0, as in PyTorch)."""
+    low, high = constant(node, node.attrs["min"]), constant(node, node.attrs["max"])
+    zero = constant(node, 0)
+    return select(call("le", low, x), select(call("le", x, high), gy, zero), zero)
+
+
+def _clip_grad_ref(x, gy, **bounds):
+    inside = (x >= x.dtype.type(bounds["min"])) & (x <= x.dtype.type(bounds["max"]))
+    return (np.where(inside, gy, 0).astype(gy.dtype),)
+
+
 _TWO_OVER_SQRT_PI = 2 / math.sqrt(math.pi)
 
 _grad_op("div_grad_b", ("y", "b", "gy"),
@@ -382,13 +395,7 @@ _grad_op("leaky_relu_grad", ("x", "gy"),
                                     gy * constant(node, node.attrs["alpha"])),
          2, attrs={"alpha": Attr("float", 0.01, bound=FINITE)},
          doc="gy where x > 0, else alpha * gy")
-_grad_op("clip_grad", ("x", "gy"),
-         lambda x, gy, **b: (np.where((x >= x.dtype.type(b["min"])) &
-                                      (x <= x.dtype.type(b["max"])), gy, 0).astype(gy.dtype),),
-         lambda node, x, gy: select(
-             call("le", constant(node, node.attrs["min"]), x),
-             select(call("le", x, constant(node, node.attrs["max"])), gy, constant(node, 0)),
-             constant(node, 0)),
+_grad_op("clip_grad", ("x", "gy"), _clip_grad_ref, _clip_grad_expr,
          2, attrs={"min": Attr("float", -math.inf, bound=NOT_NAN),
                    "max": Attr("float", math.inf, bound=NOT_NAN)},
          doc="gy where min <= x <= max, else 0 (PyTorch's: the bounds pass it)")
