@@ -101,7 +101,8 @@ class KernelModule:
         self._imports: list[str] = []
         self._helpers: list[str] = []
         self._constants: list[str] = []
-        self._taken: set[str] = {self.function, "np", "njit", "sgemm", "dgemm", "lo", "hi"}
+        self._taken: set[str] = {self.function, "np", "math", "njit", "sgemm", "dgemm", "lo",
+                                 "hi"}
         self._roles = _roles(self.nodes, inputs, outputs)
         self.inputs = [self.fresh(v.name) for v in inputs]
         self.outputs = [self.fresh(v.name) for v in outputs]

@@ -8,7 +8,8 @@ BLAS), `purinec.codegen.cpu_pool` (pooling and LRN) and `purinec.codegen.cpu_fus
 
 * elementwise and broadcast ops: one loop nest from their element expressions
   (`purinec.codegen.elementwise`), the same emitter fused nodes use;
-* data movement (``reshape``, ``concat``, ``split``): row copies;
+* data movement (``reshape``, ``concat``, ``split``): row copies; ``transpose``,
+  ``strided_slice``, ``pad`` and their gradients: loop nests over the output;
 * ``reduce_sum``: kept axes outside, summed axes inside, four partial sums;
 * softmax and the losses: direct loops over rows.
 
@@ -20,13 +21,14 @@ own scratch.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Iterator
 
 from purinec.codegen.cpu_module import KernelModule, literal, numpy_name, renders
 from purinec.codegen.elementwise import emit_loop
 from purinec.ir.graph import Node
 from purinec.ir.ops import REGISTRY
+from purinec.ir.ops.shape import pad_sources
 from purinec.ir.types import DType
 
 # ---------------------------------------------------------------------------------------
@@ -151,6 +153,144 @@ def render_concat_split(node: Node, m: KernelModule) -> None:
                 else:
                     b.line(f"{view}[{r}, {k}] = {whole}[{r}, {at}]")
             offset += length
+
+
+# Transposes, strided slices and pads: loop nests over the output, each element read
+# from where the op's index arithmetic says (per axis: strided slices and pads). The
+# tables are shared with the CUDA renderers (`purinec.codegen.cuda.shape`).
+
+
+def axis_sources(node: Node) -> list[list[int] | None]:
+    """For ``pad`` and ``strided_slice_grad``: per output axis, the input index each
+    output index copies, -1 where it takes the constant; None for an axis copied as it
+    is."""
+    out_shape = node.outputs[0].type.shape
+    if node.op == "pad":
+        pads, rank = node.attrs["pads"], len(out_shape)
+        tables = [pad_sources(n, pads[a], pads[rank + a], node.attrs["mode"])
+                  for a, n in enumerate(node.inputs[0].type.shape)]
+    else:
+        tables = []
+        for n, start, step, size in zip(out_shape, node.attrs["starts"], node.attrs["steps"],
+                                        node.inputs[0].type.shape):
+            hits = {start + i * step: i for i in range(size)}
+            tables.append([hits.get(j, -1) for j in range(n)])
+    return [None if t == list(range(len(t))) else t for t in tables]
+
+
+def copies_of(sources: list[int], n: int) -> tuple[list[int], list[int]]:
+    """The inverse of `pad_sources` in compressed rows: the indices copying input index
+    ``i`` are ``copies[first[i]:first[i + 1]]``."""
+    rows: list[list[int]] = [[] for _ in range(n)]
+    for j, i in enumerate(sources):
+        if i >= 0:
+            rows[i].append(j)
+    first = [0]
+    for row in rows:
+        first.append(first[-1] + len(row))
+    return first, [j for row in rows for j in row]
+
+
+def index_of(coordinates: list[str]) -> str:
+    """The index of an array at ``coordinates``; ``()`` for a 0-d array."""
+    return ", ".join(coordinates) if coordinates else "()"
+
+
+@contextmanager
+def each_element(m: KernelModule, shape) -> Iterator[list[str]]:
+    """Loops over every element of ``shape`` (the outermost the kernel's blocked loop);
+    yields the coordinates' variables, the body's indentation inside the innermost."""
+    with ExitStack() as stack:
+        coordinates = []
+        for k, extent in enumerate(shape):
+            if k == 0:
+                var = stack.enter_context(split_loop(m, "i0", extent, _prod(shape)))
+            else:
+                var = m.fresh(f"i{k}")
+                stack.enter_context(m.body.block(f"for {var} in range({extent}):"))
+            coordinates.append(var)
+        yield coordinates
+
+
+@renders("transpose")
+def render_transpose(node: Node, m: KernelModule) -> None:
+    """Output axis k runs along input axis perm[k]."""
+    (x,), (y,), perm = m.inputs, m.outputs, node.attrs["perm"]
+    with each_element(m, node.outputs[0].type.shape) as at:
+        source = [at[perm.index(a)] for a in range(len(perm))]
+        m.body.line(f"{y}[{index_of(at)}] = {x}[{index_of(source)}]")
+
+
+@renders("strided_slice")
+def render_strided_slice(node: Node, m: KernelModule) -> None:
+    (x,), (y,) = m.inputs, m.outputs
+    with each_element(m, node.outputs[0].type.shape) as at:
+        source = [affine(v, step, start) for v, start, step
+                  in zip(at, node.attrs["starts"], node.attrs["steps"])]
+        m.body.line(f"{y}[{index_of(at)}] = {x}[{index_of(source)}]")
+
+
+def table_sources(m, node: Node, at: list[str]) -> tuple[list[str], list[str]]:
+    """For a table copy on either target (``m`` a CPU or CUDA module): the coordinates
+    in the input of the output element at ``at``, and the tests (or'ed) saying it is
+    the constant instead."""
+    source, outside = [], []
+    for a, (table, var) in enumerate(zip(axis_sources(node), at)):
+        if table is None:
+            source.append(var)
+            continue
+        source.append(f"{m.constant(f'SRC{a}', table)}[{var}]")
+        if -1 in table:
+            outside.append(f"{source[-1]} < 0")
+    return source, outside
+
+
+def copy_loops(m, body, node: Node, at: list[str], loops: ExitStack) -> list[str]:
+    """For pad's gradient on either target: opens in ``body`` (each loop entered on
+    ``loops``) a loop over the copies (`copies_of`) of the element of x at ``at`` along
+    each padded axis; returns the coordinates in gy of one copy."""
+    pads, mode = node.attrs["pads"], node.attrs["mode"]
+    rank = len(at)
+    source = []
+    for a, (n, var) in enumerate(zip(node.outputs[0].type.shape, at)):
+        if pads[a] == pads[rank + a] == 0:
+            source.append(var)
+            continue
+        first, copies = copies_of(pad_sources(n, pads[a], pads[rank + a], mode), n)
+        first, copies = m.constant(f"FIRST{a}", first), m.constant(f"COPIES{a}", copies)
+        k = m.fresh(f"k{a}")
+        loops.enter_context(body.block(f"for {k} in range({first}[{var}], "
+                                       f"{first}[{var} + 1]):"))
+        source.append(f"{copies}[{k}]")
+    return source
+
+
+@renders("pad", "strided_slice_grad")
+def render_table_copy(node: Node, m: KernelModule) -> None:
+    """Each element copies the input element the axes' tables (`axis_sources`) name, or
+    is the constant where a table says -1 (pad's value, or a gradient's 0)."""
+    (x,), (y,) = m.inputs, m.outputs
+    value = literal(node.attrs.get("value", 0.0), node.outputs[0].type.dtype)
+    with each_element(m, node.outputs[0].type.shape) as at:
+        source, outside = table_sources(m, node, at)
+        read = f"{x}[{index_of(source)}]"
+        if outside:
+            read = f"{value} if {' or '.join(outside)} else {read}"
+        m.body.line(f"{y}[{index_of(at)}] = {read}")
+
+
+@renders("pad_grad")
+def render_pad_grad(node: Node, m: KernelModule) -> None:
+    """Each element of gx adds up the elements of gy that are copies of it, in float64."""
+    (gy,), (gx,), b = m.inputs, m.outputs, m.body
+    dtype = node.outputs[0].type.dtype
+    with each_element(m, node.outputs[0].type.shape) as at:
+        acc = m.fresh("acc")
+        b.line(f"{acc} = {_accumulator(dtype)}(0)")
+        with ExitStack() as loops:
+            source = copy_loops(m, b, node, at, loops)
+            b.line(f"{acc} += {gy}[{index_of(source)}]")
+        b.line(f"{gx}[{index_of(at)}] = {_cast(acc, dtype)}")
 
 
 # ---------------------------------------------------------------------------------------

@@ -43,7 +43,9 @@ def numpy_cast(call: Call, args: list[str]) -> str:
 
 CPU_FUNCTIONS = {
     **PYTHON_OPERATORS,
-    "exp": "np.exp({0})", "tanh": "np.tanh({0})", "cast": numpy_cast,
+    "exp": "np.exp({0})", "tanh": "np.tanh({0})", "log": "np.log({0})",
+    "sqrt": "np.sqrt({0})", "abs": "np.abs({0})", "erf": "math.erf({0})",
+    "pow": "np.power({0}, {1})", "cast": numpy_cast,
     "u64": "np.uint64(np.int64({0}))", "mix64": "splitmix64({0})",
 }
 
@@ -285,8 +287,11 @@ def _print_expressions(module: KernelModule, node: Node, args: list[tuple[str, b
                        index: str, bind) -> list[str]:
     """The source of each output of ``node``'s element expression over ``args``."""
     exprs = get_op(node.op).expr(node, [Arg(i) for i in range(len(args))])
-    if any(isinstance(e, Call) and e.fn == "mix64" for e in walk(exprs)):
+    used = {e.fn for e in walk(exprs) if isinstance(e, Call)}
+    if "mix64" in used:
         module.helper("splitmix64")
+    if "erf" in used:
+        module.import_line("import math")  # NumPy has no erf; Numba compiles math.erf
     return print_exprs(exprs, args, CPU_FUNCTIONS, numpy_literal, index, bind)
 
 

@@ -25,7 +25,8 @@ FUNCTIONS = {
     "lt": 2, "le": 2, "gt": 2, "ne": 2,    # comparisons, giving bool
     "or": 2,                               # of bools
     "select": 3,                           # select(cond, a, b): a where cond, else b
-    "exp": 1, "tanh": 1,
+    "exp": 1, "tanh": 1, "log": 1, "sqrt": 1, "abs": 1, "erf": 1,
+    "pow": 2,                              # pow(a, b): a ** b
     "cast": 1,                             # to Call.dtype
     "u64": 1,                              # an integer's two's complement bits as u64
     "xor": 2, "shr": 2,                    # on u64

@@ -9,8 +9,9 @@ of a straightforward implementation, the usual convention for reporting GFLOP/s:
 * elementwise ops count their arithmetic per element (``relu`` 1, ``sgd`` 6, ...), a
   transcendental function (exp, log, tanh, pow) counts 1;
 * pooling counts the nominal window per pooled element (``kh*kw``, edges not clipped);
-* moving data (``reshape``, ``concat``, ``split``, ``broadcast_to``, ``cast``,
-  ``fill``) and integer work (``dropout_mask``'s hash) count 0;
+* moving data (``reshape``, ``concat``, ``split``, ``transpose``, ``strided_slice``,
+  ``pad``, ``broadcast_to``, ``cast``, ``fill``) and integer work (``dropout_mask``'s
+  hash) count 0; ``pad_grad`` counts an addition per element of its gradient;
 * a fused node costs what its members do: fusing saves memory traffic, not arithmetic.
 
 The numbers are exact for the dominant ops (convolutions, matrix products) and close

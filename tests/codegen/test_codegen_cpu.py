@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from purinec.codegen import CodegenError, cpu
 from purinec.codegen.cpu_module import RENDERERS, CpuOptions
 from purinec.codegen.cpu_runtime import run_blocked, set_threads
+from purinec.errors import ShapeError
 from purinec.ir import nnref
 from purinec.ir.graph import Graph, Node, external_inputs
 from purinec.ir.ops import REGISTRY, conv_output_size, pool_output_size
@@ -139,6 +140,41 @@ def test_cast(src, dst, shape, seed):
 def test_binary(op, shape, dtype, seed, options):
     rng = np.random.default_rng(seed)
     check(op, [random_array(rng, shape, dtype), random_array(rng, shape, dtype)], {}, options)
+
+
+# ONNX's arithmetic and activations and their gradients: op -> (attrs, the range of its
+# inputs), log, sqrt and pow on positive inputs, the kinked ones across their kinks.
+ONNX_ELEMENTWISE = {
+    "neg": ({}, (-2, 2)), "exp": ({}, (-2, 2)), "log": ({}, (0.1, 3)),
+    "sqrt": ({}, (0.1, 3)), "abs": ({}, (-2, 2)), "erf": ({}, (-2, 2)),
+    "leaky_relu": ({"alpha": 0.1}, (-2, 2)), "clip": ({"min": -0.5, "max": 1.0}, (-2, 2)),
+    "hard_sigmoid": ({"alpha": 0.3, "beta": 0.4}, (-4, 4)), "hard_swish": ({}, (-5, 5)),
+    "div": ({}, (0.5, 2)), "pow": ({}, (0.1, 2)), "div_grad_b": ({}, (0.5, 2)),
+    "pow_grad_a": ({}, (0.1, 2)), "pow_grad_b": ({}, (0.1, 2)), "sqrt_grad": ({}, (0.1, 3)),
+    "abs_grad": ({}, (-2, 2)), "erf_grad": ({}, (-2, 2)),
+    "leaky_relu_grad": ({"alpha": 0.1}, (-2, 2)),
+    "clip_grad": ({"min": -0.5, "max": 1.0}, (-2, 2)),
+    "hard_sigmoid_grad": ({"alpha": 0.3, "beta": 0.4}, (-4, 4)),
+    "hard_swish_grad": ({}, (-5, 5)),
+}
+
+
+@pytest.mark.parametrize("op", sorted(ONNX_ELEMENTWISE))
+@settings(SETTINGS, max_examples=2)
+@given(shape=shapes(), dtype=st.sampled_from(FLOATS), seed=seeds,
+       options=st.sampled_from(OPTIONS))
+def test_onnx_elementwise(op, shape, dtype, seed, options):
+    attrs, (low, high) = ONNX_ELEMENTWISE[op]
+    rng = np.random.default_rng(seed)
+    inputs = [random_array(rng, shape, dtype, low, high) for _ in REGISTRY[op].inputs]
+    check(op, inputs, attrs, options)
+
+
+def test_clip_takes_infinite_bounds_and_passes_nan_through():
+    x = np.array([-np.inf, -3.0, np.nan, 0.25, 2.0, np.inf], np.float32)
+    check("clip", [x], {"min": -np.inf, "max": 1.0}, exact=True)
+    check("clip", [x], {"min": -1.0, "max": np.inf}, exact=True)
+    check("clip_grad", [x, np.ones_like(x)], {"min": -1.0, "max": 2.0}, exact=True)
 
 
 @SETTINGS
@@ -303,6 +339,66 @@ def test_concat_and_split(shape, data, options):
     check("concat", parts, {"axis": axis}, options, exact=True)
     whole = np.concatenate(parts, axis=axis)
     check("split", [whole], {"axis": axis, "sections": sections}, options, exact=True)
+
+
+@SETTINGS
+@given(shape=shapes(4), data=st.data(), dtype=st.sampled_from([*FLOATS, DType.i64, DType.bool]),
+       options=st.sampled_from(OPTIONS))
+def test_transpose(shape, data, dtype, options):
+    perm = data.draw(st.permutations(range(len(shape))))
+    x = random_array(np.random.default_rng(data.draw(seeds)), shape, dtype)
+    check("transpose", [x], {"perm": list(perm)}, options, exact=True)
+
+
+@st.composite
+def windows(draw, shape):
+    """starts, steps and sizes of a random strided window inside ``shape`` (no empty
+    axes)."""
+    axes = []
+    for n in shape:
+        step = draw(st.sampled_from([1, 2, 3, -1, -2]))
+        start = draw(st.integers(0, n - 1))
+        room = (n - 1 - start) // step if step > 0 else start // -step
+        axes.append((start, step, draw(st.integers(0, room + 1))))
+    starts, steps, sizes = zip(*axes) if axes else ((), (), ())
+    return list(starts), list(steps), list(sizes)
+
+
+@SETTINGS
+@given(shape=shapes(4, sizes=(1, 2, 5, 7)), data=st.data(),
+       dtype=st.sampled_from([DType.f32, DType.i32]), options=st.sampled_from(OPTIONS))
+def test_strided_slice_and_its_gradient(shape, data, dtype, options):
+    starts, steps, sizes = data.draw(windows(shape))
+    rng = np.random.default_rng(data.draw(seeds))
+    x = random_array(rng, shape, dtype)
+    check("strided_slice", [x], {"starts": starts, "steps": steps, "sizes": sizes}, options,
+          exact=True)
+    gy = random_array(rng, tuple(sizes), dtype)
+    check("strided_slice_grad", [gy], {"input_shape": list(shape), "starts": starts,
+                                       "steps": steps}, options, exact=True)
+
+
+@SETTINGS
+@given(shape=shapes(3, sizes=(1, 3, 4)), data=st.data(),
+       mode=st.sampled_from(["constant", "reflect", "edge"]), options=st.sampled_from(OPTIONS))
+def test_pad_and_its_gradient(shape, data, mode, options):
+    most = [n - 1 if mode == "reflect" else 3 for n in shape]
+    pads = [data.draw(st.integers(0, m)) for m in most * 2]
+    rng = np.random.default_rng(data.draw(seeds))
+    x = random_array(rng, shape, DType.f32)
+    check("pad", [x], {"pads": pads, "mode": mode, "value": -1.5}, options, exact=True)
+    padded = tuple(n + pads[a] + pads[len(shape) + a] for a, n in enumerate(shape))
+    gy = random_array(rng, padded, DType.f64)
+    check("pad_grad", [gy], {"pads": pads, "mode": mode, "input_shape": list(shape)}, options)
+
+
+def test_pad_of_integers_and_what_pads_are_refused():
+    x = np.arange(6, dtype=np.int32).reshape(2, 3)
+    check("pad", [x], {"pads": [1, 2, 0, 1], "value": 7.0}, exact=True)
+    with pytest.raises(ShapeError, match="reflection needs pads shorter than the axis"):
+        one_node("pad", [x], {"pads": [0, 3, 0, 0], "mode": "reflect"})
+    with pytest.raises(ShapeError, match=r"indices 1, 3, \.\.\., 5 .* leave"):
+        one_node("strided_slice", [x], {"starts": [0, 1], "steps": [1, 2], "sizes": [2, 3]})
 
 
 # ---------------------------------------------------------------------------------------
@@ -646,6 +742,22 @@ def test_fused_loop_and_horizontal_groups(options):
     for build in (chain, updates):
         graph, node = fused_graph(build)
         check_fused(graph, node, _inputs(graph, 2), options)
+
+
+def test_a_fused_gelu_imports_what_its_erf_needs():
+    """erf is Python's math.erf (NumPy has none): a fused loop using it imports math."""
+    def gelu(g, make):
+        x = g.add_input("x", TensorType((3, 7), DType.f32))
+        s = make("scale", [x], {"alpha": 2 ** -0.5}, ["s"])
+        e = make("erf", s.outputs, {}, ["e"])
+        one = make("add_scalar", e.outputs, {"value": 1.0}, ["one"])
+        half = make("scale", [x], {"alpha": 0.5}, ["half"])
+        y = make("mul", [half.outputs[0], one.outputs[0]], {}, ["y"])
+        return [s, e, one, half, y], y.outputs
+
+    graph, node = fused_graph(gelu)
+    assert "import math" in cpu.render(node)
+    check_fused(graph, node, _inputs(graph, 3), CpuOptions())
 
 
 def _relu_then_tanh(g, make):

@@ -93,5 +93,38 @@ CASES.update({
                           ("scale", ["o1"], {"alpha": 2.0})]),
 })
 
+# ONNX's arithmetic and activations and their gradients (log, sqrt and pow on positive
+# inputs; the kinked ones across their kinks).
+
+
+def _on(op, arity, low, high, attrs=None, dtype="float32", shape=(3, 4)):
+    return lambda rng: (op, [R(rng, shape, dtype, low, high) for _ in range(arity)],
+                        attrs or {})
+
+
+CASES.update({
+    "neg": _on("neg", 1, -2, 2), "exp": _on("exp", 1, -2, 2),
+    "log": _on("log", 1, 0.1, 3), "sqrt_f64": _on("sqrt", 1, 0.1, 3, dtype="float64"),
+    "abs": _on("abs", 1, -2, 2), "erf": _on("erf", 1, -2, 2),
+    "erf_f64": _on("erf", 1, -2, 2, dtype="float64"),
+    "leaky_relu": _on("leaky_relu", 1, -2, 2, {"alpha": 0.1}),
+    "clip": _on("clip", 1, -2, 2, {"min": -0.5, "max": 1.0}),
+    "clip_no_upper_bound": _on("clip", 1, -2, 2, {"min": -0.5, "max": float("inf")}),
+    "hard_sigmoid": _on("hard_sigmoid", 1, -4, 4, {"alpha": 0.3, "beta": 0.4}),
+    "hard_swish": _on("hard_swish", 1, -5, 5),
+    "div": _on("div", 2, 0.5, 2), "pow": _on("pow", 2, 0.1, 2),
+    "pow_f64": _on("pow", 2, 0.1, 2, dtype="float64"),
+    "div_grad_b": _on("div_grad_b", 3, 0.5, 2), "pow_grad_a": _on("pow_grad_a", 3, 0.1, 2),
+    "pow_grad_b": _on("pow_grad_b", 3, 0.1, 2), "sqrt_grad": _on("sqrt_grad", 2, 0.1, 3),
+    "abs_grad": _on("abs_grad", 2, -2, 2), "erf_grad": _on("erf_grad", 2, -2, 2),
+    "leaky_relu_grad": _on("leaky_relu_grad", 2, -2, 2, {"alpha": 0.1}),
+    "clip_grad": _on("clip_grad", 2, -2, 2, {"min": -0.5, "max": 1.0}),
+    "hard_sigmoid_grad": _on("hard_sigmoid_grad", 2, -4, 4, {"alpha": 0.3, "beta": 0.4}),
+    "hard_swish_grad": _on("hard_swish_grad", 2, -5, 5),
+    "fused_gelu": fused_case([[("x", (3, 7))], ("scale", ["x"], {"alpha": 2 ** -0.5}),
+                              ("erf", ["o0"], {}), ("add_scalar", ["o1"], {"value": 1.0}),
+                              ("scale", ["x"], {"alpha": 0.5}), ("mul", ["o3", "o2"], {})]),
+})
+
 CASES["add_scalar_on_a_scalar"] = _unary("add_scalar", {"value": 1}, dtype="int64", shape=())
 CASES["relu_on_one_element"] = _unary("relu", shape=(1, 1))

@@ -303,6 +303,67 @@ def _xent(label_dtype):
 case("softmax_xent", "i32")(lambda: _xent(np.int32))
 case("softmax_xent", "i64")(lambda: _xent(np.int64))
 
+
+# -- ONNX's arithmetic and activations ---------------------------------------------------
+# Inputs keep clear of where a derivative is undefined (kinks, log at 0) and reach
+# both sides of every kink.
+
+
+def _onnx_unary(op, low=-2.0, high=2.0, **attrs):
+    b = Builder(f"{op}{sorted(attrs.items())}")
+    b.weighted_loss(b.op(op, b.param("x", (3, 4), low, high), **attrs))
+    return b
+
+
+for _op in ("neg", "exp", "abs", "erf"):
+    case(_op)(lambda op=_op: _onnx_unary(op))
+for _op in ("log", "sqrt"):
+    case(_op)(lambda op=_op: _onnx_unary(op, 0.3, 3.0))
+case("leaky_relu")(lambda: _onnx_unary("leaky_relu", alpha=0.2))
+case("clip", "both_bounds")(lambda: _onnx_unary("clip", min=-0.5, max=0.7))
+case("clip", "no_lower_bound")(lambda: _onnx_unary("clip", min=-np.inf, max=0.3))
+case("hard_sigmoid")(lambda: _onnx_unary("hard_sigmoid", -4.0, 4.0, alpha=0.2, beta=0.5))
+case("hard_swish")(lambda: _onnx_unary("hard_swish", -5.0, 5.0))
+
+
+@case("div")
+def _():
+    b = Builder("div")
+    b.weighted_loss(b.op("div", b.param("a", (2, 3)), b.param("b", (2, 3), 0.5, 2.0)))
+    return b
+
+
+@case("pow")
+def _():
+    b = Builder("pow")
+    b.weighted_loss(b.op("pow", b.param("a", (2, 3), 0.3, 2.0), b.param("b", (2, 3), -2, 2)))
+    return b
+
+
+
+# -- ONNX's data movement ----------------------------------------------------------------
+
+
+def _moved(op, shape, name=None, **attrs):
+    b = Builder(name or op)
+    b.weighted_loss(b.op(op, b.param("x", shape), **attrs))
+    return b
+
+
+case("transpose", "3d")(lambda: _moved("transpose", (2, 3, 4), perm=[2, 0, 1]))
+case("transpose", "2d")(lambda: _moved("transpose", (3, 2), "transpose2", perm=[1, 0]))
+case("strided_slice", "steps_and_reversal")(
+    lambda: _moved("strided_slice", (5, 4, 3), starts=[1, 3, 0], steps=[2, -1, 1],
+                   sizes=[2, 3, 3]))
+case("strided_slice", "reversed_with_stride")(
+    lambda: _moved("strided_slice", (7,), "strided_slice1", starts=[6], steps=[-3],
+                   sizes=[3]))
+case("pad", "constant")(lambda: _moved("pad", (2, 3), pads=[1, 0, 2, 1], mode="constant",
+                                       value=1.5))
+case("pad", "reflect")(lambda: _moved("pad", (3, 4), "pad_reflect", pads=[2, 1, 1, 3],
+                                      mode="reflect"))
+case("pad", "edge")(lambda: _moved("pad", (2, 3), "pad_edge", pads=[3, 0, 1, 2], mode="edge"))
+
 ALL_CASES = [(op, variant) for op, variants in sorted(CASES.items()) for variant in variants]
 
 

@@ -28,10 +28,12 @@ from purinec.ir.ops import REGISTRY, get_op
 
 
 # How element expressions print in a Numba CUDA kernel: `math` functions of float32
-# arguments become CUDA's single-precision ones (expf, tanhf).
+# arguments become CUDA's single-precision ones (expf, tanhf, powf).
 CUDA_FUNCTIONS = {
     **PYTHON_OPERATORS,
-    "exp": "math.exp({0})", "tanh": "math.tanh({0})", "cast": numpy_cast,
+    "exp": "math.exp({0})", "tanh": "math.tanh({0})", "log": "math.log({0})",
+    "sqrt": "math.sqrt({0})", "abs": "math.fabs({0})", "erf": "math.erf({0})",
+    "pow": "math.pow({0}, {1})", "cast": numpy_cast,
     "u64": "np.uint64(np.int64({0}))", "mix64": "splitmix64({0})",
 }
 

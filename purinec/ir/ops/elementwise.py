@@ -12,9 +12,10 @@ from purinec.ir import nnref
 from purinec.ir.expr import U64, Const, Index, call, cast, select
 from purinec.ir.ops.helpers import (binary_infer, check_float, check_integer, check_rank,
                                     constant, dtype_attr, elementwise_split, emit1, fail,
-                                    free, grad_pair_infer, linear_split, only,
+                                    float_infer, free, linear_split, only,
                                     per_output_element, shape_attr, unary_infer)
-from purinec.ir.ops.registry import Attr, FusionKind, OpDef, SplitSignature, register
+from purinec.ir.ops.registry import (FINITE, Attr, Bound, FusionKind, OpDef, SplitSignature,
+                                     register)
 from purinec.ir.types import DType, TensorType
 
 E, B = FusionKind.elementwise, FusionKind.broadcast
@@ -151,18 +152,257 @@ def _tanh_grad_expr(node, args):
     return [gy * (one - y * y)]
 
 
-register(OpDef("relu_grad", ("x", "gy"), grad_pair_infer("relu_grad"),
+register(OpDef("relu_grad", ("x", "gy"), float_infer("relu_grad"),
                lambda x, gy: (np.where(x > 0, gy, 0).astype(gy.dtype),), E,
                split=elementwise_split, flops=per_output_element(1),  # a select
                expr=_relu_grad_expr, doc="gy * (x > 0)"))
-register(OpDef("sigmoid_grad", ("y", "gy"), grad_pair_infer("sigmoid_grad"),
+register(OpDef("sigmoid_grad", ("y", "gy"), float_infer("sigmoid_grad"),
                lambda y, gy: (gy * y * (1 - y),), E, split=elementwise_split,
                flops=per_output_element(3), expr=_sigmoid_grad_expr,
                doc="gy * y * (1 - y), y = sigmoid(x)"))
-register(OpDef("tanh_grad", ("y", "gy"), grad_pair_infer("tanh_grad"),
+register(OpDef("tanh_grad", ("y", "gy"), float_infer("tanh_grad"),
                lambda y, gy: (gy * (1 - y * y),), E, split=elementwise_split,
                flops=per_output_element(3), expr=_tanh_grad_expr,
                doc="gy * (1 - y^2), y = tanh(x)"))
+
+
+# ---------------------------------------------------------------------------------------
+# More arithmetic and activations (what ONNX models use). Two-input ops take operands of
+# one type: an importer broadcasts them first (broadcast_to). Each gradient op follows
+# PyTorch's convention where the derivative is undefined (kinks, pow at a = 0).
+
+
+def _erf(x):
+    """NumPy has no erf: Python's, element by element, in x's dtype."""
+    return np.vectorize(math.erf, otypes=[x.dtype])(x)
+
+
+def _clamp(v, lo, hi):
+    """min(max(v, lo), hi) as selects: NaN passes through, as in np.clip."""
+    v = select(call("lt", v, lo), lo, v)
+    return select(call("gt", v, hi), hi, v)
+
+
+def _unary(name, reference, expr, gradient, flops=1, split=elementwise_split, doc=""):
+    """An elementwise op of one float tensor, attributes none."""
+    register(OpDef(name, ("x",), unary_infer(name), lambda x: (reference(x),), E,
+                   split=split, gradient=gradient, flops=per_output_element(flops),
+                   expr=lambda node, args: [expr(node, args[0])], doc=doc))
+
+
+def _grad_op(name, inputs, reference, expr, flops, attrs=None, doc=""):
+    """A gradient op: float operands of one type -> gx, element by element."""
+    register(OpDef(name, inputs, float_infer(name), reference, E, attrs=attrs or {},
+                   split=elementwise_split, flops=per_output_element(flops),
+                   expr=lambda node, args: [expr(node, *args)], doc=doc))
+
+
+def _unary_gradient(op, inputs):
+    """A rule emitting ``op`` over ``inputs`` (each "x", "y" or "gy") with the forward
+    node's attributes."""
+    def rule(g, node, gys, needs=None):
+        named = {"x": node.inputs[0], "y": node.outputs[0], "gy": gys[0]}
+        return only(needs, lambda: emit1(g, node, op, [named[i] for i in inputs],
+                                         dict(node.attrs)))
+    return rule
+
+
+_unary("neg", np.negative, lambda node, x: -x, _unary_gradient("neg", ["gy"]),
+       split=linear_split)
+_unary("exp", np.exp, lambda node, x: call("exp", x), _unary_gradient("mul", ["gy", "y"]),
+       doc="e^x; gx = gy * y")
+_unary("log", np.log, lambda node, x: call("log", x), _unary_gradient("div", ["gy", "x"]),
+       doc="natural logarithm; gx = gy / x")
+_unary("sqrt", np.sqrt, lambda node, x: call("sqrt", x),
+       _unary_gradient("sqrt_grad", ["y", "gy"]))
+_unary("abs", np.abs, lambda node, x: call("abs", x), _unary_gradient("abs_grad", ["x", "gy"]))
+_unary("erf", _erf, lambda node, x: call("erf", x), _unary_gradient("erf_grad", ["x", "gy"]))
+_unary("hard_swish", lambda x: x * np.clip(x * x.dtype.type(1 / 6) + x.dtype.type(0.5), 0, 1),
+       lambda node, x: x * _clamp(x * constant(node, 1 / 6) + constant(node, 0.5),
+                                  constant(node, 0), constant(node, 1)),
+       _unary_gradient("hard_swish_grad", ["x", "gy"]), flops=5,
+       doc="x * max(0, min(1, x/6 + 1/2))")
+
+
+def _leaky_relu_expr(node, args):
+    (x,), zero = args, constant(node, 0)
+    return [select(call("gt", x, zero), x, x * constant(node, node.attrs["alpha"]))]
+
+
+register(OpDef("leaky_relu", ("x",), unary_infer("leaky_relu"),
+               lambda x, alpha: (np.where(x > 0, x, x * x.dtype.type(alpha)),), E,
+               attrs={"alpha": Attr("float", 0.01, bound=FINITE)}, split=elementwise_split,
+               gradient=_unary_gradient("leaky_relu_grad", ["x", "gy"]),
+               flops=per_output_element(2), expr=_leaky_relu_expr,
+               doc="x where x > 0, else alpha * x"))
+
+# Infinite bounds are the importer's "no bound"; a NaN bound would bound nothing sensibly.
+NOT_NAN = Bound(lambda v: not math.isnan(v), "a number or an infinity, not nan")
+
+
+def _clip_ref(x, **bounds):
+    return (np.clip(x, x.dtype.type(bounds["min"]), x.dtype.type(bounds["max"])),)
+
+
+register(OpDef("clip", ("x",), unary_infer("clip"), _clip_ref, E,
+               attrs={"min": Attr("float", -math.inf, bound=NOT_NAN),
+                      "max": Attr("float", math.inf, bound=NOT_NAN)},
+               split=elementwise_split, gradient=_unary_gradient("clip_grad", ["x", "gy"]),
+               flops=per_output_element(2),
+               expr=lambda node, args: [_clamp(args[0], constant(node, node.attrs["min"]),
+                                               constant(node, node.attrs["max"]))],
+               doc="np.clip(x, min, max): NaN passes through"))
+
+
+def _hard_sigmoid_inner(node, x):
+    return x * constant(node, node.attrs["alpha"]) + constant(node, node.attrs["beta"])
+
+
+def _hard_sigmoid_ref(x, alpha, beta):
+    return (np.clip(x * x.dtype.type(alpha) + x.dtype.type(beta), 0, 1).astype(x.dtype),)
+
+
+register(OpDef("hard_sigmoid", ("x",), unary_infer("hard_sigmoid"), _hard_sigmoid_ref, E,
+               attrs={"alpha": Attr("float", 0.2, bound=FINITE),
+                      "beta": Attr("float", 0.5, bound=FINITE)},
+               split=elementwise_split,
+               gradient=_unary_gradient("hard_sigmoid_grad", ["x", "gy"]),
+               flops=per_output_element(4),
+               expr=lambda node, args: [_clamp(_hard_sigmoid_inner(node, args[0]),
+                                               constant(node, 0), constant(node, 1))],
+               doc="max(0, min(1, alpha * x + beta))"))
+
+
+def _div_gradient(g, node, gys, needs=None):
+    """ga = gy / b; gb = -gy * y / b."""
+    b, y = node.inputs[1], node.outputs[0]
+    return only(needs, lambda: emit1(g, node, "div", [gys[0], b]),
+                lambda: emit1(g, node, "div_grad_b", [y, b, gys[0]]))
+
+
+def _pow_gradient(g, node, gys, needs=None):
+    a, b = node.inputs
+    return only(needs, lambda: emit1(g, node, "pow_grad_a", [a, b, gys[0]]),
+                lambda: emit1(g, node, "pow_grad_b", [a, b, gys[0]]))
+
+
+register(OpDef("div", ("a", "b"), float_infer("div"), lambda a, b: (a / b,), E,
+               split=elementwise_split, gradient=_div_gradient, flops=per_output_element(1),
+               expr=lambda node, args: [args[0] / args[1]]))
+register(OpDef("pow", ("a", "b"), float_infer("pow"), lambda a, b: (np.power(a, b),), E,
+               split=elementwise_split, gradient=_pow_gradient, flops=per_output_element(1),
+               expr=lambda node, args: [call("pow", *args)],
+               doc="a ** b (NaN where a < 0 and b is not an integer)"))
+
+
+def _pow_grad_a_expr(node, a, b, gy):
+    """gy * b * a^(b-1), and 0 where b = 0 (not 0 * inf at a = 0)."""
+    one, zero = constant(node, 1), constant(node, 0)
+    return select(call("ne", b, zero), gy * b * call("pow", a, b - one), zero)
+
+
+def _pow_grad_b_expr(node, a, b, gy):
+    """gy * a^b * log(a), and 0 where a = 0 and b >= 0 (a^b is flat there: 0 or 1)."""
+    zero = constant(node, 0)
+    full = gy * call("pow", a, b) * call("log", a)
+    return select(call("ne", a, zero), full, select(call("lt", b, zero), full, zero))
+
+
+def _ignoring_invalid(fn):
+    """``fn`` without NumPy's warnings for log(0), 0 * inf and the like."""
+    def quiet(*args, **attrs):
+        with np.errstate(all="ignore"):
+            return fn(*args, **attrs)
+    return quiet
+
+
+@_ignoring_invalid
+def _pow_grad_a_ref(a, b, gy):
+    return (np.where(b != 0, gy * b * np.power(a, b - 1), 0).astype(gy.dtype),)
+
+
+@_ignoring_invalid
+def _pow_grad_b_ref(a, b, gy):
+    full = gy * np.power(a, b) * np.log(a)
+    return (np.where((a == 0) & (b >= 0), 0, full).astype(gy.dtype),)
+
+
+def _abs_grad_expr(node, x, gy):
+    zero = constant(node, 0)
+    return select(call("gt", x, zero), gy, select(call("lt", x, zero), -gy, zero))
+
+
+def _hard_sigmoid_grad_expr(node, x, gy):
+    """alpha * gy where 0 < alpha x + beta < 1, else 0 (PyTorch's: 0 at the kinks)."""
+    v, zero = _hard_sigmoid_inner(node, x), constant(node, 0)
+    inside = select(call("lt", v, constant(node, 1)), gy * constant(node, node.attrs["alpha"]),
+                    zero)
+    return select(call("gt", v, zero), inside, zero)
+
+
+def _hard_sigmoid_grad_ref(x, gy, alpha, beta):
+    v = x * x.dtype.type(alpha) + x.dtype.type(beta)
+    return (np.where((v > 0) & (v < 1), gy * gy.dtype.type(alpha), 0).astype(gy.dtype),)
+
+
+def _hard_swish_grad_expr(node, x, gy):
+    """PyTorch's: 0 for x < -3, gy (x/3 + 1/2) for -3 <= x <= 3, gy above."""
+    three = constant(node, 3)
+    slope = gy * (x / three + constant(node, 0.5))
+    return select(call("lt", x, -three), constant(node, 0),
+                  select(call("le", x, three), slope, gy))
+
+
+def _hard_swish_grad_ref(x, gy):
+    t = x.dtype.type
+    slope = gy * (x / t(3) + t(0.5))
+    return (np.where(x < -3, 0, np.where(x <= 3, slope, gy)).astype(gy.dtype),)
+
+
+def _clip_grad_expr(node, x, gy):
+    """gy where min <= x <= max (a NaN x fails both tests: 0, as in PyTorch)."""
+    low, high = constant(node, node.attrs["min"]), constant(node, node.attrs["max"])
+    zero = constant(node, 0)
+    return select(call("le", low, x), select(call("le", x, high), gy, zero), zero)
+
+
+def _clip_grad_ref(x, gy, **bounds):
+    inside = (x >= x.dtype.type(bounds["min"])) & (x <= x.dtype.type(bounds["max"]))
+    return (np.where(inside, gy, 0).astype(gy.dtype),)
+
+
+_TWO_OVER_SQRT_PI = 2 / math.sqrt(math.pi)
+
+_grad_op("div_grad_b", ("y", "b", "gy"),
+         lambda y, b, gy: (-(gy * y) / b,),
+         lambda node, y, b, gy: -(gy * y) / b, 3, doc="-gy * y / b, y = a / b")
+_grad_op("pow_grad_a", ("a", "b", "gy"), _pow_grad_a_ref, _pow_grad_a_expr, 4,
+         doc="gy * b * a^(b-1) (0 where b = 0)")
+_grad_op("pow_grad_b", ("a", "b", "gy"), _pow_grad_b_ref, _pow_grad_b_expr, 4,
+         doc="gy * a^b * log(a) (0 where a = 0 and b >= 0)")
+_grad_op("sqrt_grad", ("y", "gy"), lambda y, gy: (gy / (y + y),),
+         lambda node, y, gy: gy / (y + y), 2, doc="gy / (2 y), y = sqrt(x)")
+_grad_op("abs_grad", ("x", "gy"),
+         lambda x, gy: (np.where(x > 0, gy, np.where(x < 0, -gy, 0)).astype(gy.dtype),),
+         _abs_grad_expr, 2, doc="gy * sign(x) (0 at 0)")
+_grad_op("erf_grad", ("x", "gy"),
+         lambda x, gy: (gy * x.dtype.type(_TWO_OVER_SQRT_PI) * np.exp(-(x * x)),),
+         lambda node, x, gy: gy * constant(node, _TWO_OVER_SQRT_PI) * call("exp", -(x * x)),
+         5, doc="gy * 2/sqrt(pi) * exp(-x^2)")
+_grad_op("leaky_relu_grad", ("x", "gy"),
+         lambda x, gy, alpha: (np.where(x > 0, gy, gy * gy.dtype.type(alpha)),),
+         lambda node, x, gy: select(call("gt", x, constant(node, 0)), gy,
+                                    gy * constant(node, node.attrs["alpha"])),
+         2, attrs={"alpha": Attr("float", 0.01, bound=FINITE)},
+         doc="gy where x > 0, else alpha * gy")
+_grad_op("clip_grad", ("x", "gy"), _clip_grad_ref, _clip_grad_expr,
+         2, attrs={"min": Attr("float", -math.inf, bound=NOT_NAN),
+                   "max": Attr("float", math.inf, bound=NOT_NAN)},
+         doc="gy where min <= x <= max, else 0 (PyTorch's: the bounds pass it)")
+_grad_op("hard_sigmoid_grad", ("x", "gy"), _hard_sigmoid_grad_ref, _hard_sigmoid_grad_expr,
+         4, attrs={"alpha": Attr("float", 0.2, bound=FINITE),
+                   "beta": Attr("float", 0.5, bound=FINITE)})
+_grad_op("hard_swish_grad", ("x", "gy"), _hard_swish_grad_ref, _hard_swish_grad_expr, 4)
 
 
 def _bias_add_infer(types, attrs):

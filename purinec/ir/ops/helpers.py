@@ -80,8 +80,9 @@ def binary_infer(op):
     return infer
 
 
-def grad_pair_infer(op):
-    """(y or x, gy) -> gx, all of one type."""
+def float_infer(op):
+    """Float operands, all of one type -> one output of that type: div, pow and the
+    gradient ops ((y or x, gy) -> gx)."""
     def infer(types, attrs):
         check_float(op, types[0])
         check_same(op, types)

@@ -6,7 +6,7 @@ import numpy as np
 
 from purinec.ir import nnref
 from purinec.ir.ops.helpers import (batch_split, check_float, check_rank, emit1, fail,
-                                    grad_pair_infer, only, per_output_element)
+                                    float_infer, only, per_output_element)
 from purinec.ir.ops.registry import FINITE, Attr, FusionKind, OpDef, SplitSignature, register
 
 X = FusionKind.opaque
@@ -38,7 +38,7 @@ def _lrn_flops(node) -> int:
 register(OpDef("lrn", ("x",), _lrn_infer, nnref.lrn, X, attrs=dict(LRN_ATTRS),
                split=batch_split, gradient=_lrn_gradient, flops=_lrn_flops,
                doc="Caffe's across-channel LRN: x * (k + alpha/size * sum x^2)^-beta"))
-register(OpDef("lrn_grad", ("x", "gy"), grad_pair_infer("lrn_grad"), nnref.lrn_grad, X,
+register(OpDef("lrn_grad", ("x", "gy"), float_infer("lrn_grad"), nnref.lrn_grad, X,
                attrs=dict(LRN_ATTRS), split=batch_split,
                flops=lambda node: 2 * _lrn_flops(node)))  # the scale again, then its adjoint
 
@@ -72,7 +72,7 @@ register(OpDef("softmax", ("x",), _softmax_infer, softmax_ref, X,
                attrs={"axis": Attr("int", 1)}, split=_softmax_split,
                gradient=_softmax_gradient,
                flops=per_output_element(5)))  # max, subtract, exp, sum, divide
-register(OpDef("softmax_grad", ("y", "gy"), grad_pair_infer("softmax_grad"),
+register(OpDef("softmax_grad", ("y", "gy"), float_infer("softmax_grad"),
                lambda y, gy, axis: (y * (gy - (gy * y).sum(axis=axis, keepdims=True)),), X,
                attrs={"axis": Attr("int", 1)}, split=_softmax_split,
                flops=per_output_element(4)))  # gy * y, sum, subtract, multiply
