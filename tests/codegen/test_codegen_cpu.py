@@ -327,13 +327,26 @@ def conv_problems(draw):
     cin_g, cout_g = draw(st.sampled_from([1, 3])), draw(st.sampled_from([1, 2]))
     kh, kw = draw(st.sampled_from([(1, 1), (3, 3), (2, 3)]))
     stride = draw(st.sampled_from([(1, 1), (2, 2), (1, 2)]))
-    pad = draw(st.sampled_from([(0, 0), (1, 1), (0, 2)]))
-    pad = (min(pad[0], kh - 1), min(pad[1], kw - 1))
+    dilation = draw(st.sampled_from([(1, 1), (1, 1), (2, 1), (2, 2)]))
+    pad = draw(st.sampled_from([(0, 0), (1, 1), (0, 2), (1, 0, 2, 1), (0, 2, 0, 0)]))
     h, w = draw(st.sampled_from([(4, 5), (3, 3), (6, 4)]))
-    assume(h + 2 * pad[0] >= kh and w + 2 * pad[1] >= kw)
+    top, left, bottom, right = nnref.pad_edges(pad)
+    assume(conv_output_size(h, kh, stride[0], top, bottom, dilation[0]) >= 1)
+    assume(conv_output_size(w, kw, stride[1], left, right, dilation[1]) >= 1)
     n = draw(st.sampled_from([1, 2]))
-    attrs = {"stride": list(stride), "pad": list(pad), "groups": groups}
+    attrs = {"stride": list(stride), "pad": list(pad), "groups": groups,
+             "dilation": list(dilation)}
     return (n, cin_g * groups, h, w), (cout_g * groups, cin_g, kh, kw), attrs
+
+
+def check_conv_gradients(rng, x_shape, w_shape, attrs, dtype, options) -> None:
+    """Both gradients of the convolution of ``x_shape`` by ``w_shape``, random."""
+    (y,) = one_node("conv2d", [np.zeros(x_shape, dtype.numpy), np.zeros(w_shape, dtype.numpy)],
+                    attrs).outputs
+    gy, w = random_array(rng, y.type.shape, dtype), random_array(rng, w_shape, dtype)
+    check("conv2d_grad_input", [gy, w], {**attrs, "input_shape": list(x_shape)}, options)
+    x = random_array(rng, x_shape, dtype)
+    check("conv2d_grad_weight", [x, gy], {**attrs, "kernel": list(w_shape[2:])}, options)
 
 
 @pytest.mark.slow  # a Numba compile per example
@@ -345,11 +358,7 @@ def test_conv2d_and_its_gradients(problem, dtype, seed, options):
     rng = np.random.default_rng(seed)
     x, w = random_array(rng, x_shape, dtype), random_array(rng, w_shape, dtype)
     check("conv2d", [x, w], attrs, options)
-    oh = conv_output_size(x_shape[2], w_shape[2], attrs["stride"][0], attrs["pad"][0])
-    ow = conv_output_size(x_shape[3], w_shape[3], attrs["stride"][1], attrs["pad"][1])
-    gy = random_array(rng, (x_shape[0], w_shape[0], oh, ow), dtype)
-    check("conv2d_grad_input", [gy, w], {**attrs, "input_shape": list(x_shape)}, options)
-    check("conv2d_grad_weight", [x, gy], {**attrs, "kernel": list(w_shape[2:])}, options)
+    check_conv_gradients(rng, x_shape, w_shape, attrs, dtype, options)
 
 
 @pytest.mark.slow  # a Numba compile per case
@@ -373,6 +382,12 @@ def test_pointwise_conv_skips_im2col_and_agrees(options):
     ((2, 16, 7, 6), (16, 16, 5, 5), {"stride": [1, 1], "pad": [2, 2], "groups": 1}),
     ((2, 8, 6, 9), (12, 8, 3, 8), {"stride": [1, 2], "pad": [0, 1], "groups": 1}),
     ((1, 24, 5, 5), (16, 12, 3, 6), {"stride": [1, 1], "pad": [1, 1], "groups": 2}),
+    # Dilated, padded unevenly: kernel rows dh rows apart; the input gradient as a
+    # convolution (pads within the dilated kernel's reach), then by col2im (a pad past it).
+    ((2, 16, 8, 7), (16, 16, 3, 5), {"stride": [1, 1], "pad": [1, 2, 3, 2],
+                                     "dilation": [2, 1], "groups": 1}),
+    ((1, 8, 6, 9), (12, 8, 2, 8), {"stride": [1, 2], "pad": [3, 0, 0, 1],
+                                   "dilation": [2, 1], "groups": 1}),
 ])
 def test_conv_by_kernel_rows_agrees(x_shape, w_shape, attrs, options):
     """Enough channels times kernel columns for the kernel-row GEMMs (forward, and
@@ -381,11 +396,7 @@ def test_conv_by_kernel_rows_agrees(x_shape, w_shape, attrs, options):
     x, w = random_array(rng, x_shape, DType.f32), random_array(rng, w_shape, DType.f32)
     assert "w_rows" in cpu.render(one_node("conv2d", [x, w], attrs), options)
     check("conv2d", [x, w], attrs, options)
-    oh = conv_output_size(x_shape[2], w_shape[2], attrs["stride"][0], attrs["pad"][0])
-    ow = conv_output_size(x_shape[3], w_shape[3], attrs["stride"][1], attrs["pad"][1])
-    gy = random_array(rng, (x_shape[0], w_shape[0], oh, ow), DType.f32)
-    check("conv2d_grad_input", [gy, w], {**attrs, "input_shape": list(x_shape)}, options)
-    check("conv2d_grad_weight", [x, gy], {**attrs, "kernel": list(w_shape[2:])}, options)
+    check_conv_gradients(rng, x_shape, w_shape, attrs, DType.f32, options)
 
 # ---------------------------------------------------------------------------------------
 # Pooling, LRN, softmax and the losses.
