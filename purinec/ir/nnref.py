@@ -157,17 +157,28 @@ def pool_axis(size: int, kernel: int, stride: int, pad: int, pad_end: int, dilat
     return windows
 
 
+def pool_divisors(size: int, kernel: int, stride: int, pad: int, pad_end: int, dilation: int,
+                  ceil_mode: bool, count_include_pad: bool) -> list[int]:
+    """Per window along one axis, its factor of the average's divisor: its taps inside
+    the padded input with ``count_include_pad``, else inside the input."""
+    return [padded if count_include_pad else len(taps)
+            for taps, padded in pool_axis(size, kernel, stride, pad, pad_end, dilation,
+                                          ceil_mode)]
+
+
 def _pool_windows(h, w, kernel, stride, pad, dilation, ceil_mode, count_include_pad):
     """Yield ``(p, q, rows, cols, divisor)`` per output position: the input rows and
     columns of its taps (each window is their product) and its average's divisor,
     the taps inside the padded input (Caffe's; ``count_include_pad``) or the input."""
     top, left, bottom, right = pad_edges(pad)
-    rows = pool_axis(h, kernel[0], stride[0], top, bottom, dilation[0], ceil_mode)
-    cols = pool_axis(w, kernel[1], stride[1], left, right, dilation[1], ceil_mode)
-    for p, (r, r_padded) in enumerate(rows):
-        for q, (c, c_padded) in enumerate(cols):
-            divisor = r_padded * c_padded if count_include_pad else len(r) * len(c)
-            yield p, q, r[:, None], c[None, :], divisor
+    axes = ((h, kernel[0], stride[0], top, bottom, dilation[0], ceil_mode),
+            (w, kernel[1], stride[1], left, right, dilation[1], ceil_mode))
+    (rows, cols), (row_divisors, col_divisors) = (
+        [pool_axis(*axis) for axis in axes],
+        [pool_divisors(*axis, count_include_pad) for axis in axes])
+    for p, (r, _) in enumerate(rows):
+        for q, (c, _) in enumerate(cols):
+            yield p, q, r[:, None], c[None, :], row_divisors[p] * col_divisors[q]
 
 
 def _pool_out(x, kernel, stride, pad, dilation, ceil_mode):

@@ -19,7 +19,8 @@ from purinec.codegen.cpu_module import RENDERERS, CpuOptions
 from purinec.codegen.cpu_runtime import run_blocked, set_threads
 from purinec.ir import nnref
 from purinec.ir.graph import Graph, Node, external_inputs
-from purinec.ir.ops import REGISTRY, conv_output_size, pool_output_size
+from purinec.errors import ShapeError
+from purinec.ir.ops import REGISTRY, conv_output_size
 from purinec.ir.types import DType, TensorType
 
 SETTINGS = settings(max_examples=6, deadline=None, derandomize=True,
@@ -402,37 +403,46 @@ def test_conv_by_kernel_rows_agrees(x_shape, w_shape, attrs, options):
 # Pooling, LRN, softmax and the losses.
 
 
+def pool_fits(shape, attrs) -> bool:
+    """Whether the op takes these windows (each must hold an input element)."""
+    try:
+        REGISTRY["max_pool2d"].infer([TensorType(shape, DType.f32)],
+                                     REGISTRY["max_pool2d"].complete_attrs(attrs))
+    except ShapeError:
+        return False
+    return True
+
+
 @st.composite
 def pool_problems(draw):
+    """(x shape, max pooling's attrs); average pooling draws count_include_pad too."""
     kernel = draw(st.sampled_from([(2, 2), (3, 3), (1, 2)]))
     stride = draw(st.sampled_from([(1, 1), (2, 2), (3, 2)]))
-    pad = (draw(st.integers(0, kernel[0] - 1)), draw(st.integers(0, kernel[1] - 1)))
+    dilation = draw(st.sampled_from([(1, 1), (1, 1), (2, 1), (1, 3)]))
+    pad = [draw(st.integers(0, kernel[k % 2] - 1)) for k in range(draw(st.sampled_from([2, 4])))]
     h, w = draw(st.sampled_from([(4, 4), (5, 7), (3, 6)]))
     shape = (draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 3])), h, w)
-    assume(pool_output_size(h, kernel[0], stride[0], pad[0]) >= 1)
-    assume(pool_output_size(w, kernel[1], stride[1], pad[1]) >= 1)
-    return shape, {"kernel": list(kernel), "stride": list(stride), "pad": list(pad)}
-
-
-def _pooled(shape, attrs):
-    return (*shape[:2], *(pool_output_size(shape[2 + a], attrs["kernel"][a], attrs["stride"][a],
-                                           attrs["pad"][a]) for a in range(2)))
+    attrs = {"kernel": list(kernel), "stride": list(stride), "pad": pad,
+             "dilation": list(dilation), "ceil_mode": draw(st.booleans())}
+    assume(pool_fits(shape, attrs))
+    return shape, attrs
 
 
 @pytest.mark.slow  # a Numba compile per example
 @settings(SETTINGS, max_examples=6)
-@given(problem=pool_problems(), dtype=st.sampled_from(FLOATS), seed=seeds,
-       options=st.sampled_from(OPTIONS))
-def test_pooling_and_its_gradients(problem, dtype, seed, options):
+@given(problem=pool_problems(), count_include_pad=st.booleans(), dtype=st.sampled_from(FLOATS),
+       seed=seeds, options=st.sampled_from(OPTIONS))
+def test_pooling_and_its_gradients(problem, count_include_pad, dtype, seed, options):
     shape, attrs = problem
     rng = np.random.default_rng(seed)
     x = random_array(rng, shape, dtype)
     check("max_pool2d", [x], attrs, options, exact=True)
-    check("avg_pool2d", [x], attrs, options)
+    avg = {**attrs, "count_include_pad": count_include_pad}
+    check("avg_pool2d", [x], avg, options)
     (y,) = nnref.max_pool2d(x, **attrs)
     gy = random_array(rng, y.shape, dtype)
     check("max_pool2d_grad", [x, y, gy], attrs, options)
-    check("avg_pool2d_grad", [gy], {**attrs, "input_shape": list(shape)}, options)
+    check("avg_pool2d_grad", [gy], {**avg, "input_shape": list(shape)}, options)
 
 
 def test_max_pool_grad_routes_ties_to_the_first_maximum():
@@ -444,13 +454,16 @@ def test_max_pool_grad_routes_ties_to_the_first_maximum():
 
 
 @pytest.mark.slow  # a Numba compile per case
-@pytest.mark.parametrize("kernel, stride, pad", [([6, 5], [2, 3], [2, 1]), ([2, 3], [1, 3], [1, 2])])
-def test_max_pool_with_big_windows_and_column_strides(kernel, stride, pad):
+@pytest.mark.parametrize("kernel, stride, pad, dilation", [
+    ([6, 5], [2, 3], [2, 1], [1, 1]), ([2, 3], [1, 3], [1, 2], [1, 1]),
+    ([6, 5], [2, 3], [2, 1, 0, 3], [1, 2]), ([2, 3], [1, 3], [1, 0, 2, 2], [2, 2])])
+def test_max_pool_with_big_windows_and_column_strides(kernel, stride, pad, dilation):
     """Windows over the unrolling limit run as loops; column strides of 3 make three
-    phase planes, padding and ceil mode leave some of them short."""
+    phase planes, padding and ceil mode leave some of them short; dilated taps step
+    across phases."""
     rng = np.random.default_rng(7)
     x = random_array(rng, (2, 3, 11, 13), DType.f32)
-    attrs = {"kernel": kernel, "stride": stride, "pad": pad}
+    attrs = {"kernel": kernel, "stride": stride, "pad": pad, "dilation": dilation}
     check("max_pool2d", [x], attrs, exact=True)
     (y,) = nnref.max_pool2d(x, **attrs)
     check("max_pool2d_grad", [x, y, random_array(rng, y.shape, DType.f32)], attrs)
