@@ -4,10 +4,10 @@
   blocks of rows (or columns) when big;
 * ``conv2d``: per image, im2col into a scratch matrix (from a zero-bordered copy of the
   image when there is padding, so the copy loops have constant trip counts and no
-  bounds tests; taps ``dilation`` apart are just larger steps) and one GEMM per group. 1x1 convolutions with stride 1 and no padding
-  skip im2col: the image is the matrix. With stride 1 along rows and enough input
-  channels, one GEMM per kernel row over a matrix ``kh`` times smaller than im2col's
-  (see `_by_kernel_rows`);
+  bounds tests; taps ``dilation`` apart are just larger steps) and one GEMM per group.
+  1x1 convolutions with stride 1 and no padding skip im2col: the image is the matrix.
+  With stride 1 along rows and enough input channels, one GEMM per kernel row over a
+  matrix ``kh`` times smaller than im2col's (see `_by_kernel_rows`);
 * ``conv2d_grad_input``: col2im of ``w^T @ gy`` per image (by kernel rows, likewise),
   or, for stride 1 "same" convolutions, a forward convolution of ``gy`` with flipped
   weights (as dilated as the forward's);

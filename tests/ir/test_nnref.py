@@ -504,7 +504,7 @@ def _purinec_attrs(op, onnx_attrs):
 
 @pytest.mark.parametrize("op, onnx_attrs", ONNX_CASES)
 def test_references_agree_with_onnx(op, onnx_attrs):
-    onnx = pytest.importorskip("onnx")
+    pytest.importorskip("onnx")
     from onnx import TensorProto, helper
     from onnx.reference import ReferenceEvaluator
 

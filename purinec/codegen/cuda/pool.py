@@ -2,12 +2,12 @@
 
 Pooling views its arrays as (batch x channel) planes. The forward kernels give each
 thread one output element: its window's taps (``dilation`` apart) inside the input
-(padding never wins a max nor adds to a sum), read straight from the input. The gradients give each thread one
-*input* element and gather from the windows that contain it, so overlapping windows
-need no atomics, each gradient is written once, and the windows' shares are added in
-the reference's order (by window, row-major). The max's gradient recomputes each such
-window's first maximum and takes the window's gradient only if that is this element:
-the reference's rule for ties.
+(padding never wins a max nor adds to a sum), read straight from the input. The
+gradients give each thread one *input* element and gather from the windows with a tap
+on it, so overlapping windows need no atomics, each gradient is written once, and the
+windows' shares are added in the reference's order (by window, row-major). The max's
+gradient recomputes each such window's first maximum and takes the window's gradient
+only if that is this element: the reference's rule for ties.
 
 Global average pooling is a sum over each plane (`purinec.codegen.cuda.reduce`). LRN
 gives each thread one element; its gradient needs the scale of every channel in the

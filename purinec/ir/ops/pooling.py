@@ -87,9 +87,9 @@ def _pool_shape(op, x: TensorType, attrs):
         raise fail(op, f"bad window: kernel {attrs['kernel']}, stride {attrs['stride']}, "
                         f"dilation {attrs['dilation']} must be >= 1")
     out = []
-    for size, k, s, begin, end, d in ((x.shape[2], kh, sh, top, bottom, dh),
-                                      (x.shape[3], kw, sw, left, right, dw)):
-        windows = pool_axis(size, k, s, begin, end, d, attrs["ceil_mode"])
+    for length, k, s, begin, end, d in ((x.shape[2], kh, sh, top, bottom, dh),
+                                        (x.shape[3], kw, sw, left, right, dw)):
+        windows = pool_axis(length, k, s, begin, end, d, attrs["ceil_mode"])
         if not windows:
             raise fail(op, f"window {kh}x{kw} does not fit input {x}")
         # A window of padding alone has no maximum, nor an average without its pad.
