@@ -145,7 +145,8 @@ def _conv2d_gradient(g, node, gys, needs=None):
 
 
 def _conv_flops(output, weight_shape) -> int:
-    """2 FLOPs per multiply-add: every output element sums Cin/groups * kh * kw products.
+    """2 FLOPs per multiply-add: every output element sums Cin/groups * kh * kw products
+    (dilation spaces the taps out, it adds none).
     Both gradients cost what the forward convolution does: the transposed convolution
     scatters the same products, and every weight sums N * OH * OW of them."""
     n, cout, oh, ow = output.type.shape
