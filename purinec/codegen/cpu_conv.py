@@ -4,13 +4,13 @@
   blocks of rows (or columns) when big;
 * ``conv2d``: per image, im2col into a scratch matrix (from a zero-bordered copy of the
   image when there is padding, so the copy loops have constant trip counts and no
-  bounds tests) and one GEMM per group. 1x1 convolutions with stride 1 and no padding
-  skip im2col: the image is the matrix. With stride 1 along rows and enough input
-  channels, one GEMM per kernel row over a matrix ``kh`` times smaller than im2col's
-  (see `_by_kernel_rows`);
+  bounds tests; taps ``dilation`` apart are just larger steps) and one GEMM per group.
+  1x1 convolutions with stride 1 and no padding skip im2col: the image is the matrix.
+  With stride 1 along rows and enough input channels, one GEMM per kernel row over a
+  matrix ``kh`` times smaller than im2col's (see `_by_kernel_rows`);
 * ``conv2d_grad_input``: col2im of ``w^T @ gy`` per image (by kernel rows, likewise),
   or, for stride 1 "same" convolutions, a forward convolution of ``gy`` with flipped
-  weights;
+  weights (as dilated as the forward's);
 * ``conv2d_grad_weight``: ``gw^T`` by a GEMM per image accumulating in place (BLAS
   ``beta = 1``), then transposed; rows of the im2col matrix (columns of the gradient)
   are independent, so they are what blocks split.
@@ -28,6 +28,7 @@ from typing import Callable, Iterator
 from purinec.codegen.cpu_module import KernelModule, literal, renders
 from purinec.codegen.cpu_ops import affine, dtype_name, row_slice, span_of, split_loop
 from purinec.ir.graph import Node
+from purinec.ir.nnref import pad_edges
 from purinec.ir.types import DType
 
 
@@ -98,8 +99,9 @@ def emit_matmul(node: Node, m: KernelModule, a: str, bm: str,
 
 @dataclass(frozen=True)
 class _Conv:
-    """A convolution's sizes. ``K``: rows of the im2col matrix (one per weight of an
-    output channel), ``P``: its columns (output pixels)."""
+    """A convolution's sizes. Padding ``pt``, ``pl``, ``pb``, ``pr``: top, left, bottom,
+    right; ``dh``, ``dw``: the dilation. ``K``: rows of the im2col matrix (one per
+    weight of an output channel), ``P``: its columns (output pixels)."""
 
     n: int
     c: int
@@ -111,8 +113,12 @@ class _Conv:
     kw: int
     sh: int
     sw: int
-    ph: int
-    pw: int
+    pt: int
+    pl: int
+    pb: int
+    pr: int
+    dh: int
+    dw: int
     oh: int
     ow: int
 
@@ -133,9 +139,18 @@ class _Conv:
         return self.oh * self.ow
 
     @property
+    def padded(self) -> bool:
+        return any((self.pt, self.pl, self.pb, self.pr))
+
+    @property
     def pointwise(self) -> bool:
         """A 1x1 kernel, stride 1, no padding: the image itself is the im2col matrix."""
-        return (self.kh, self.kw, self.sh, self.sw, self.ph, self.pw) == (1, 1, 1, 1, 0, 0)
+        return (self.kh, self.kw, self.sh, self.sw, self.padded) == (1, 1, 1, 1, False)
+
+    @property
+    def rows_read(self) -> int:
+        """Rows of the padded image that stride-1 windows read (`_by_kernel_rows`)."""
+        return self.oh + (self.kh - 1) * self.dh
 
     @property
     def macs(self) -> int:
@@ -146,27 +161,31 @@ def _conv(x_shape, w_shape, y_shape, attrs) -> _Conv:
     n, c, h, w = x_shape
     cout, _, kh, kw = w_shape
     return _Conv(n, c, h, w, cout, attrs["groups"], kh, kw, *attrs["stride"],
-                 *attrs["pad"], y_shape[2], y_shape[3])
+                 *pad_edges(attrs["pad"]), *attrs["dilation"], y_shape[2], y_shape[3])
+
+
+def _times(var: str, factor: int) -> str:
+    return var if factor == 1 else f"{var} * {factor}"
 
 
 def _padded_scratch(m: KernelModule, node: Node, g: _Conv) -> None:
     """``xpad``: one group of one image with its zero border, for convolutions with
     padding. The border is zeroed once here and never written again."""
-    if g.ph or g.pw:
-        m.body.line(f"xpad = np.zeros(({g.cg}, {g.h + 2 * g.ph}, {g.w + 2 * g.pw}), "
+    if g.padded:
+        m.body.line(f"xpad = np.zeros(({g.cg}, {g.h + g.pt + g.pb}, {g.w + g.pl + g.pr}), "
                     f"{dtype_name(node)})")
 
 
 def _pad_image(m: KernelModule, g: _Conv, x: str, n: str, c0: str) -> str:
     """Copy group ``c0`` of image ``n`` into the inside of ``xpad``; returns how to
     index the (padded) image: a prefix taking ``[c, row, column]``."""
-    if not (g.ph or g.pw):
+    if not g.padded:
         return f"{x}[{n}, {c0} + " if c0 != "0" else f"{x}[{n}, "
     b, c, h, w = m.body, m.fresh("c"), m.fresh("h"), m.fresh("w")
     channel = c if c0 == "0" else f"{c0} + {c}"
     with b.block(f"for {c} in range({g.cg}):"), b.block(f"for {h} in range({g.h}):"), \
             b.block(f"for {w} in range({g.w}):"):
-        b.line(f"xpad[{c}, {affine(h, 1, g.ph)}, {affine(w, 1, g.pw)}] = "
+        b.line(f"xpad[{c}, {affine(h, 1, g.pt)}, {affine(w, 1, g.pl)}] = "
                f"{x}[{n}, {channel}, {h}, {w}]")
     return "xpad["
 
@@ -174,7 +193,7 @@ def _pad_image(m: KernelModule, g: _Conv, x: str, n: str, c0: str) -> str:
 def _im2col(m: KernelModule, g: _Conv, image: str, col: str, rows: tuple[str, str],
             back: bool) -> None:
     """For the im2col rows ``r`` in ``rows`` (``r = (c*kh + i)*kw + j``), stored at row
-    ``r - rows[0]`` of ``col``: ``col[r, p*ow + q] = image[c, p*sh + i, q*sw + j]``, the
+    ``r - rows[0]`` of ``col``: ``col[r, p*ow + q] = image[c, p*sh + i*dh, q*sw + j*dw]``, the
     image padded (`_pad_image`), so no bounds are tested and the trip counts are
     constants. With ``back``, the adjoint (col2im): ``image[...] += col[...]``."""
     b = m.body
@@ -185,7 +204,8 @@ def _im2col(m: KernelModule, g: _Conv, image: str, col: str, rows: tuple[str, st
         b.line(f"{j} = {r} % {g.kw}")
         b.line(f"{row} = {r}" if rows[0] == "0" else f"{row} = {r} - {rows[0]}")
         with b.block(f"for {p} in range({g.oh}):"), b.block(f"for {q} in range({g.ow}):"):
-            pixel = f"{image}{c}, {affine(p, g.sh, i)}, {affine(q, g.sw, j)}]"
+            pixel = (f"{image}{c}, {affine(p, g.sh, _times(i, g.dh))}, "
+                     f"{affine(q, g.sw, _times(j, g.dw))}]")
             entry = f"{col}[{row}, {affine(p, g.ow, q)}]"
             b.line(f"{pixel} += {entry}" if back else f"{entry} = {pixel}")
 
@@ -230,8 +250,7 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
         b.line(f"x_mat = {x}.reshape(({g.n}, {g.c}, {g.P}))")
     elif by_rows:
         _kernel_row_weights(m, node, g, w_mat)
-        b.line(f"col = np.empty(({g.cg * g.kw}, {(g.oh + g.kh - 1) * g.ow}), "
-               f"{dtype_name(node)})")
+        b.line(f"col = np.empty(({g.cg * g.kw}, {g.rows_read * g.ow}), {dtype_name(node)})")
         _padded_scratch(m, node, g)
     else:
         b.line(f"col = np.empty(({g.K}, {g.P}), {dtype_name(node)})")
@@ -255,8 +274,8 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
 
 # Kernel rows: for stride-1 rows, one GEMM per kernel row ``i`` over a matrix holding
 # only the column shifts ``j`` of every padded image row, ``col[(c, j), (row, q)] =
-# image[c, row, q*sw + j]``: the rows ``p + i`` that row ``i`` of the kernel needs are
-# the columns from ``i*ow`` on, a plain matrix with a longer leading dimension. That
+# image[c, row, q*sw + j*dw]``: the rows ``p + i*dh`` that row ``i`` of the kernel needs
+# are the columns from ``i*dh*ow`` on, a plain matrix with a longer leading dimension. That
 # matrix is about ``kh`` times smaller than im2col's, and the copy is what im2col costs
 # beside the GEMM (a quarter of a 5x5 convolution's time). Short GEMMs (few channels
 # times ``kw``) run slower than one long one, hence `KERNEL_ROWS_MIN_DEPTH`.
@@ -280,7 +299,7 @@ def _kernel_row_weights(m: KernelModule, node: Node, g: _Conv, w_mat: str) -> No
 
 def _row_im2col(m: KernelModule, g: _Conv, image: str, col: str, back: bool = False,
                 rows: tuple[str, str] | None = None) -> None:
-    """``col[c*kw + j, row*ow + q] = image[c, row, q*sw + j]`` for every padded row,
+    """``col[c*kw + j, row*ow + q] = image[c, row, q*sw + j*dw]`` for every padded row,
     for the matrix rows ``r = c*kw + j`` in ``rows`` (all by default), stored at row
     ``r - rows[0]``; with ``back``, the adjoint: ``image[...] += col[...]``."""
     b = m.body
@@ -291,46 +310,49 @@ def _row_im2col(m: KernelModule, g: _Conv, image: str, col: str, back: bool = Fa
         b.line(f"{j} = {r} % {g.kw}")
         if rows[0] != "0":
             r = f"{r} - {rows[0]}"
-        with b.block(f"for {row} in range({g.oh + g.kh - 1}):"), \
+        with b.block(f"for {row} in range({g.rows_read}):"), \
                 b.block(f"for {q} in range({g.ow}):"):
-            pixel = f"{image}{c}, {row}, {affine(q, g.sw, j)}]"
+            pixel = f"{image}{c}, {row}, {affine(q, g.sw, _times(j, g.dw))}]"
             entry = f"{col}[{r}, {affine(row, g.ow, q)}]"
             b.line(f"{pixel} += {entry}" if back else f"{entry} = {pixel}")
 
 
 def _kernel_row_gemms(m: KernelModule, node: Node, g: _Conv, o0: str, out: str) -> None:
-    """``out = sum over i of w_rows[i, group] @ col[:, i*ow:]``, the first GEMM
+    """``out = sum over i of w_rows[i, group] @ col[:, i*dh*ow:]``, the first GEMM
     writing, the others adding (BLAS beta = 1)."""
-    depth, ld, i = g.cg * g.kw, (g.oh + g.kh - 1) * g.ow, m.fresh("i")
+    depth, ld, i = g.cg * g.kw, g.rows_read * g.ow, m.fresh("i")
     weights = f"w_rows[0, {o0}:]" if o0 != "0" else "w_rows[0]"
     _gemm(m, node, weights, "col", out, g.og, g.P, depth, depth, ld, g.P)
     with m.body.block(f"for {i} in range(1, {g.kh}):"):
         weights = f"w_rows[{i}, {o0}:]" if o0 != "0" else f"w_rows[{i}]"
-        _gemm(m, node, weights, f"col[:, {i} * {g.ow}:]", out, g.og, g.P, depth, depth, ld,
-              g.P, beta=1)
+        _gemm(m, node, weights, f"col[:, {i} * {g.dh * g.ow}:]", out, g.og, g.P, depth, depth,
+              ld, g.P, beta=1)
 
 
 @renders("conv2d_grad_input")
 def render_conv2d_grad_input(node: Node, m: KernelModule) -> None:
     """Per image and group: ``gx[n, group] = col2im(w[group]^T @ gy[n, group])``. Or,
-    with stride 1, as a convolution: of ``gy``, padded by ``kernel - 1 - pad``, with
-    the weights flipped in space and transposed in channels; its im2col copies are
+    with stride 1, as a convolution: of ``gy``, padded by ``dilation*(kernel-1) - pad``
+    on each side (possible where none is negative), with the weights flipped in space
+    and transposed in channels, as dilated as the forward's; its im2col copies are
     cheaper than col2im's scattered sums, but it multiplies ``H*W*Cout`` instead of
     ``OH*OW*C``, so it is used only where that is no bigger ("same" convolutions with
     as many channels out as in)."""
     g = _conv(node.attrs["input_shape"], node.inputs[1].type.shape,
               node.inputs[0].type.shape, node.attrs)
-    if (g.sh, g.sw) == (1, 1) and g.ph < g.kh and g.pw < g.kw and \
+    reach_h, reach_w = g.dh * (g.kh - 1), g.dw * (g.kw - 1)
+    flipped_pad = (reach_h - g.pt, reach_w - g.pl, reach_h - g.pb, reach_w - g.pr)
+    if (g.sh, g.sw) == (1, 1) and min(flipped_pad) >= 0 and \
             g.h * g.w * g.cout <= g.P * g.c:
-        _conv2d_grad_input_as_conv(node, m, g)
+        _conv2d_grad_input_as_conv(node, m, g, flipped_pad)
     else:
         _conv2d_grad_input_col2im(node, m, g)
 
 
-def _conv2d_grad_input_as_conv(node: Node, m: KernelModule, g: _Conv) -> None:
+def _conv2d_grad_input_as_conv(node: Node, m: KernelModule, g: _Conv, pad) -> None:
     (gy, w), (gx,), b = m.inputs, m.outputs, m.body
-    flipped = _Conv(g.n, g.cout, g.oh, g.ow, g.c, g.groups, g.kh, g.kw, 1, 1,
-                    g.kh - 1 - g.ph, g.kw - 1 - g.pw, g.h, g.w)
+    flipped = _Conv(g.n, g.cout, g.oh, g.ow, g.c, g.groups, g.kh, g.kw, 1, 1, *pad, g.dh,
+                    g.dw, g.h, g.w)
     o, c, i, j = (m.fresh(s) for s in ("o", "c", "i", "j"))
     b.line(f"w_flip = np.empty(({g.c}, {flipped.K}), {dtype_name(node)})")
     with b.block(f"for {o} in range({g.cout}):"), b.block(f"for {c} in range({g.cg}):"), \
@@ -347,14 +369,13 @@ def _conv2d_grad_input_col2im(node: Node, m: KernelModule, g: _Conv) -> None:
     stride-1 rows, by kernel rows (the adjoint of `_row_im2col`): each row's GEMM
     adds ``w_rows[i]^T @ gy`` into the columns from ``i*ow`` on of a smaller matrix."""
     (gy, w), (gx,), b = m.inputs, m.outputs, m.body
-    padded, by_rows = bool(g.ph or g.pw), _by_kernel_rows(g)
+    padded, by_rows = g.padded, _by_kernel_rows(g)
     b.line(f"w_mat = {w}.reshape(({g.cout}, {g.K}))")
     b.line(f"gy_mat = {gy}.reshape(({g.n}, {g.cout}, {g.P}))")
     b.line(f"gx_mat = {gx}.reshape(({g.n}, {g.c}, {g.h * g.w}))")
     if by_rows:
         _kernel_row_weights(m, node, g, "w_mat")
-        b.line(f"col = np.empty(({g.cg * g.kw}, {(g.oh + g.kh - 1) * g.ow}), "
-               f"{dtype_name(node)})")
+        b.line(f"col = np.empty(({g.cg * g.kw}, {g.rows_read * g.ow}), {dtype_name(node)})")
     else:
         b.line(f"col = np.empty(({g.K}, {g.P}), {dtype_name(node)})")
     _padded_scratch(m, node, g)
@@ -376,7 +397,7 @@ def _conv2d_grad_input_col2im(node: Node, m: KernelModule, g: _Conv) -> None:
                 with b.block(f"for {c} in range({g.cg}):"), \
                         b.block(f"for {h} in range({g.h}):"), b.block(f"for {wi} in range({g.w}):"):
                     b.line(f"{gx}[{n}, {channel}, {h}, {wi}] = "
-                           f"xpad[{c}, {affine(h, 1, g.ph)}, {affine(wi, 1, g.pw)}]")
+                           f"xpad[{c}, {affine(h, 1, g.pt)}, {affine(wi, 1, g.pl)}]")
             else:
                 prefix = f"{gx}[{n}, {c0} + " if c0 != "0" else f"{gx}[{n}, "
                 _col2im(m, g, prefix, by_rows)
@@ -391,14 +412,14 @@ def _col2im(m: KernelModule, g: _Conv, image: str, by_rows: bool) -> None:
 
 
 def _kernel_row_gemms_back(m: KernelModule, node: Node, g: _Conv, o0: str, gy: str) -> None:
-    """``col[:, i*ow:][:, :P] += w_rows[i, group]^T @ gy`` for every kernel row ``i``,
-    into a zeroed ``col`` (the rows' column ranges overlap)."""
-    depth, ld, i = g.cg * g.kw, (g.oh + g.kh - 1) * g.ow, m.fresh("i")
+    """``col[:, i*dh*ow:][:, :P] += w_rows[i, group]^T @ gy`` for every kernel row
+    ``i``, into a zeroed ``col`` (the rows' column ranges overlap)."""
+    depth, ld, i = g.cg * g.kw, g.rows_read * g.ow, m.fresh("i")
     m.body.line("col[:] = 0")
     with m.body.block(f"for {i} in range({g.kh}):"):
         weights = f"w_rows[{i}, {o0}:]" if o0 != "0" else f"w_rows[{i}]"
-        _gemm(m, node, weights, gy, f"col[:, {i} * {g.ow}:]", depth, g.P, g.og, depth, g.P,
-              ld, beta=1, trans_a=True)
+        _gemm(m, node, weights, gy, f"col[:, {i} * {g.dh * g.ow}:]", depth, g.P, g.og, depth,
+              g.P, ld, beta=1, trans_a=True)
 
 
 @renders("conv2d_grad_weight")
@@ -423,7 +444,7 @@ def render_conv2d_grad_weight(node: Node, m: KernelModule) -> None:
     shifts = g.kh if by_rows else 1  # kernel rows done by separate GEMMs
     b.line(f"gw_t = np.zeros(({shifts}, {width}, {g.cout}), {dtype_name(node)})")
     if not g.pointwise:
-        columns = (g.oh + g.kh - 1) * g.ow if by_rows else g.P
+        columns = g.rows_read * g.ow if by_rows else g.P
         b.line(f"col = np.empty(({width}, {columns}), {dtype_name(node)})")
         _padded_scratch(m, node, g)
     n = m.fresh("n")
@@ -438,8 +459,9 @@ def render_conv2d_grad_weight(node: Node, m: KernelModule) -> None:
             _row_im2col(m, g, _pad_image(m, g, x, n, c0), "col", rows=(lo, hi))
             i = m.fresh("i")
             with b.block(f"for {i} in range({g.kh}):"):
-                _gemm(m, node, f"col[:, {i} * {g.ow}:]", gy_rows, f"gw_t[{i}, :, {o0}:]",
-                      width, g.og, g.P, columns, g.P, g.cout, beta=1, trans_b=True)
+                _gemm(m, node, f"col[:, {i} * {g.dh * g.ow}:]", gy_rows,
+                      f"gw_t[{i}, :, {o0}:]", width, g.og, g.P, columns, g.P, g.cout, beta=1,
+                      trans_b=True)
         else:
             _im2col(m, g, _pad_image(m, g, x, n, c0), "col", (lo, hi), back=False)
             _gemm(m, node, "col", gy_rows, f"gw_t[0, :, {o0}:]", width, g.og, g.P, g.P,

@@ -1,9 +1,10 @@
-"""CPU renderers of pooling (Caffe's) and local response normalisation.
+"""CPU renderers of pooling and local response normalisation.
 
 Pooling runs over (batch x channel) planes. Where windows reach outside the input
-(padding, or Caffe's ceil mode letting the last window hang out) the plane is first
-copied into a scratch with a border that never wins a max (-inf) or adds nothing to a
-sum (0), so every window has the same constant size and needs no clipping. Max
+(padding, or ceil mode letting the last window hang out) the plane is first copied
+into a scratch with a border that never wins a max (-inf) or adds nothing to a sum
+(0), so every window has the same constant taps (``dilation`` apart) and needs no
+clipping; an average's divisors come from a table per axis. Max
 pooling always copies, into one scratch per column phase (column modulo the stride), so
 that neighbouring windows read neighbouring entries and a row of windows vectorises.
 The gradient of max pooling recomputes each window's first maximum with selects, not
@@ -21,7 +22,7 @@ import numpy as np
 from purinec.codegen.cpu_module import KernelModule, literal, numpy_name, renders
 from purinec.codegen.cpu_ops import affine, dtype_name, span_of, split_loop
 from purinec.ir.graph import Node
-from purinec.ir.ops import pool_output_size
+from purinec.ir.nnref import pad_edges, pool_divisors, pool_output_size
 
 # ---------------------------------------------------------------------------------------
 # Pooling: direct loops over (batch x channel) planes.
@@ -29,6 +30,9 @@ from purinec.ir.ops import pool_output_size
 
 @dataclass(frozen=True)
 class _Pool:
+    """Pooling's sizes. Padding ``pt``, ``pl``: top and left (what lies past the input
+    at the bottom and right is `span`'s); ``dh``, ``dw``: the dilation."""
+
     planes: int
     h: int
     w: int
@@ -36,29 +40,45 @@ class _Pool:
     kw: int
     sh: int
     sw: int
-    ph: int
-    pw: int
+    pt: int
+    pl: int
+    dh: int
+    dw: int
     oh: int
     ow: int
 
     @property
     def span(self) -> tuple[int, int]:
         """Rows and columns the windows cover, from the padded top left corner: more
-        than the padded input where Caffe's ceil mode lets the last window hang out."""
-        return ((max((self.oh - 1) * self.sh + self.kh, self.h + self.ph)),
-                (max((self.ow - 1) * self.sw + self.kw, self.w + self.pw)))
+        than the padded input where ceil mode lets the last window hang out."""
+        return ((max((self.oh - 1) * self.sh + self.dh * (self.kh - 1) + 1, self.h + self.pt)),
+                (max((self.ow - 1) * self.sw + self.dw * (self.kw - 1) + 1, self.w + self.pl)))
 
     @property
     def needs_scratch(self) -> bool:
         """Whether windows reach outside the input (padding or an overhanging window)."""
-        return self.span != (self.h, self.w) or bool(self.ph or self.pw)
+        return self.span != (self.h, self.w) or bool(self.pt or self.pl)
+
+    def row(self, p: str, i: int | str) -> str:
+        """The row of tap ``i`` of window row ``p``, from the padded top."""
+        return affine(p, self.sh, i * self.dh if isinstance(i, int) else _times(i, self.dh))
+
+    def col(self, q: str, j: int | str) -> str:
+        return affine(q, self.sw, j * self.dw if isinstance(j, int) else _times(j, self.dw))
+
+
+def _times(var: str, factor: int) -> str:
+    return var if factor == 1 else f"{var} * {factor}"
 
 
 def _pool(x_shape, attrs) -> _Pool:
     n, c, h, w = x_shape
-    (kh, kw), (sh, sw), (ph, pw) = attrs["kernel"], attrs["stride"], attrs["pad"]
-    return _Pool(n * c, h, w, kh, kw, sh, sw, ph, pw, pool_output_size(h, kh, sh, ph),
-                 pool_output_size(w, kw, sw, pw))
+    (kh, kw), (sh, sw), (dh, dw) = attrs["kernel"], attrs["stride"], attrs["dilation"]
+    pt, pl, pb, pr = pad_edges(attrs["pad"])
+    ceil = attrs["ceil_mode"]
+    return _Pool(n * c, h, w, kh, kw, sh, sw, pt, pl, dh, dw,
+                 pool_output_size(h, kh, sh, pt, pb, dh, ceil),
+                 pool_output_size(w, kw, sw, pl, pr, dw, ceil))
 
 
 def _plane_views(m: KernelModule, g: _Pool, inputs: list[tuple[str, bool]]) -> list[str]:
@@ -90,7 +110,7 @@ def _padded_plane(m: KernelModule, g: _Pool, x: str, nc: str) -> str:
         return f"{x}[{nc}, "
     b, h, w = m.body, m.fresh("h"), m.fresh("w")
     with b.block(f"for {h} in range({g.h}):"), b.block(f"for {w} in range({g.w}):"):
-        b.line(f"plane[{affine(h, 1, g.ph)}, {affine(w, 1, g.pw)}] = {x}[{nc}, {h}, {w}]")
+        b.line(f"plane[{affine(h, 1, g.pt)}, {affine(w, 1, g.pl)}] = {x}[{nc}, {h}, {w}]")
     return "plane["
 
 
@@ -101,11 +121,20 @@ def _plane_scratch(m: KernelModule, node: Node, g: _Pool, name: str, fill) -> No
         m.body.line(f"{name} = np.full({g.span!r}, {literal(fill, node.outputs[0].type.dtype)})")
 
 
-def _divisor(g: _Pool, p: str, q: str) -> str:
-    """Caffe's average divisor: the window clipped to the padded input only."""
-    hs, ws = affine(p, g.sh, -g.ph), affine(q, g.sw, -g.pw)
-    return (f"(min({hs} + {g.kh}, {g.h + g.ph}) - ({hs})) * "
-            f"(min({ws} + {g.kw}, {g.w + g.pw}) - ({ws}))")
+def pool_divisor(m, node: Node, shape, p: str, q: str) -> str:
+    """The average's divisor of window ``(p, q)`` over input ``shape``: a product of a
+    factor per axis (`purinec.ir.nnref.pool_divisors`), each a constant or, where the
+    windows' differ, looked up in a table."""
+    attrs = node.attrs
+    edges = pad_edges(attrs["pad"])
+    factors = []
+    for axis, var in ((0, p), (1, q)):
+        counts = pool_divisors(shape[2 + axis], attrs["kernel"][axis], attrs["stride"][axis],
+                               edges[axis], edges[2 + axis], attrs["dilation"][axis],
+                               attrs["ceil_mode"], attrs["count_include_pad"])
+        factors.append(str(counts[0]) if len(set(counts)) == 1 else
+                       f"{m.constant('DIVISOR', counts)}[{var}]")
+    return " * ".join(factors)
 
 
 def _phase_scratch(m: KernelModule, node: Node, g: _Pool) -> None:
@@ -123,20 +152,23 @@ def _fill_phases(m: KernelModule, g: _Pool, x: str, nc: str) -> None:
     b, h, c = m.body, m.fresh("h"), m.fresh("c")
     with b.block(f"for {h} in range({g.h}):"):
         for phase in range(g.sw):
-            first = max(0, -(-(g.pw - phase) // g.sw))  # columns of x: c*sw + phase - pw
-            last = (g.w - 1 + g.pw - phase) // g.sw
+            first = max(0, -(-(g.pl - phase) // g.sw))  # columns of x: c*sw + phase - pl
+            last = (g.w - 1 + g.pl - phase) // g.sw
             if last < first:
                 continue
             with b.block(f"for {c} in range({span_of(str(first), str(last + 1))}):"):
-                b.line(f"plane[{phase}, {affine(h, 1, g.ph)}, {c}] = "
-                       f"{x}[{nc}, {h}, {affine(c, g.sw, phase - g.pw)}]")
+                b.line(f"plane[{phase}, {affine(h, 1, g.pt)}, {c}] = "
+                       f"{x}[{nc}, {h}, {affine(c, g.sw, phase - g.pl)}]")
 
 
 def _window(g: _Pool, p: str, q: str, i: int | str, j: int | str) -> str:
-    """Element ``(i, j)`` of window ``(p, q)`` in the phase planes."""
+    """Tap ``(i, j)`` of window ``(p, q)`` in the phase planes: column ``j*dw`` of the
+    window is phase ``j*dw % sw``, ``j*dw // sw`` further along."""
     if isinstance(j, str):
-        return f"plane[{j} % {g.sw}, {affine(p, g.sh, i)}, {q} + {j} // {g.sw}]"
-    return f"plane[{j % g.sw}, {affine(p, g.sh, i)}, {affine(q, 1, j // g.sw)}]"
+        shift = _times(j, g.dw)
+        return f"plane[{shift} % {g.sw}, {g.row(p, i)}, {q} + {shift} // {g.sw}]"
+    shift = j * g.dw
+    return f"plane[{shift % g.sw}, {g.row(p, i)}, {affine(q, 1, shift // g.sw)}]"
 
 
 UNROLL_MAX = 25  # windows up to this size are unrolled (constant phases and offsets)
@@ -189,8 +221,8 @@ def render_max_pool2d_grad(node: Node, m: KernelModule) -> None:
     # Where each element of a window lies from its corner (padding taken off), from
     # constant tables: computing k // kw and k % kw took a quarter of the kernel's time.
     size = range(g.kh * g.kw)
-    rows_of = m.constant("WIN_ROW", [k // g.kw - g.ph for k in size])
-    cols_of = m.constant("WIN_COL", [k % g.kw - g.pw for k in size])
+    rows_of = m.constant("WIN_ROW", [k // g.kw * g.dh - g.pt for k in size])
+    cols_of = m.constant("WIN_COL", [k % g.kw * g.dw - g.pl for k in size])
     nc = _planes(m, g)
     with b.indent():
         b.line(f"{gx}[{nc}] = 0")
@@ -227,8 +259,9 @@ def render_avg_pool2d(node: Node, m: KernelModule) -> None:
         with b.block(f"for {p} in range({g.oh}):"), b.block(f"for {q} in range({g.ow}):"):
             b.line(f"{acc} = {literal(0, dtype)}")
             with b.block(f"for {i} in range({g.kh}):"), b.block(f"for {j} in range({g.kw}):"):
-                b.line(f"{acc} += {src}{affine(p, g.sh, i)}, {affine(q, g.sw, j)}]")
-            b.line(f"{y}[{nc}, {p}, {q}] = {acc} / {numpy_name(dtype)}({_divisor(g, p, q)})")
+                b.line(f"{acc} += {src}{g.row(p, i)}, {g.col(q, j)}]")
+            divisor = pool_divisor(m, node, node.inputs[0].type.shape, p, q)
+            b.line(f"{y}[{nc}, {p}, {q}] = {acc} / {numpy_name(dtype)}({divisor})")
 
 
 @renders("avg_pool2d_grad")
@@ -249,13 +282,14 @@ def render_avg_pool2d_grad(node: Node, m: KernelModule) -> None:
             b.line(f"{gx}[{nc}] = 0")
             dst = f"{gx}[{nc}, "
         with b.block(f"for {p} in range({g.oh}):"), b.block(f"for {q} in range({g.ow}):"):
-            b.line(f"{share} = {gy}[{nc}, {p}, {q}] / {dtype_name(node)}({_divisor(g, p, q)})")
+            divisor = pool_divisor(m, node, node.attrs["input_shape"], p, q)
+            b.line(f"{share} = {gy}[{nc}, {p}, {q}] / {dtype_name(node)}({divisor})")
             with b.block(f"for {i} in range({g.kh}):"), b.block(f"for {j} in range({g.kw}):"):
-                b.line(f"{dst}{affine(p, g.sh, i)}, {affine(q, g.sw, j)}] += {share}")
+                b.line(f"{dst}{g.row(p, i)}, {g.col(q, j)}] += {share}")
         if g.needs_scratch:
             h, w = m.fresh("h"), m.fresh("w")
             with b.block(f"for {h} in range({g.h}):"), b.block(f"for {w} in range({g.w}):"):
-                b.line(f"{gx}[{nc}, {h}, {w}] = plane[{affine(h, 1, g.ph)}, {affine(w, 1, g.pw)}]")
+                b.line(f"{gx}[{nc}, {h}, {w}] = plane[{affine(h, 1, g.pt)}, {affine(w, 1, g.pl)}]")
 
 
 @renders("global_avg_pool")

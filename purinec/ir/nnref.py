@@ -7,9 +7,11 @@ attributes by keyword, and returns a tuple of output arrays. Outputs have the dt
 the (first float) input; arithmetic happens in that dtype.
 
 Layouts: activations are NCHW, convolution weights OIHW, i.e. ``(Cout, Cin/groups, kh,
-kw)``. Pooling follows Caffe exactly (ceil-mode output size from
-`pool_output_size`, max windows clipped to the input, Caffe's
-average-pool divisor).
+kw)``. A ``pad`` attribute has 2 entries ``[ph, pw]`` (both sides alike) or 4, ONNX's
+``[top, left, bottom, right]`` (`pad_edges`); ``dilation`` spaces a window's taps
+(`window_extent`). Pooling defaults to Caffe's semantics (ceil-mode output size from
+`pool_output_size`, max windows clipped to the input, Caffe's average-pool divisor);
+``ceil_mode`` and ``count_include_pad`` give ONNX's others (`pool_axis`).
 """
 
 from __future__ import annotations
@@ -22,8 +24,21 @@ import numpy as np
 # Convolution.
 
 
-def _pad_hw(x, ph, pw):
-    return np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+def pad_edges(pad) -> tuple[int, int, int, int]:
+    """``pad`` as ``(top, left, bottom, right)``: 2 entries ``[ph, pw]`` pad both sides
+    of an axis alike; 4 are ONNX's order, ``[top, left, bottom, right]``."""
+    top, left, bottom, right = pad if len(pad) == 4 else (*pad, *pad)
+    return top, left, bottom, right
+
+
+def window_extent(kernel: int, dilation: int) -> int:
+    """The span of a window of ``kernel`` taps, ``dilation`` apart."""
+    return dilation * (kernel - 1) + 1
+
+
+def _pad_hw(x, pad):
+    top, left, bottom, right = pad_edges(pad)
+    return np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)))
 
 
 def _grouped(a, groups):
@@ -37,67 +52,84 @@ def _window(a, i, j, oh, ow, sh, sw):
     return a[..., i:i + sh * (oh - 1) + 1:sh, j:j + sw * (ow - 1) + 1:sw]
 
 
-def conv2d(x, w, stride, pad, groups):
+def _conv_output(x_shape, kernel, stride, pad, dilation) -> tuple[int, int]:
+    top, left, bottom, right = pad_edges(pad)
+    return (conv_output_size(x_shape[2], kernel[0], stride[0], top, bottom, dilation[0]),
+            conv_output_size(x_shape[3], kernel[1], stride[1], left, right, dilation[1]))
+
+
+def conv2d(x, w, stride, pad, groups, dilation=(1, 1)):
     """Cross-correlation with zero padding:
-    ``y[n, o, p, q] = sum_{c, i, j} w[o, c, i, j] * xpad[n, g*Cin_g + c, sh*p + i, sw*q + j]``
-    where ``g = o // (Cout/groups)``."""
-    (sh, sw), (ph, pw) = stride, pad
-    n, _, h, wd = x.shape
+    ``y[n, o, p, q] = sum_{c, i, j} w[o, c, i, j] * xpad[n, g*Cin_g + c, sh*p + dh*i, sw*q + dw*j]``
+    where ``g = o // (Cout/groups)`` and ``xpad`` is x with its top and left padding
+    before it."""
+    (sh, sw), (dh, dw) = stride, dilation
+    n = x.shape[0]
     cout, _, kh, kw = w.shape
-    oh, ow = (h + 2 * ph - kh) // sh + 1, (wd + 2 * pw - kw) // sw + 1
-    xg = _grouped(_pad_hw(x, ph, pw), groups)                      # n g c H W
+    oh, ow = _conv_output(x.shape, (kh, kw), stride, pad, dilation)
+    xg = _grouped(_pad_hw(x, pad), groups)                         # n g c H W
     wg = w.reshape(groups, cout // groups, *w.shape[1:])           # g o c kh kw
     y = np.zeros((n, groups, cout // groups, oh, ow), dtype=x.dtype)
     for i in range(kh):
         for j in range(kw):
             y += np.einsum("goc,ngcpq->ngopq", wg[:, :, :, i, j],
-                           _window(xg, i, j, oh, ow, sh, sw))
+                           _window(xg, dh * i, dw * j, oh, ow, sh, sw))
     return (y.reshape(n, cout, oh, ow),)
 
 
-def conv2d_grad_input(gy, w, stride, pad, groups, input_shape):
+def conv2d_grad_input(gy, w, stride, pad, groups, input_shape, dilation=(1, 1)):
     """The adjoint of `conv2d` in x: scatter ``w * gy`` back over every window, crop
     the padding. Input rows/columns no window reaches get zero."""
-    (sh, sw), (ph, pw) = stride, pad
+    (sh, sw), (dh, dw) = stride, dilation
+    top, left, bottom, right = pad_edges(pad)
     n, cin, h, wd = input_shape
     cout, _, kh, kw = w.shape
     oh, ow = gy.shape[2:]
-    gxp = np.zeros((n, groups, cin // groups, h + 2 * ph, wd + 2 * pw), dtype=gy.dtype)
+    hp, wp = h + top + bottom, wd + left + right
+    gxp = np.zeros((n, groups, cin // groups, hp, wp), dtype=gy.dtype)
     gyg = _grouped(gy, groups)                                     # n g o p q
     wg = w.reshape(groups, cout // groups, *w.shape[1:])           # g o c kh kw
     for i in range(kh):
         for j in range(kw):
-            _window(gxp, i, j, oh, ow, sh, sw)[...] += np.einsum(
+            _window(gxp, dh * i, dw * j, oh, ow, sh, sw)[...] += np.einsum(
                 "goc,ngopq->ngcpq", wg[:, :, :, i, j], gyg)
-    gxp = gxp.reshape(n, cin, h + 2 * ph, wd + 2 * pw)
-    return (np.ascontiguousarray(gxp[:, :, ph:ph + h, pw:pw + wd]),)
+    gxp = gxp.reshape(n, cin, hp, wp)
+    return (np.ascontiguousarray(gxp[:, :, top:top + h, left:left + wd]),)
 
 
-def conv2d_grad_weight(x, gy, stride, pad, groups, kernel):
-    """The gradient of `conv2d` in w:
-    ``gw[o, c, i, j] = sum_{n, p, q} gy[n, o, p, q] * xpad[n, g*Cin_g + c, sh*p + i, sw*q + j]``."""
-    (sh, sw), (ph, pw) = stride, pad
+def conv2d_grad_weight(x, gy, stride, pad, groups, kernel, dilation=(1, 1)):
+    """The gradient of `conv2d` in w: ``gw[o, c, i, j] = sum_{n, p, q} gy[n, o, p, q] *
+    xpad[n, g*Cin_g + c, sh*p + dh*i, sw*q + dw*j]``."""
+    (sh, sw), (dh, dw) = stride, dilation
     kh, kw = kernel
     n, cin, _, _ = x.shape
     cout, oh, ow = gy.shape[1:]
-    xg = _grouped(_pad_hw(x, ph, pw), groups)                      # n g c H W
+    xg = _grouped(_pad_hw(x, pad), groups)                         # n g c H W
     gyg = _grouped(gy, groups)                                     # n g o p q
     gw = np.zeros((groups, cout // groups, cin // groups, kh, kw), dtype=x.dtype)
     for i in range(kh):
         for j in range(kw):
             gw[:, :, :, i, j] = np.einsum("ngopq,ngcpq->goc", gyg,
-                                          _window(xg, i, j, oh, ow, sh, sw))
+                                          _window(xg, dh * i, dw * j, oh, ow, sh, sw))
     return (gw.reshape(cout, cin // groups, kh, kw),)
 
 
 # ---------------------------------------------------------------------------------------
-# Pooling (Caffe semantics).
+# Pooling (Caffe's semantics by default, ONNX's through ceil_mode and count_include_pad).
 
 
-def pool_output_size(size: int, kernel: int, stride: int, pad: int) -> int:
-    """Caffe's pooled size: ceil mode, and the last window must start inside the input
-    (plus the leading pad)."""
-    out = -(-(size + 2 * pad - kernel) // stride) + 1
+def pool_output_size(size: int, kernel: int, stride: int, pad: int, pad_end: int | None = None,
+                     dilation: int = 1, ceil_mode: bool = True) -> int:
+    """The number of windows along an axis padded by ``pad`` before and ``pad_end``
+    (``pad`` by default) after. Caffe's ceil mode (the default; ONNX's ``ceil_mode=1``
+    and PyTorch's agree) lets the last window hang out of the padded input as long as
+    it starts inside the input or its leading pad; without it, windows fit the padded
+    input (ONNX's default)."""
+    pad_end = pad if pad_end is None else pad_end
+    room = size + pad + pad_end - window_extent(kernel, dilation)
+    if not ceil_mode:
+        return room // stride + 1
+    out = -(-room // stride) + 1
     # Caffe tests this only when some pad is nonzero; without pad it can fire only when
     # kernel < stride, where Caffe's last window would be empty (and its average 0/0).
     if (out - 1) * stride >= size + pad:
@@ -105,73 +137,105 @@ def pool_output_size(size: int, kernel: int, stride: int, pad: int) -> int:
     return out
 
 
-def conv_output_size(size: int, kernel: int, stride: int, pad: int) -> int:
-    return (size + 2 * pad - kernel) // stride + 1
+def conv_output_size(size: int, kernel: int, stride: int, pad: int, pad_end: int | None = None,
+                     dilation: int = 1) -> int:
+    """The number of windows along an axis padded by ``pad`` before and ``pad_end``
+    (``pad`` by default) after: every window fits the padded input."""
+    pad_end = pad if pad_end is None else pad_end
+    return (size + pad + pad_end - window_extent(kernel, dilation)) // stride + 1
 
 
-def _pool_windows(h, w, kernel, stride, pad):
-    """Yield ``(p, q, (h0, h1), (w0, w1), pool_size)`` per output position: the window
-    clipped to the input, and Caffe's average divisor (the window clipped only to the
-    padded input, before clipping to the input)."""
-    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, pad
-    oh, ow = pool_output_size(h, kh, sh, ph), pool_output_size(w, kw, sw, pw)
-    for p in range(oh):
-        hs = p * sh - ph
-        he = min(hs + kh, h + ph)
-        for q in range(ow):
-            ws = q * sw - pw
-            we = min(ws + kw, w + pw)
-            pool_size = (he - hs) * (we - ws)
-            yield p, q, (max(hs, 0), min(he, h)), (max(ws, 0), min(we, w)), pool_size
+def pool_axis(size: int, kernel: int, stride: int, pad: int, pad_end: int, dilation: int,
+              ceil_mode: bool) -> list[tuple[np.ndarray, int]]:
+    """Per window along one axis: the indices of its taps inside the input, and how
+    many of its taps lie inside the padded input ``[-pad, size + pad_end)``. (A
+    ceil-mode window can hang out of that too: Caffe does not count what does.)"""
+    windows = []
+    for p in range(pool_output_size(size, kernel, stride, pad, pad_end, dilation, ceil_mode)):
+        taps = p * stride - pad + dilation * np.arange(kernel)
+        windows.append((taps[(taps >= 0) & (taps < size)], int(np.sum(taps < size + pad_end))))
+    return windows
 
 
-def _pool_out(x, kernel, stride, pad):
+def pool_divisors(size: int, kernel: int, stride: int, pad: int, pad_end: int, dilation: int,
+                  ceil_mode: bool, count_include_pad: bool) -> list[int]:
+    """Per window along one axis, its factor of the average's divisor: its taps inside
+    the padded input with ``count_include_pad``, else inside the input."""
+    return [padded if count_include_pad else len(taps)
+            for taps, padded in pool_axis(size, kernel, stride, pad, pad_end, dilation,
+                                          ceil_mode)]
+
+
+def _pool_windows(h, w, kernel, stride, pad, dilation, ceil_mode, count_include_pad):
+    """Yield ``(p, q, rows, cols, divisor)`` per output position: the input rows and
+    columns of its taps (each window is their product) and its average's divisor,
+    the taps inside the padded input (Caffe's; ``count_include_pad``) or the input."""
+    top, left, bottom, right = pad_edges(pad)
+    axes = ((h, kernel[0], stride[0], top, bottom, dilation[0], ceil_mode),
+            (w, kernel[1], stride[1], left, right, dilation[1], ceil_mode))
+    (rows, cols), (row_divisors, col_divisors) = (
+        [pool_axis(*axis) for axis in axes],
+        [pool_divisors(*axis, count_include_pad) for axis in axes])
+    for p, (r, _) in enumerate(rows):
+        for q, (c, _) in enumerate(cols):
+            yield p, q, r[:, None], c[None, :], row_divisors[p] * col_divisors[q]
+
+
+def _pool_out(x, kernel, stride, pad, dilation, ceil_mode):
+    top, left, bottom, right = pad_edges(pad)
     n, c, h, w = x.shape
-    oh = pool_output_size(h, kernel[0], stride[0], pad[0])
-    ow = pool_output_size(w, kernel[1], stride[1], pad[1])
+    oh = pool_output_size(h, kernel[0], stride[0], top, bottom, dilation[0], ceil_mode)
+    ow = pool_output_size(w, kernel[1], stride[1], left, right, dilation[1], ceil_mode)
     return np.zeros((n, c, oh, ow), dtype=x.dtype)
 
 
-def max_pool2d(x, kernel, stride, pad):
-    """Max over each window clipped to the input (padding is never the maximum)."""
-    y = _pool_out(x, kernel, stride, pad)
-    for p, q, (h0, h1), (w0, w1), _ in _pool_windows(*x.shape[2:], kernel, stride, pad):
-        y[:, :, p, q] = x[:, :, h0:h1, w0:w1].max(axis=(2, 3))
+def max_pool2d(x, kernel, stride, pad, dilation=(1, 1), ceil_mode=True):
+    """Max over each window's taps inside the input (padding is never the maximum)."""
+    y = _pool_out(x, kernel, stride, pad, dilation, ceil_mode)
+    for p, q, rows, cols, _ in _pool_windows(*x.shape[2:], kernel, stride, pad, dilation,
+                                             ceil_mode, True):
+        y[:, :, p, q] = x[:, :, rows, cols].max(axis=(2, 3))
     return (y,)
 
 
-def max_pool2d_grad(x, y, gy, kernel, stride, pad):
-    """Route each ``gy`` to the first maximum (row-major within the clipped window) of
-    its window, as Caffe's forward pass records it; overlapping windows accumulate.
-    ``y`` is accepted for the op's signature; the argmax is recomputed from ``x``."""
+def max_pool2d_grad(x, y, gy, kernel, stride, pad, dilation=(1, 1), ceil_mode=True):
+    """Route each ``gy`` to the first maximum (row-major among the window's taps inside
+    the input) of its window, as Caffe's forward pass records it; overlapping windows
+    accumulate. ``y`` is accepted for the op's signature; the argmax is recomputed
+    from ``x``."""
     n, c, h, w = x.shape
     gx = np.zeros_like(x)
     nn, cc = np.meshgrid(np.arange(n), np.arange(c), indexing="ij")
-    for p, q, (h0, h1), (w0, w1), _ in _pool_windows(h, w, kernel, stride, pad):
+    for p, q, rows, cols, _ in _pool_windows(h, w, kernel, stride, pad, dilation,
+                                             ceil_mode, True):
         # (The window's size, not -1, which is ambiguous for an empty batch.)
-        win = x[:, :, h0:h1, w0:w1].reshape(n, c, (h1 - h0) * (w1 - w0))
+        win = x[:, :, rows, cols].reshape(n, c, rows.size * cols.size)
         k = win.argmax(axis=2)                       # the first maximum, row-major
-        rows, cols = h0 + k // (w1 - w0), w0 + k % (w1 - w0)
-        np.add.at(gx, (nn, cc, rows, cols), gy[:, :, p, q])
+        np.add.at(gx, (nn, cc, rows[k // cols.size, 0], cols[0, k % cols.size]),
+                  gy[:, :, p, q])
     return (gx,)
 
 
-def avg_pool2d(x, kernel, stride, pad):
-    """Sum over the window clipped to the input, divided by Caffe's pool size (the
-    window clipped to the padded input only)."""
-    y = _pool_out(x, kernel, stride, pad)
-    for p, q, (h0, h1), (w0, w1), size in _pool_windows(*x.shape[2:], kernel, stride, pad):
-        y[:, :, p, q] = x[:, :, h0:h1, w0:w1].sum(axis=(2, 3)) / x.dtype.type(size)
+def avg_pool2d(x, kernel, stride, pad, dilation=(1, 1), ceil_mode=True,
+               count_include_pad=True):
+    """Sum over each window's taps inside the input, divided by the number of its taps
+    inside the padded input (Caffe's pool size, by default) or, without
+    ``count_include_pad``, inside the input."""
+    y = _pool_out(x, kernel, stride, pad, dilation, ceil_mode)
+    for p, q, rows, cols, size in _pool_windows(*x.shape[2:], kernel, stride, pad, dilation,
+                                                ceil_mode, count_include_pad):
+        y[:, :, p, q] = x[:, :, rows, cols].sum(axis=(2, 3)) / x.dtype.type(size)
     return (y,)
 
 
-def avg_pool2d_grad(gy, kernel, stride, pad, input_shape):
-    """The adjoint of `avg_pool2d`: each ``gy / pool_size`` spread over its clipped
-    window; overlapping windows accumulate."""
+def avg_pool2d_grad(gy, kernel, stride, pad, input_shape, dilation=(1, 1), ceil_mode=True,
+                    count_include_pad=True):
+    """The adjoint of `avg_pool2d`: each ``gy / divisor`` spread over its window's taps
+    inside the input; overlapping windows accumulate."""
     gx = np.zeros(input_shape, dtype=gy.dtype)
-    for p, q, (h0, h1), (w0, w1), size in _pool_windows(*input_shape[2:], kernel, stride,
-                                                         pad):
-        gx[:, :, h0:h1, w0:w1] += (gy[:, :, p, q] / gy.dtype.type(size))[:, :, None, None]
+    for p, q, rows, cols, size in _pool_windows(*input_shape[2:], kernel, stride, pad,
+                                                dilation, ceil_mode, count_include_pad):
+        gx[:, :, rows, cols] += (gy[:, :, p, q] / gy.dtype.type(size))[:, :, None, None]
     return (gx,)
 
 

@@ -6,7 +6,7 @@ One graph prints as::
         %data: f32[64,1,28,28] @cpu:0,
         %c1.w: f32[20,1,5,5] @cpu:0 {param, init="xavier"}
     ) {
-      %c1 = conv2d(%data, %c1.w) {stride=[1,1], pad=[0,0], groups=1} : f32[64,20,24,24] @cpu:0
+      %c1 = conv2d(%data, %c1.w) {stride=[1,1], pad=[0,0], groups=1, dilation=[1,1]} : f32[64,20,24,24] @cpu:0
       %s0, %s1 = split(%c1) {axis=1, sections=[10,10]} : f32[64,10,24,24] @cpu:0, ...
       return %s0, loss=%s1
     }
@@ -21,7 +21,7 @@ A fused node prints as its header line, which names the outputs it exports, endi
 ``{``, then its members two spaces further in, then ``}``::
 
       %r = fused(%x, %w, %b) {kernel="fused_conv2d_bias_add_relu"} : f32[2,20,24,24] @cpu:0 {
-        %c = conv2d(%x, %w) {stride=[1,1], pad=[0,0], groups=1} : f32[2,20,24,24] @cpu:0
+        %c = conv2d(%x, %w) {stride=[1,1], pad=[0,0], groups=1, dilation=[1,1]} : f32[2,20,24,24] @cpu:0
         %cb = bias_add(%c, %b) {axis=1} : f32[2,20,24,24] @cpu:0  # lenet.py:18
         %r = relu(%cb) : f32[2,20,24,24] @cpu:0  # lenet.py:23
       }

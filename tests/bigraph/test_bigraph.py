@@ -175,7 +175,9 @@ def test_each_layer_lowers_to_its_ops():
                          "reshape", "softmax", "add", "add"]
     assert g.input("bias.bias").type.shape == (4,)
     assert node(g, "lrn").attrs == {"size": 3, "alpha": 1e-4, "beta": 0.75, "k": 1.0}
-    assert node(g, "avg").attrs == {"kernel": [3, 3], "stride": [2, 2], "pad": [1, 1]}
+    assert node(g, "avg").attrs == {"kernel": [3, 3], "stride": [2, 2], "pad": [1, 1],
+                                    "dilation": [1, 1], "ceil_mode": True,
+                                    "count_include_pad": True}
     assert g.output("sum3").type.shape == (2, 4)
 
 
@@ -194,7 +196,7 @@ def test_conv_and_inner_product_parameters():
         ("ip.weight", (7, 6 * 5 * 5), "gaussian(0.1)"),
     ]
     c = node(g, "conv.conv")
-    assert c.attrs == {"stride": [2, 2], "pad": [1, 2], "groups": 2}
+    assert c.attrs == {"stride": [2, 2], "pad": [1, 2], "groups": 2, "dilation": [1, 1]}
     assert node(g, "conv").op == "bias_add" and node(g, "conv").attrs == {"axis": 1}
     assert ops_of(g) == ["conv2d", "bias_add", "reshape", "matmul"]
     assert node(g, "ip").attrs == {"trans_a": False, "trans_b": True}

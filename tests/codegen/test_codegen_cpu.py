@@ -20,7 +20,8 @@ from purinec.codegen.cpu_runtime import run_blocked, set_threads
 from purinec.errors import ShapeError
 from purinec.ir import nnref
 from purinec.ir.graph import Graph, Node, external_inputs
-from purinec.ir.ops import REGISTRY, conv_output_size, pool_output_size
+from purinec.errors import ShapeError
+from purinec.ir.ops import REGISTRY, conv_output_size
 from purinec.ir.types import DType, TensorType
 
 SETTINGS = settings(max_examples=6, deadline=None, derandomize=True,
@@ -423,13 +424,26 @@ def conv_problems(draw):
     cin_g, cout_g = draw(st.sampled_from([1, 3])), draw(st.sampled_from([1, 2]))
     kh, kw = draw(st.sampled_from([(1, 1), (3, 3), (2, 3)]))
     stride = draw(st.sampled_from([(1, 1), (2, 2), (1, 2)]))
-    pad = draw(st.sampled_from([(0, 0), (1, 1), (0, 2)]))
-    pad = (min(pad[0], kh - 1), min(pad[1], kw - 1))
+    dilation = draw(st.sampled_from([(1, 1), (1, 1), (2, 1), (2, 2)]))
+    pad = draw(st.sampled_from([(0, 0), (1, 1), (0, 2), (1, 0, 2, 1), (0, 2, 0, 0)]))
     h, w = draw(st.sampled_from([(4, 5), (3, 3), (6, 4)]))
-    assume(h + 2 * pad[0] >= kh and w + 2 * pad[1] >= kw)
+    top, left, bottom, right = nnref.pad_edges(pad)
+    assume(conv_output_size(h, kh, stride[0], top, bottom, dilation[0]) >= 1)
+    assume(conv_output_size(w, kw, stride[1], left, right, dilation[1]) >= 1)
     n = draw(st.sampled_from([1, 2]))
-    attrs = {"stride": list(stride), "pad": list(pad), "groups": groups}
+    attrs = {"stride": list(stride), "pad": list(pad), "groups": groups,
+             "dilation": list(dilation)}
     return (n, cin_g * groups, h, w), (cout_g * groups, cin_g, kh, kw), attrs
+
+
+def check_conv_gradients(rng, x_shape, w_shape, attrs, dtype, options) -> None:
+    """Both gradients of the convolution of ``x_shape`` by ``w_shape``, random."""
+    (y,) = one_node("conv2d", [np.zeros(x_shape, dtype.numpy), np.zeros(w_shape, dtype.numpy)],
+                    attrs).outputs
+    gy, w = random_array(rng, y.type.shape, dtype), random_array(rng, w_shape, dtype)
+    check("conv2d_grad_input", [gy, w], {**attrs, "input_shape": list(x_shape)}, options)
+    x = random_array(rng, x_shape, dtype)
+    check("conv2d_grad_weight", [x, gy], {**attrs, "kernel": list(w_shape[2:])}, options)
 
 
 @pytest.mark.slow  # a Numba compile per example
@@ -441,11 +455,7 @@ def test_conv2d_and_its_gradients(problem, dtype, seed, options):
     rng = np.random.default_rng(seed)
     x, w = random_array(rng, x_shape, dtype), random_array(rng, w_shape, dtype)
     check("conv2d", [x, w], attrs, options)
-    oh = conv_output_size(x_shape[2], w_shape[2], attrs["stride"][0], attrs["pad"][0])
-    ow = conv_output_size(x_shape[3], w_shape[3], attrs["stride"][1], attrs["pad"][1])
-    gy = random_array(rng, (x_shape[0], w_shape[0], oh, ow), dtype)
-    check("conv2d_grad_input", [gy, w], {**attrs, "input_shape": list(x_shape)}, options)
-    check("conv2d_grad_weight", [x, gy], {**attrs, "kernel": list(w_shape[2:])}, options)
+    check_conv_gradients(rng, x_shape, w_shape, attrs, dtype, options)
 
 
 @pytest.mark.slow  # a Numba compile per case
@@ -469,6 +479,12 @@ def test_pointwise_conv_skips_im2col_and_agrees(options):
     ((2, 16, 7, 6), (16, 16, 5, 5), {"stride": [1, 1], "pad": [2, 2], "groups": 1}),
     ((2, 8, 6, 9), (12, 8, 3, 8), {"stride": [1, 2], "pad": [0, 1], "groups": 1}),
     ((1, 24, 5, 5), (16, 12, 3, 6), {"stride": [1, 1], "pad": [1, 1], "groups": 2}),
+    # Dilated, padded unevenly: kernel rows dh rows apart; the input gradient as a
+    # convolution (pads within the dilated kernel's reach), then by col2im (a pad past it).
+    ((2, 16, 8, 7), (16, 16, 3, 5), {"stride": [1, 1], "pad": [1, 2, 3, 2],
+                                     "dilation": [2, 1], "groups": 1}),
+    ((1, 8, 6, 9), (12, 8, 2, 8), {"stride": [1, 2], "pad": [3, 0, 0, 1],
+                                   "dilation": [2, 1], "groups": 1}),
 ])
 def test_conv_by_kernel_rows_agrees(x_shape, w_shape, attrs, options):
     """Enough channels times kernel columns for the kernel-row GEMMs (forward, and
@@ -477,47 +493,52 @@ def test_conv_by_kernel_rows_agrees(x_shape, w_shape, attrs, options):
     x, w = random_array(rng, x_shape, DType.f32), random_array(rng, w_shape, DType.f32)
     assert "w_rows" in cpu.render(one_node("conv2d", [x, w], attrs), options)
     check("conv2d", [x, w], attrs, options)
-    oh = conv_output_size(x_shape[2], w_shape[2], attrs["stride"][0], attrs["pad"][0])
-    ow = conv_output_size(x_shape[3], w_shape[3], attrs["stride"][1], attrs["pad"][1])
-    gy = random_array(rng, (x_shape[0], w_shape[0], oh, ow), DType.f32)
-    check("conv2d_grad_input", [gy, w], {**attrs, "input_shape": list(x_shape)}, options)
-    check("conv2d_grad_weight", [x, gy], {**attrs, "kernel": list(w_shape[2:])}, options)
+    check_conv_gradients(rng, x_shape, w_shape, attrs, DType.f32, options)
 
 # ---------------------------------------------------------------------------------------
 # Pooling, LRN, softmax and the losses.
 
 
+def pool_fits(shape, attrs) -> bool:
+    """Whether the op takes these windows (each must hold an input element)."""
+    try:
+        REGISTRY["max_pool2d"].infer([TensorType(shape, DType.f32)],
+                                     REGISTRY["max_pool2d"].complete_attrs(attrs))
+    except ShapeError:
+        return False
+    return True
+
+
 @st.composite
 def pool_problems(draw):
+    """(x shape, max pooling's attrs); average pooling draws count_include_pad too."""
     kernel = draw(st.sampled_from([(2, 2), (3, 3), (1, 2)]))
     stride = draw(st.sampled_from([(1, 1), (2, 2), (3, 2)]))
-    pad = (draw(st.integers(0, kernel[0] - 1)), draw(st.integers(0, kernel[1] - 1)))
+    dilation = draw(st.sampled_from([(1, 1), (1, 1), (2, 1), (1, 3)]))
+    pad = [draw(st.integers(0, kernel[k % 2] - 1)) for k in range(draw(st.sampled_from([2, 4])))]
     h, w = draw(st.sampled_from([(4, 4), (5, 7), (3, 6)]))
     shape = (draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 3])), h, w)
-    assume(pool_output_size(h, kernel[0], stride[0], pad[0]) >= 1)
-    assume(pool_output_size(w, kernel[1], stride[1], pad[1]) >= 1)
-    return shape, {"kernel": list(kernel), "stride": list(stride), "pad": list(pad)}
-
-
-def _pooled(shape, attrs):
-    return (*shape[:2], *(pool_output_size(shape[2 + a], attrs["kernel"][a], attrs["stride"][a],
-                                           attrs["pad"][a]) for a in range(2)))
+    attrs = {"kernel": list(kernel), "stride": list(stride), "pad": pad,
+             "dilation": list(dilation), "ceil_mode": draw(st.booleans())}
+    assume(pool_fits(shape, attrs))
+    return shape, attrs
 
 
 @pytest.mark.slow  # a Numba compile per example
 @settings(SETTINGS, max_examples=6)
-@given(problem=pool_problems(), dtype=st.sampled_from(FLOATS), seed=seeds,
-       options=st.sampled_from(OPTIONS))
-def test_pooling_and_its_gradients(problem, dtype, seed, options):
+@given(problem=pool_problems(), count_include_pad=st.booleans(), dtype=st.sampled_from(FLOATS),
+       seed=seeds, options=st.sampled_from(OPTIONS))
+def test_pooling_and_its_gradients(problem, count_include_pad, dtype, seed, options):
     shape, attrs = problem
     rng = np.random.default_rng(seed)
     x = random_array(rng, shape, dtype)
     check("max_pool2d", [x], attrs, options, exact=True)
-    check("avg_pool2d", [x], attrs, options)
+    avg = {**attrs, "count_include_pad": count_include_pad}
+    check("avg_pool2d", [x], avg, options)
     (y,) = nnref.max_pool2d(x, **attrs)
     gy = random_array(rng, y.shape, dtype)
     check("max_pool2d_grad", [x, y, gy], attrs, options)
-    check("avg_pool2d_grad", [gy], {**attrs, "input_shape": list(shape)}, options)
+    check("avg_pool2d_grad", [gy], {**avg, "input_shape": list(shape)}, options)
 
 
 def test_max_pool_grad_routes_ties_to_the_first_maximum():
@@ -529,13 +550,16 @@ def test_max_pool_grad_routes_ties_to_the_first_maximum():
 
 
 @pytest.mark.slow  # a Numba compile per case
-@pytest.mark.parametrize("kernel, stride, pad", [([6, 5], [2, 3], [2, 1]), ([2, 3], [1, 3], [1, 2])])
-def test_max_pool_with_big_windows_and_column_strides(kernel, stride, pad):
+@pytest.mark.parametrize("kernel, stride, pad, dilation", [
+    ([6, 5], [2, 3], [2, 1], [1, 1]), ([2, 3], [1, 3], [1, 2], [1, 1]),
+    ([6, 5], [2, 3], [2, 1, 0, 3], [1, 2]), ([2, 3], [1, 3], [1, 0, 2, 2], [2, 2])])
+def test_max_pool_with_big_windows_and_column_strides(kernel, stride, pad, dilation):
     """Windows over the unrolling limit run as loops; column strides of 3 make three
-    phase planes, padding and ceil mode leave some of them short."""
+    phase planes, padding and ceil mode leave some of them short; dilated taps step
+    across phases."""
     rng = np.random.default_rng(7)
     x = random_array(rng, (2, 3, 11, 13), DType.f32)
-    attrs = {"kernel": kernel, "stride": stride, "pad": pad}
+    attrs = {"kernel": kernel, "stride": stride, "pad": pad, "dilation": dilation}
     check("max_pool2d", [x], attrs, exact=True)
     (y,) = nnref.max_pool2d(x, **attrs)
     check("max_pool2d_grad", [x, y, random_array(rng, y.shape, DType.f32)], attrs)

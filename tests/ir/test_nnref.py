@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from purinec.errors import ShapeError, VerifyError
 from purinec.ir import nnref
 from purinec.ir.ops import REGISTRY, pool_output_size
 from purinec.ir.types import DType, TensorType
@@ -26,11 +27,20 @@ SETTINGS = settings(max_examples=60, deadline=None,
 # Naive implementations.
 
 
-def naive_conv2d(x, w, stride, pad, groups):
+def edges(pad):
+    """[top, left, bottom, right] from 2 entries or 4."""
+    return list(pad) * 2 if len(pad) == 2 else list(pad)
+
+
+def naive_conv_size(size, kernel, stride, begin, end, dilation):
+    return (size + begin + end - dilation * (kernel - 1) - 1) // stride + 1
+
+
+def naive_conv2d(x, w, stride, pad, groups, dilation=(1, 1)):
     n_, c_, h_, w_ = x.shape
     o_, cg, kh, kw = w.shape
-    (sh, sw), (ph, pw) = stride, pad
-    oh, ow = (h_ + 2 * ph - kh) // sh + 1, (w_ + 2 * pw - kw) // sw + 1
+    (sh, sw), (dh, dw), (pt, pl, pb, pr) = stride, dilation, edges(pad)
+    oh, ow = naive_conv_size(h_, kh, sh, pt, pb, dh), naive_conv_size(w_, kw, sw, pl, pr, dw)
     og = o_ // groups
     y = np.zeros((n_, o_, oh, ow))
     for n in range(n_):
@@ -42,17 +52,17 @@ def naive_conv2d(x, w, stride, pad, groups):
                     for c in range(cg):
                         for i in range(kh):
                             for j in range(kw):
-                                h, v = p * sh - ph + i, q * sw - pw + j
+                                h, v = p * sh - pt + i * dh, q * sw - pl + j * dw
                                 if 0 <= h < h_ and 0 <= v < w_:
                                     acc += w[o, c, i, j] * x[n, g * cg + c, h, v]
                     y[n, o, p, q] = acc
     return y
 
 
-def naive_conv2d_grad_input(gy, w, stride, pad, groups, input_shape):
+def naive_conv2d_grad_input(gy, w, stride, pad, groups, input_shape, dilation=(1, 1)):
     n_, c_, h_, w_ = input_shape
     o_, cg, kh, kw = w.shape
-    (sh, sw), (ph, pw) = stride, pad
+    (sh, sw), (dh, dw), (pt, pl, _, _) = stride, dilation, edges(pad)
     og = o_ // groups
     gx = np.zeros(input_shape)
     for n in range(n_):
@@ -63,17 +73,17 @@ def naive_conv2d_grad_input(gy, w, stride, pad, groups, input_shape):
                     for c in range(cg):
                         for i in range(kh):
                             for j in range(kw):
-                                h, v = p * sh - ph + i, q * sw - pw + j
+                                h, v = p * sh - pt + i * dh, q * sw - pl + j * dw
                                 if 0 <= h < h_ and 0 <= v < w_:
                                     gx[n, g * cg + c, h, v] += w[o, c, i, j] * gy[n, o, p, q]
     return gx
 
 
-def naive_conv2d_grad_weight(x, gy, stride, pad, groups, kernel):
+def naive_conv2d_grad_weight(x, gy, stride, pad, groups, kernel, dilation=(1, 1)):
     n_, c_, h_, w_ = x.shape
     o_ = gy.shape[1]
     kh, kw = kernel
-    (sh, sw), (ph, pw) = stride, pad
+    (sh, sw), (dh, dw), (pt, pl, _, _) = stride, dilation, edges(pad)
     cg, og = c_ // groups, o_ // groups
     gw = np.zeros((o_, cg, kh, kw))
     for o in range(o_):
@@ -85,7 +95,7 @@ def naive_conv2d_grad_weight(x, gy, stride, pad, groups, kernel):
                     for n in range(n_):
                         for p in range(gy.shape[2]):
                             for q in range(gy.shape[3]):
-                                h, v = p * sh - ph + i, q * sw - pw + j
+                                h, v = p * sh - pt + i * dh, q * sw - pl + j * dw
                                 if 0 <= h < h_ and 0 <= v < w_:
                                     acc += gy[n, o, p, q] * x[n, g * cg + c, h, v]
                     gw[o, c, i, j] = acc
@@ -100,28 +110,45 @@ def caffe_pooled_size(size, kernel, stride, pad, any_pad):
     return out
 
 
-def naive_pool_size(size, kernel, stride, pad):
-    # purinec applies Caffe's last-window check on every axis (see test below).
-    return caffe_pooled_size(size, kernel, stride, pad, any_pad=True)
+def naive_pool_size(size, kernel, stride, begin, end, dilation, ceil_mode):
+    """ONNX's output size (its reference's get_output_shape_explicit_padding);
+    purinec applies Caffe's last-window check on every axis (see test below)."""
+    out = (size + begin + end - dilation * (kernel - 1) - 1) / stride + 1
+    if not ceil_mode:
+        return int(math.floor(out))
+    out = int(math.ceil(out))
+    return out - 1 if (out - 1) * stride >= size + begin else out
 
 
-def naive_max_pool(x, kernel, stride, pad, gy=None):
+def naive_taps(size, kernel, stride, begin, end, dilation, ceil_mode):
+    """Per window: the input indices of its taps, and how many taps the padded input
+    holds."""
+    windows = []
+    for p in range(naive_pool_size(size, kernel, stride, begin, end, dilation, ceil_mode)):
+        taps = [p * stride - begin + i * dilation for i in range(kernel)]
+        windows.append(([t for t in taps if 0 <= t < size],
+                        sum(-begin <= t < size + end for t in taps)))
+    return windows
+
+
+def naive_windows(x_shape, kernel, stride, pad, dilation, ceil_mode):
+    pt, pl, pb, pr = edges(pad)
+    return (naive_taps(x_shape[2], kernel[0], stride[0], pt, pb, dilation[0], ceil_mode),
+            naive_taps(x_shape[3], kernel[1], stride[1], pl, pr, dilation[1], ceil_mode))
+
+
+def naive_max_pool(x, kernel, stride, pad, dilation=(1, 1), ceil_mode=True, gy=None):
     """Caffe's MaxPoolForward (and, given gy, the backward through its argmax)."""
-    n_, c_, h_, w_ = x.shape
-    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, pad
-    oh, ow = naive_pool_size(h_, kh, sh, ph), naive_pool_size(w_, kw, sw, pw)
-    y = np.zeros((n_, c_, oh, ow))
+    rows, cols = naive_windows(x.shape, kernel, stride, pad, dilation, ceil_mode)
+    y = np.zeros((*x.shape[:2], len(rows), len(cols)))
     gx = np.zeros(x.shape)
-    for n in range(n_):
-        for c in range(c_):
-            for p in range(oh):
-                for q in range(ow):
-                    hs, ws = p * sh - ph, q * sw - pw
-                    he, we = min(hs + kh, h_), min(ws + kw, w_)
-                    hs, ws = max(hs, 0), max(ws, 0)
+    for n in range(x.shape[0]):
+        for c in range(x.shape[1]):
+            for p, (hs, _) in enumerate(rows):
+                for q, (vs, _) in enumerate(cols):
                     best, arg = -np.inf, None
-                    for h in range(hs, he):
-                        for v in range(ws, we):
+                    for h in hs:
+                        for v in vs:
                             if x[n, c, h, v] > best:
                                 best, arg = x[n, c, h, v], (h, v)
                     y[n, c, p, q] = best
@@ -130,25 +157,22 @@ def naive_max_pool(x, kernel, stride, pad, gy=None):
     return gx if gy is not None else y
 
 
-def naive_avg_pool(x, kernel, stride, pad):
-    """Caffe's AvePoolForward."""
-    n_, c_, h_, w_ = x.shape
-    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, pad
-    oh, ow = naive_pool_size(h_, kh, sh, ph), naive_pool_size(w_, kw, sw, pw)
-    y = np.zeros((n_, c_, oh, ow))
-    for n in range(n_):
-        for c in range(c_):
-            for p in range(oh):
-                for q in range(ow):
-                    hs, ws = p * sh - ph, q * sw - pw
-                    he, we = min(hs + kh, h_ + ph), min(ws + kw, w_ + pw)
-                    pool_size = (he - hs) * (we - ws)
-                    hs, ws, he, we = max(hs, 0), max(ws, 0), min(he, h_), min(we, w_)
+def naive_avg_pool(x, kernel, stride, pad, dilation=(1, 1), ceil_mode=True,
+                   count_include_pad=True):
+    """Caffe's AvePoolForward (the divisor counts the padding), or ONNX's
+    count_include_pad=0 (it does not)."""
+    rows, cols = naive_windows(x.shape, kernel, stride, pad, dilation, ceil_mode)
+    y = np.zeros((*x.shape[:2], len(rows), len(cols)))
+    for n in range(x.shape[0]):
+        for c in range(x.shape[1]):
+            for p, (hs, h_padded) in enumerate(rows):
+                for q, (vs, v_padded) in enumerate(cols):
                     acc = 0.0
-                    for h in range(hs, he):
-                        for v in range(ws, we):
+                    for h in hs:
+                        for v in vs:
                             acc += x[n, c, h, v]
-                    y[n, c, p, q] = acc / pool_size
+                    size = h_padded * v_padded if count_include_pad else len(hs) * len(vs)
+                    y[n, c, p, q] = acc / size
     return y
 
 
@@ -186,36 +210,52 @@ def numeric_grad(f, x, eps=1e-6):
 # Strategies.
 
 
+def draw_pad(draw, most):
+    """2 entries [ph, pw] or 4 [top, left, bottom, right], each up to ``most``."""
+    count = draw(st.sampled_from([2, 4]))
+    return [draw(st.integers(0, most[k % 2])) for k in range(count)]
+
+
 @st.composite
 def conv_cases(draw):
     groups = draw(st.sampled_from([1, 2, 3]))
     cin_g, cout_g = draw(st.integers(1, 2)), draw(st.integers(1, 2))
     kh, kw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
     sh, sw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
-    ph, pw = draw(st.integers(0, 2)), draw(st.integers(0, 2))
+    dh, dw = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    pad = draw_pad(draw, (2, 2))
+    pt, pl, pb, pr = edges(pad)
     h, w = draw(st.integers(1, 6)), draw(st.integers(1, 6))
-    assume(h + 2 * ph >= kh and w + 2 * pw >= kw)
+    assume(naive_conv_size(h, kh, sh, pt, pb, dh) >= 1)
+    assume(naive_conv_size(w, kw, sw, pl, pr, dw) >= 1)
     n = draw(st.integers(1, 2))
     seed = draw(st.integers(0, 2**32 - 1))
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, cin_g * groups, h, w))
     wt = rng.standard_normal((cout_g * groups, cin_g, kh, kw))
-    return x, wt, dict(stride=[sh, sw], pad=[ph, pw], groups=groups), rng
+    attrs = dict(stride=[sh, sw], pad=pad, groups=groups, dilation=[dh, dw])
+    return x, wt, attrs, rng
 
 
 @st.composite
 def pool_cases(draw, integers=False):
+    """(x, attrs, rng) of max pooling; average pooling takes count_include_pad too."""
     kh, kw = draw(st.integers(1, 4)), draw(st.integers(1, 4))
     sh, sw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
-    ph, pw = draw(st.integers(0, kh - 1)), draw(st.integers(0, kw - 1))
+    dh, dw = draw(st.sampled_from([1, 1, 2])), draw(st.sampled_from([1, 1, 3]))
+    pad = draw_pad(draw, (dh * (kh - 1), dw * (kw - 1)))
     h, w = draw(st.integers(1, 8)), draw(st.integers(1, 8))
-    assume(naive_pool_size(h, kh, sh, ph) >= 1 and naive_pool_size(w, kw, sw, pw) >= 1)
+    attrs = dict(kernel=[kh, kw], stride=[sh, sw], pad=pad, dilation=[dh, dw],
+                 ceil_mode=draw(st.booleans()))
+    rows, cols = naive_windows((1, 1, h, w), **attrs)
+    # Every window must hold an input element (the ops refuse others).
+    assume(rows and cols and all(taps for taps, _ in rows + cols))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     shape = (draw(st.integers(1, 2)), draw(st.integers(1, 3)), h, w)
     # Small integers make ties, which pin down "the first maximum".
     x = (rng.integers(-2, 3, shape).astype(np.float64) if integers
          else rng.standard_normal(shape))
-    return x, dict(kernel=[kh, kw], stride=[sh, sw], pad=[ph, pw]), rng
+    return x, attrs, rng
 
 
 # ---------------------------------------------------------------------------------------
@@ -314,7 +354,7 @@ def test_pool_size_equals_caffe_literal_formula():
 def test_registry_pool_shape_matches_reference():
     x = TensorType((2, 3, 7, 6), DType.f32)
     attrs = dict(kernel=[3, 2], stride=[2, 3], pad=[1, 1])
-    (t,) = REGISTRY["max_pool2d"].infer([x], attrs)
+    (t,) = REGISTRY["max_pool2d"].infer([x], REGISTRY["max_pool2d"].complete_attrs(attrs))
     (y,) = nnref.max_pool2d(np.zeros(x.shape, np.float32), **attrs)
     assert t.shape == y.shape
 
@@ -372,9 +412,10 @@ def test_max_pool_grad_is_the_derivative(case):
 
 
 @SETTINGS
-@given(pool_cases())
-def test_avg_pool_matches_loops_and_grad_is_adjoint(case):
+@given(pool_cases(), st.booleans())
+def test_avg_pool_matches_loops_and_grad_is_adjoint(case, count_include_pad):
     x, attrs, rng = case
+    attrs = {**attrs, "count_include_pad": count_include_pad}
     (y,) = nnref.avg_pool2d(x, **attrs)
     np.testing.assert_allclose(y, naive_avg_pool(x, **attrs), rtol=1e-12, atol=1e-12)
     gy = rng.standard_normal(y.shape)
@@ -396,6 +437,96 @@ def test_avg_pool_divisor_at_borders():
     (y,) = nnref.avg_pool2d(np.ones((1, 1, 3, 3)), kernel=[3, 3], stride=[2, 2],
                             pad=[1, 1])
     np.testing.assert_allclose(y[0, 0], np.full((2, 2), 4 / 9))
+
+
+def test_floor_mode_and_asymmetric_pads():
+    # 5 rows, kernel 2, stride 2: ceil mode has a last window hanging out, floor not.
+    assert pool_output_size(5, 2, 2, 0, ceil_mode=False) == 2
+    assert pool_output_size(5, 2, 2, 0) == 3
+    # Pad 1 before, 0 after; dilation 2 makes a 3-tap window span 5.
+    assert pool_output_size(7, 3, 1, 1, 0, dilation=2, ceil_mode=False) == 4
+    x = np.arange(25.0).reshape(1, 1, 5, 5)
+    (y,) = nnref.max_pool2d(x, kernel=[2, 2], stride=[2, 2], pad=[0, 0, 1, 1],
+                            ceil_mode=False)
+    # The pad after the input makes room for a third window, of one row or column.
+    np.testing.assert_array_equal(y[0, 0], [[6, 8, 9], [16, 18, 19], [21, 23, 24]])
+
+
+def test_pool_refuses_windows_of_padding_alone():
+    x = TensorType((1, 1, 4, 4), DType.f32)
+    op = REGISTRY["max_pool2d"]
+    for attrs in ({"kernel": [2, 2], "pad": [2, 0]},                 # the first window
+                  {"kernel": [2, 2], "pad": [0, 0, 2, 0], "ceil_mode": False},  # the last
+                  {"kernel": [2, 2], "pad": [1, 0], "dilation": [5, 1]}):       # its taps skip x
+        with pytest.raises(ShapeError, match="holds only padding"):
+            op.infer([x], op.complete_attrs(attrs))
+    with pytest.raises(VerifyError, match="2 entries"):
+        op.infer([x], op.complete_attrs({"kernel": [2, 2], "pad": [1, 1, 1]}))
+
+
+# ONNX's reference evaluator as an independent oracle: (op, ONNX attributes), with pads
+# in ONNX's order [top, left, bottom, right], which is purinec's too.
+ONNX_CASES = [
+    ("Conv", dict(strides=[2, 1], pads=[1, 0, 2, 1], dilations=[2, 1], group=2)),
+    ("Conv", dict(pads=[0, 2, 1, 0], dilations=[2, 3])),
+    ("MaxPool", dict(kernel_shape=[3, 2], strides=[2, 2], pads=[1, 0, 0, 1])),
+    ("MaxPool", dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], ceil_mode=1)),
+    ("MaxPool", dict(kernel_shape=[2, 3], strides=[1, 2], pads=[1, 0, 2, 1], dilations=[2, 2])),
+    ("MaxPool", dict(kernel_shape=[2, 2], strides=[2, 3], dilations=[2, 1], ceil_mode=1)),
+    ("AveragePool", dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
+    ("AveragePool", dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1],
+                         count_include_pad=1)),
+    ("AveragePool", dict(kernel_shape=[3, 2], strides=[2, 2], pads=[1, 0, 2, 1], ceil_mode=1)),
+    ("AveragePool", dict(kernel_shape=[3, 2], strides=[2, 2], pads=[1, 0, 2, 1], ceil_mode=1,
+                         count_include_pad=1)),
+    # Ceil-mode windows hanging one column (row) out of the padded input, which the
+    # divisor does not count even with count_include_pad (PyTorch's rule too).
+    ("AveragePool", dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], ceil_mode=1,
+                         count_include_pad=1)),
+    ("AveragePool", dict(kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1, count_include_pad=1)),
+    ("AveragePool", dict(kernel_shape=[2, 2], strides=[1, 2], pads=[0, 1, 1, 0],
+                         dilations=[2, 2], count_include_pad=1)),
+    ("AveragePool", dict(kernel_shape=[2, 2], strides=[1, 2], pads=[2, 1, 1, 0],
+                         dilations=[3, 2])),
+]
+
+
+def _purinec_attrs(op, onnx_attrs):
+    attrs = {"stride": onnx_attrs.get("strides", [1, 1]), "pad": onnx_attrs.get("pads", [0] * 4),
+             "dilation": onnx_attrs.get("dilations", [1, 1])}
+    if op == "Conv":
+        return {**attrs, "groups": onnx_attrs.get("group", 1)}
+    attrs.update(kernel=onnx_attrs["kernel_shape"], ceil_mode=bool(onnx_attrs.get("ceil_mode")))
+    if op == "AveragePool":
+        attrs["count_include_pad"] = bool(onnx_attrs.get("count_include_pad"))
+    return attrs
+
+
+@pytest.mark.parametrize("op, onnx_attrs", ONNX_CASES)
+def test_references_agree_with_onnx(op, onnx_attrs):
+    pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+    from onnx.reference import ReferenceEvaluator
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 4, 7, 8)).astype(np.float32)
+    feeds, names = {"x": x}, ["x"]
+    if op == "Conv":
+        feeds["w"] = rng.standard_normal((6, 4 // onnx_attrs.get("group", 1), 3, 2)
+                                         ).astype(np.float32)
+        names.append("w")
+    graph = helper.make_graph(
+        [helper.make_node(op, names, ["y"], **onnx_attrs)], "one",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, feeds[n].shape) for n in names],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    (want,) = ReferenceEvaluator(model).run(None, feeds)
+    name = {"Conv": "conv2d", "MaxPool": "max_pool2d", "AveragePool": "avg_pool2d"}[op]
+    attrs = REGISTRY[name].complete_attrs(_purinec_attrs(op, onnx_attrs))
+    (t,) = REGISTRY[name].infer([TensorType(v.shape, DType.f32) for v in feeds.values()], attrs)
+    (got,) = REGISTRY[name].reference(*feeds.values(), **attrs)
+    assert t.shape == got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------

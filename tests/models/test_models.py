@@ -135,7 +135,8 @@ def test_lenet(lowered):
     assert shape_of(g, "ip1") == shape_of(g, "relu1") == (64, 500)
     pool = g.value("pool1").producer
     assert pool.op == "max_pool2d" and pool.attrs == {"kernel": [2, 2], "stride": [2, 2],
-                                                      "pad": [0, 0]}
+                                                      "pad": [0, 0], "dilation": [1, 1],
+                                                      "ceil_mode": True}
     assert histogram(g) == Counter(conv2d=2, bias_add=4, max_pool2d=2, reshape=1, matmul=2,
                                    relu=1, softmax_xent=1, accuracy=1)
     assert len(lowered("lenet", "inference").nodes) == 12
@@ -221,7 +222,8 @@ def test_inception(lowered):
     assert [v.name for v in g.value("inc3a").producer.inputs] == [
         "inc3a.relu_1x1", "inc3a.relu_3x3", "inc3a.relu_5x5", "inc3a.relu_pool_proj"]
     assert g.value("inc3a.pool").producer.attrs == {"kernel": [3, 3], "stride": [1, 1],
-                                                     "pad": [1, 1]}
+                                                     "pad": [1, 1], "dilation": [1, 1],
+                                                     "ceil_mode": True}
     h = histogram(g)
     assert h["concat"] == 3 and h["lrn"] == 2 and h["global_avg_pool"] == 1
     assert h["dropout_mask"] == 1 and h["conv2d"] == 2 + 3 * 6

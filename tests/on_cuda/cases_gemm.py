@@ -2,7 +2,7 @@
 `tests.on_cuda.simulate`). Sizes are tiny, as the simulator runs each thread as a Python
 thread, and none is a multiple of the kernels' 16x16 tiles."""
 
-from purinec.ir.nnref import conv_output_size
+from purinec.ir.nnref import conv_output_size, pad_edges
 from tests.on_cuda.cases_elementwise import fused_case
 from tests.on_cuda.simulate import random_array as R
 
@@ -14,23 +14,30 @@ def _matmul(m, n, k, trans_a, trans_b, dtype):
                         {"trans_a": trans_a, "trans_b": trans_b})
 
 
-# Convolution problems: (input shape, weight shape, stride, pad, groups, dtype).
+# Convolution problems: (input shape, weight shape, stride, pad, groups, dtype, dilation);
+# pad is [ph, pw] or [top, left, bottom, right].
 CONVOLUTIONS = {
-    "stride2_pad1": ((2, 3, 7, 5), (4, 3, 3, 3), 2, 1, 1, "float32"),
-    "groups2": ((1, 4, 5, 6), (6, 2, 3, 3), 1, 1, 2, "float32"),
-    "1x1": ((2, 3, 4, 5), (5, 3, 1, 1), 1, 0, 1, "float64"),
+    "stride2_pad1": ((2, 3, 7, 5), (4, 3, 3, 3), 2, [1, 1], 1, "float32", [1, 1]),
+    "groups2": ((1, 4, 5, 6), (6, 2, 3, 3), 1, [1, 1], 2, "float32", [1, 1]),
+    "1x1": ((2, 3, 4, 5), (5, 3, 1, 1), 1, [0, 0], 1, "float64", [1, 1]),
+    # ONNX-style: dilated taps, uneven padding; strided, and grouped with stride 1.
+    "dilated_uneven_pad_stride2": ((1, 3, 8, 7), (4, 3, 3, 2), 2, [2, 0, 1, 3], 1, "float32",
+                                   [2, 3]),
+    "dilated_uneven_pad_groups2": ((2, 4, 6, 5), (4, 2, 2, 3), 1, [0, 2, 1, 1], 2, "float64",
+                                   [2, 1]),
 }
 
 
-def _output_shape(x, w, stride, pad):
-    return (x[0], w[0], conv_output_size(x[2], w[2], stride, pad),
-            conv_output_size(x[3], w[3], stride, pad))
+def _output_shape(x, w, stride, pad, dilation):
+    top, left, bottom, right = pad_edges(pad)
+    return (x[0], w[0], conv_output_size(x[2], w[2], stride, top, bottom, dilation[0]),
+            conv_output_size(x[3], w[3], stride, left, right, dilation[1]))
 
 
 def _conv_cases(name, problem):
-    x, w, stride, pad, groups, dtype = problem
-    y = _output_shape(x, w, stride, pad)
-    attrs = {"stride": [stride, stride], "pad": [pad, pad], "groups": groups}
+    x, w, stride, pad, groups, dtype, dilation = problem
+    y = _output_shape(x, w, stride, pad, dilation)
+    attrs = {"stride": [stride, stride], "pad": pad, "groups": groups, "dilation": dilation}
     return {
         f"conv2d_{name}": lambda rng: ("conv2d", [R(rng, x, dtype), R(rng, w, dtype)], attrs),
         f"conv2d_grad_input_{name}": lambda rng: (

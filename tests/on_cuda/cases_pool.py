@@ -10,8 +10,9 @@ from tests.on_cuda.simulate import random_array as R
 SHAPE = (2, 3, 5, 7)
 
 
-def _window(kernel, stride=(1, 1), pad=(0, 0)):
-    return {"kernel": list(kernel), "stride": list(stride), "pad": list(pad)}
+def _window(kernel, stride=(1, 1), pad=(0, 0), **onnx):
+    """A window's attributes; ``onnx``: dilation and ceil_mode."""
+    return {"kernel": list(kernel), "stride": list(stride), "pad": list(pad), **onnx}
 
 
 def _ties(rng, shape):
@@ -44,6 +45,10 @@ OVERLAP_PADDED = _window((3, 3), (2, 2), (1, 1))
 CEIL_MODE = _window((2, 2), (2, 2))  # 5x7: the last row and column of windows hang out
 OVERHANG_PADDED = _window((3, 3), (2, 2), (1, 1))  # on 6x6: divisors vary at the edge
 RECTANGLE = _window((3, 2), (1, 2), (1, 0))
+# ONNX-style: floor mode, uneven padding, dilated taps; in ceil mode, windows hanging
+# out of the padded input. Averages divide with the padding and without it.
+ONNX_FLOOR = _window((3, 2), (2, 1), (1, 0, 2, 1), dilation=[2, 3], ceil_mode=False)
+ONNX_CEIL = _window((2, 3), (2, 2), (0, 1, 1, 0), dilation=[1, 2], ceil_mode=True)
 LRN = {"size": 3, "alpha": 0.5, "beta": 0.75, "k": 2.0}
 LRN_WIDE = {"size": 5, "alpha": 0.3, "beta": 0.6, "k": 1.0}  # wider than the channels
 
@@ -64,6 +69,17 @@ CASES = {
     "avg_pool2d_grad_overhang_padded": _avg_grad(OVERHANG_PADDED, (2, 3, 6, 6)),
     "avg_pool2d_grad_ceil_mode_f64": _avg_grad(CEIL_MODE, dtype="float64"),
     "avg_pool2d_grad_rectangle": _avg_grad(RECTANGLE),
+    "max_pool2d_onnx_floor": _pool("max_pool2d", ONNX_FLOOR),
+    "max_pool2d_grad_ties_onnx_ceil": _max_grad(ONNX_CEIL),
+    "max_pool2d_grad_ties_onnx_floor": _max_grad(ONNX_FLOOR),
+    "avg_pool2d_onnx_floor_exclude_pad": _pool("avg_pool2d",
+                                               {**ONNX_FLOOR, "count_include_pad": False}),
+    "avg_pool2d_onnx_ceil_exclude_pad_f64": _pool("avg_pool2d",
+                                                  {**ONNX_CEIL, "count_include_pad": False},
+                                                  dtype="float64"),
+    "avg_pool2d_grad_onnx_floor": _avg_grad({**ONNX_FLOOR, "count_include_pad": True}),
+    "avg_pool2d_grad_onnx_ceil_exclude_pad": _avg_grad({**ONNX_CEIL,
+                                                        "count_include_pad": False}),
     "global_avg_pool": _pool("global_avg_pool", {}),
     "global_avg_pool_f64": _pool("global_avg_pool", {}, (2, 2, 12, 13), "float64"),
     "lrn": _pool("lrn", LRN),

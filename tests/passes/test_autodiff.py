@@ -16,9 +16,9 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from purinec.errors import AutodiffError
+from purinec.errors import AutodiffError, ShapeError
 from purinec.ir.graph import Graph
-from purinec.ir.ops import REGISTRY, conv_output_size, pool_output_size
+from purinec.ir.ops import REGISTRY, conv_output_size
 from purinec.ir.types import Device, DType, TensorType
 from purinec.passes.autodiff import autodiff
 
@@ -266,6 +266,9 @@ case("conv2d", "stride_pad")(lambda: _conv("conv_sp", (1, 2, 6, 5), (2, 2, 3, 2)
                                            stride=[2, 3], pad=[1, 2]))
 case("conv2d", "groups")(lambda: _conv("conv_g", (2, 4, 4, 4), (6, 2, 2, 2), stride=[2, 1],
                                        pad=[0, 1], groups=2))
+case("conv2d", "dilated_uneven_pad")(lambda: _conv("conv_dil", (1, 4, 7, 6), (4, 2, 3, 2),
+                                                   stride=[1, 2], pad=[2, 0, 1, 1],
+                                                   dilation=[2, 3], groups=2))
 case("conv2d", "data_input")(lambda: _conv("conv_d", (2, 2, 4, 4), (2, 2, 3, 3), False,
                                            pad=[1, 1]))
 
@@ -284,6 +287,13 @@ case("avg_pool2d", "overlap")(lambda: _pool("avg_pool2d", "ap", (2, 2, 5, 5), ke
                                             stride=[2, 2]))
 case("avg_pool2d", "pad_ceil")(lambda: _pool("avg_pool2d", "ap_pad", (1, 2, 6, 5),
                                              kernel=[3, 2], stride=[2, 2], pad=[1, 1]))
+case("max_pool2d", "onnx_floor_dilated")(lambda: _pool(
+    "max_pool2d", "mp_onnx", (1, 2, 7, 6), kernel=[2, 3], stride=[2, 1], pad=[1, 0, 0, 2],
+    dilation=[2, 2], ceil_mode=False))
+for _include in (False, True):
+    case("avg_pool2d", f"onnx_count_include_pad{int(_include)}")(lambda include=_include: _pool(
+        "avg_pool2d", f"ap_onnx{int(include)}", (1, 2, 6, 7), kernel=[3, 2], stride=[2, 2],
+        pad=[1, 0, 2, 1], dilation=[1, 2], ceil_mode=True, count_include_pad=include))
 case("global_avg_pool")(lambda: _pool("global_avg_pool", "gap", (2, 3, 3, 2)))
 case("lrn", "strong")(lambda: _pool("lrn", "lrn", (2, 5, 2, 2), size=3, alpha=0.5, beta=0.75,
                                     k=2.0))
@@ -392,15 +402,24 @@ def test_gradient_matches_finite_differences(op, variant):
 
 @settings(max_examples=15, deadline=None)
 @given(st.sampled_from(["conv2d", "max_pool2d", "avg_pool2d"]), st.integers(1, 3),
-       st.integers(1, 3), st.integers(0, 2), st.integers(3, 6), st.sampled_from([1, 2]))
-def test_window_ops_with_random_attributes(op, kernel, stride, pad, size, groups):
+       st.integers(1, 3), st.integers(0, 2), st.integers(3, 6), st.sampled_from([1, 2]),
+       st.integers(0, 2), st.integers(1, 2), st.booleans(), st.booleans())
+def test_window_ops_with_random_attributes(op, kernel, stride, pad, size, groups, pad_end,
+                                           dilation, ceil_mode, count_include_pad):
+    """Along rows: padding ``pad`` before and ``pad_end`` after, and ``dilation``."""
+    window = dict(stride=[stride, 1], pad=[pad, 0, pad_end, 0], dilation=[dilation, 1])
     if op == "conv2d":
-        assume(conv_output_size(size, kernel, stride, pad) >= 1)
-        attrs = dict(stride=[stride, 1], pad=[pad, 0], groups=groups)
+        assume(conv_output_size(size, kernel, stride, pad, pad_end, dilation) >= 1)
+        attrs = dict(window, groups=groups)
     else:
-        assume(pad < kernel and pool_output_size(size, kernel, stride, pad) >= 1)
-        attrs = dict(kernel=[kernel, 2], stride=[stride, 1], pad=[pad, 0])
-    b = Builder(f"{op}{kernel}{stride}{pad}{size}{groups}")
+        attrs = dict(window, kernel=[kernel, 2], ceil_mode=ceil_mode,
+                     **({"count_include_pad": count_include_pad} if op == "avg_pool2d" else {}))
+        try:
+            REGISTRY[op].infer([TensorType((1, 2 * groups, size, 4), DType.f64)],
+                               REGISTRY[op].complete_attrs(attrs))
+        except ShapeError:
+            assume(False)  # a window of padding alone
+    b = Builder(f"{op}{kernel}{stride}{pad}{size}{groups}{pad_end}{dilation}")
     x = b.param("x", (1, 2 * groups, size, 4), -3, 3)
     inputs = [x, b.param("w", (groups, 2, kernel, 2))] if op == "conv2d" else [x]
     b.weighted_loss(b.op(op, *inputs, **attrs))

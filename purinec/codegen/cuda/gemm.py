@@ -259,8 +259,8 @@ def _conv2d_grad_input(node: Node, m: CudaModule, arrays: dict[Value, str]) -> G
     def gradient(body, group, tap, pixel):
         co, kh, kw = _unflatten(m, body, tap, *taps)
         img, ih, iw = _unflatten(m, body, pixel, *pixels)
-        oh, valid_h = _window_start(m, body, ih, kh, g.sh, g.ph, g.kh, g.h, g.oh, "oh")
-        ow, valid_w = _window_start(m, body, iw, kw, g.sw, g.pw, g.kw, g.w, g.ow, "ow")
+        oh, valid_h = _window_start(m, body, ih, kh, g.sh, g.pt, g.dh, g.kh, g.h, g.oh, "oh")
+        ow, valid_w = _window_start(m, body, iw, kw, g.sw, g.pl, g.dw, g.kw, g.w, g.ow, "ow")
         return Load(f"{gy}[{img}, {_linear((group, g.og), (co, 1))}, {oh}, {ow}]",
                     valid_h + valid_w)
 
@@ -307,20 +307,20 @@ def _input_pixel(m: CudaModule, body: SourceBuilder, g: _Conv, x: str, group: st
     ci, kh, kw = _unflatten(m, body, tap, (g.cg, g.kh, g.kw), ("ci", "kh", "kw"))
     img, oh, ow = _unflatten(m, body, pixel, (g.n, g.oh, g.ow), ("img", "oh", "ow"))
     ih, iw = m.fresh("ih"), m.fresh("iw")
-    body.line(f"{ih} = {_linear((oh, g.sh), (kh, 1), constant=-g.ph)}")
-    body.line(f"{iw} = {_linear((ow, g.sw), (kw, 1), constant=-g.pw)}")
-    valid = (_in_range(ih, -g.ph, (g.oh - 1) * g.sh + g.kh - 1 - g.ph, g.h)
-             + _in_range(iw, -g.pw, (g.ow - 1) * g.sw + g.kw - 1 - g.pw, g.w))
+    body.line(f"{ih} = {_linear((oh, g.sh), (kh, g.dh), constant=-g.pt)}")
+    body.line(f"{iw} = {_linear((ow, g.sw), (kw, g.dw), constant=-g.pl)}")
+    valid = (_in_range(ih, -g.pt, (g.oh - 1) * g.sh + (g.kh - 1) * g.dh - g.pt, g.h)
+             + _in_range(iw, -g.pl, (g.ow - 1) * g.sw + (g.kw - 1) * g.dw - g.pl, g.w))
     return Load(f"{x}[{img}, {_linear((group, g.cg), (ci, 1))}, {ih}, {iw}]", valid)
 
 
 def _window_start(m: CudaModule, body: SourceBuilder, pixel: str, tap: str, stride: int,
-                  pad: int, kernel: int, size: int, out: int, hint: str
+                  pad: int, dilation: int, kernel: int, size: int, out: int, hint: str
                   ) -> tuple[str, tuple[str, ...]]:
     """The output position (along one axis) whose window puts ``tap`` on input
-    ``pixel``: ``(pixel + pad - tap) / stride``, and the conditions that it is whole and
-    in range (those that can fail for these sizes)."""
-    shifted = _linear((pixel, 1), (tap, -1), constant=pad)
+    ``pixel``: ``(pixel + pad - tap * dilation) / stride``, and the conditions that it
+    is whole and in range (those that can fail for these sizes)."""
+    shifted = _linear((pixel, 1), (tap, -dilation), constant=pad)
     start = m.fresh(hint)
     if stride == 1:
         body.line(f"{start} = {shifted}")
@@ -330,15 +330,15 @@ def _window_start(m: CudaModule, body: SourceBuilder, pixel: str, tap: str, stri
         body.line(f"{scaled} = {shifted}")
         body.line(f"{start} = {scaled} // {stride}")
         valid = (f"{scaled} % {stride} == 0",)
-    lowest, highest = (pad - kernel + 1) // stride, (size - 1 + pad) // stride
+    lowest, highest = (pad - (kernel - 1) * dilation) // stride, (size - 1 + pad) // stride
     return start, valid + _in_range(start, lowest, highest, out)
 
 
 def _window(g: _Conv) -> str:
     """Where tap ``(kh, kw)`` of output pixel ``(oh, ow)``'s window falls in the
     input, with this convolution's numbers."""
-    return (f"ih, iw = {_linear(('oh', g.sh), ('kh', 1), constant=-g.ph)}, "
-            f"{_linear(('ow', g.sw), ('kw', 1), constant=-g.pw)}")
+    return (f"ih, iw = {_linear(('oh', g.sh), ('kh', g.dh), constant=-g.pt)}, "
+            f"{_linear(('ow', g.sw), ('kw', g.dw), constant=-g.pl)}")
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,13 +1,13 @@
-"""CUDA pooling (Caffe's) and local response normalisation.
+"""CUDA pooling and local response normalisation.
 
 Pooling views its arrays as (batch x channel) planes. The forward kernels give each
-thread one output element: its window, clipped to the input (padding never wins a max
-nor adds to a sum), read straight from the input. The gradients give each thread one
-*input* element and gather from the windows that contain it, so overlapping windows
-need no atomics, each gradient is written once, and the windows' shares are added in
-the reference's order (by window, row-major). The max's gradient recomputes each such
-window's first maximum and takes the window's gradient only if that is this element:
-the reference's rule for ties.
+thread one output element: its window's taps (``dilation`` apart) inside the input
+(padding never wins a max nor adds to a sum), read straight from the input. The
+gradients give each thread one *input* element and gather from the windows with a tap
+on it, so overlapping windows need no atomics, each gradient is written once, and the
+windows' shares are added in the reference's order (by window, row-major). The max's
+gradient recomputes each such window's first maximum and takes the window's gradient
+only if that is this element: the reference's rule for ties.
 
 Global average pooling is a sum over each plane (`purinec.codegen.cuda.reduce`). LRN
 gives each thread one element; its gradient needs the scale of every channel in the
@@ -23,12 +23,13 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from purinec.codegen.cpu_ops import affine, dtype_name
+from purinec.codegen.cpu_pool import pool_divisor
 from purinec.codegen.cuda.module import THREADS, CudaModule, blocks_for, literal, renders
 from purinec.codegen.cuda.reduce import emit_sum_kernel
 from purinec.codegen.cuda.shape import coordinates, grid_stride
 from purinec.codegen.source import SourceBuilder
 from purinec.ir.graph import Node
-from purinec.ir.ops import pool_output_size
+from purinec.ir.nnref import pad_edges, pool_output_size
 
 # ---------------------------------------------------------------------------------------
 # Pooling windows.
@@ -36,40 +37,55 @@ from purinec.ir.ops import pool_output_size
 
 @dataclass(frozen=True)
 class _Axis:
-    """The windows along one axis (rows or columns) of a plane: window ``p`` covers
-    ``p * stride - pad`` up to ``kernel`` further, of which the input has ``[0, size)``."""
+    """The windows along one axis (rows or columns) of a plane: window ``p`` has
+    ``kernel`` taps from ``p * stride - pad`` on, ``dilation`` apart, over a span of
+    ``extent``; the input has ``[0, size)``."""
 
     size: int
     kernel: int
     stride: int
     pad: int
+    dilation: int
     windows: int
 
+    @property
+    def extent(self) -> int:
+        return self.dilation * (self.kernel - 1) + 1
+
     def first(self, p: str) -> str:
-        """The first index of window ``p`` in the input."""
+        """The first tap of window ``p`` in the input."""
         start = affine(p, self.stride, -self.pad)
-        return f"max({start}, 0)" if self.pad else start
+        if not self.pad:
+            return start
+        if self.dilation == 1:
+            return f"max({start}, 0)"
+        # the taps before the input, rounded up: max(-start, 0) / dilation
+        skipped = f"max({affine('-' + p, self.stride, self.pad + self.dilation - 1)}, 0)"
+        return f"{start} + {skipped} // {self.dilation} * {self.dilation}"
+
+    def taps(self, first: str, end: str) -> str:
+        """The arguments of ``range`` over the taps from ``first`` to ``end``."""
+        return f"{first}, {end}" if self.dilation == 1 else f"{first}, {end}, {self.dilation}"
 
     def end(self, p: str) -> str:
         """The end of window ``p`` in the input: short of ``size`` but for the last
-        windows, where padding or Caffe's ceil mode let them hang out."""
-        end = affine(p, self.stride, self.kernel - self.pad)
-        overhangs = (self.windows - 1) * self.stride - self.pad + self.kernel > self.size
+        windows, where padding or ceil mode let them hang out."""
+        end = affine(p, self.stride, self.extent - self.pad)
+        overhangs = (self.windows - 1) * self.stride - self.pad + self.extent > self.size
         return f"min({end}, {self.size})" if overhangs else end
 
-    def divisor(self, p: str) -> str:
-        """Caffe's average divisor along this axis: window ``p`` clipped to the padded
-        input only; the kernel when no window reaches past it."""
-        if (self.windows - 1) * self.stride + self.kernel <= self.size + 2 * self.pad:
-            return str(self.kernel)
-        end = affine(p, self.stride, self.kernel - self.pad)
-        return f"(min({end}, {self.size + self.pad}) - ({affine(p, self.stride, -self.pad)}))"
+    def holds(self, h: str, p: str) -> str | None:
+        """The test that window ``p``, whose span holds ``h``, has a tap on it: none
+        without dilation."""
+        if self.dilation == 1:
+            return None
+        return f"({affine(h, 1, self.pad)} - {affine(p, self.stride, 0)}) % {self.dilation} == 0"
 
     def containing(self, h: str) -> tuple[str, str]:
         """The windows ``p`` whose span holds input index ``h`` (``p * stride - pad <=
-        h < p * stride - pad + kernel``): the bounds of a range. (Divisions of
+        h < p * stride - pad + extent``): the bounds of a range. (Divisions of
         non-negative numbers only, whatever rounding a target gives the others.)"""
-        reach = self.kernel - self.pad  # h below this is in window 0
+        reach = self.extent - self.pad  # h below this is in window 0
         if self.stride == 1:
             low = f"max({affine(h, 1, 1 - reach)}, 0)"
             high = affine(h, 1, self.pad + 1)
@@ -87,13 +103,6 @@ class _Pool:
     rows: _Axis
     cols: _Axis
 
-    def divisor(self, p: str, q: str) -> str:
-        """Caffe's average divisor of window ``(p, q)``."""
-        rows, cols = self.rows.divisor(p), self.cols.divisor(q)
-        if rows.isdigit() and cols.isdigit():
-            return str(int(rows) * int(cols))
-        return f"{rows} * {cols}"
-
     @property
     def input_shape(self) -> tuple[int, int, int]:
         return self.planes, self.rows.size, self.cols.size
@@ -105,9 +114,11 @@ class _Pool:
 
 def _pool(x_shape, attrs) -> _Pool:
     n, c, h, w = x_shape
-    (kh, kw), (sh, sw), (ph, pw) = attrs["kernel"], attrs["stride"], attrs["pad"]
-    return _Pool(n * c, _Axis(h, kh, sh, ph, pool_output_size(h, kh, sh, ph)),
-                 _Axis(w, kw, sw, pw, pool_output_size(w, kw, sw, pw)))
+    (kh, kw), (sh, sw), (dh, dw) = attrs["kernel"], attrs["stride"], attrs["dilation"]
+    pt, pl, pb, pr = pad_edges(attrs["pad"])
+    ceil = attrs["ceil_mode"]
+    return _Pool(n * c, _Axis(h, kh, sh, pt, dh, pool_output_size(h, kh, sh, pt, pb, dh, ceil)),
+                 _Axis(w, kw, sw, pl, dw, pool_output_size(w, kw, sw, pl, pr, dw, ceil)))
 
 
 def _views(m: CudaModule, arrays: list[tuple[str, tuple]]) -> list[str]:
@@ -141,19 +152,24 @@ def _window(m: CudaModule, body: SourceBuilder, g: _Pool, p: str, q: str
 @contextmanager
 def _windows_containing(m: CudaModule, body: SourceBuilder, g: _Pool, h: str, w: str
                         ) -> Iterator[tuple[str, str]]:
-    """Loops over the windows ``(p, q)`` that contain input element ``(h, w)``, in
-    the reference's order (row-major); the caller writes inside."""
+    """Loops over the windows ``(p, q)`` that have a tap on input element ``(h, w)``,
+    in the reference's order (row-major); the caller writes inside."""
     p0, p1, q0, q1, p, q = (m.fresh(s) for s in ("p0", "p1", "q0", "q1", "p", "q"))
     for first, end, (low, high) in ((p0, p1, g.rows.containing(h)),
                                      (q0, q1, g.cols.containing(w))):
         body.line(f"{first} = {low}")
         body.line(f"{end} = {high}")
+    tests = [t for t in (g.rows.holds(h, p), g.cols.holds(w, q)) if t]
     with body.block(f"for {p} in range({p0}, {p1}):"):
         with body.block(f"for {q} in range({q0}, {q1}):"):
-            yield p, q
+            if not tests:
+                yield p, q
+                return
+            with body.block(f"if {' and '.join(tests)}:"):
+                yield p, q
 
 
-def _window_max(m: CudaModule, body: SourceBuilder, x: str, nc: str,
+def _window_max(m: CudaModule, body: SourceBuilder, g: _Pool, x: str, nc: str,
                 window: tuple[str, str, str, str], where: bool = False) -> list[str]:
     """Binds the window's maximum and, if ``where``, the row and column of its first
     occurrence (row-major), as `purinec.ir.nnref.max_pool2d_grad` finds it; returns
@@ -167,8 +183,8 @@ def _window_max(m: CudaModule, body: SourceBuilder, x: str, nc: str,
         first += [h0, w0]
         each += [h, w]
     body.line(f"{', '.join(names)} = {', '.join(first)}")
-    with body.block(f"for {h} in range({h0}, {h1}):"):
-        with body.block(f"for {w} in range({w0}, {w1}):"):
+    with body.block(f"for {h} in range({g.rows.taps(h0, h1)}):"):
+        with body.block(f"for {w} in range({g.cols.taps(w0, w1)}):"):
             with body.block(f"if {each[0]} > {names[0]}:"):
                 body.line(f"{', '.join(names)} = {', '.join(each)}")
     return names
@@ -181,7 +197,7 @@ def render_max_pool2d(node: Node, m: CudaModule) -> None:
     with m.kernel("windows") as (name, body):
         x, y = _views(m, [(arrays[0], g.input_shape), (arrays[1], g.output_shape)])
         with _per_element(m, body, g.output_shape, ("nc", "p", "q")) as (nc, p, q):
-            (best,) = _window_max(m, body, x, nc, _window(m, body, g, p, q))
+            (best,) = _window_max(m, body, g, x, nc, _window(m, body, g, p, q))
             body.line(f"{y}[{nc}, {p}, {q}] = {best}")
     m.launch(name, blocks_for(math.prod(g.output_shape)), THREADS)
 
@@ -200,7 +216,7 @@ def render_max_pool2d_grad(node: Node, m: CudaModule) -> None:
             body.line(f"{total} = {literal(0, node.outputs[0].type.dtype)}")
             with _windows_containing(m, body, g, h, w) as (p, q):
                 window = _window(m, body, g, p, q)
-                _, at_h, at_w = _window_max(m, body, x, nc, window, where=True)
+                _, at_h, at_w = _window_max(m, body, g, x, nc, window, where=True)
                 with body.block(f"if {at_h} == {h} and {at_w} == {w}:"):
                     body.line(f"{total} += {gy}[{nc}, {p}, {q}]")
             body.line(f"{gx}[{nc}, {h}, {w}] = {total}")
@@ -209,8 +225,8 @@ def render_max_pool2d_grad(node: Node, m: CudaModule) -> None:
 
 @renders("avg_pool2d")
 def render_avg_pool2d(node: Node, m: CudaModule) -> None:
-    """The sum over the window clipped to the input, divided by Caffe's pool size
-    (the window clipped to the padded input only)."""
+    """The sum over the window's taps inside the input, divided by the divisor of
+    `purinec.ir.nnref.pool_divisors` (Caffe's pool size by default)."""
     g = _pool(node.inputs[0].type.shape, node.attrs)
     arrays = [m.inputs[0], m.outputs[0]]
     with m.kernel("windows") as (name, body):
@@ -219,10 +235,11 @@ def render_avg_pool2d(node: Node, m: CudaModule) -> None:
             h0, h1, w0, w1 = _window(m, body, g, p, q)
             total, h, w = m.fresh("total"), m.fresh("h"), m.fresh("w")
             body.line(f"{total} = {literal(0, node.outputs[0].type.dtype)}")
-            with body.block(f"for {h} in range({h0}, {h1}):"):
-                with body.block(f"for {w} in range({w0}, {w1}):"):
+            with body.block(f"for {h} in range({g.rows.taps(h0, h1)}):"):
+                with body.block(f"for {w} in range({g.cols.taps(w0, w1)}):"):
                     body.line(f"{total} += {x}[{nc}, {h}, {w}]")
-            body.line(f"{y}[{nc}, {p}, {q}] = {total} / {dtype_name(node)}({g.divisor(p, q)})")
+            divisor = pool_divisor(m, node, node.inputs[0].type.shape, p, q)
+            body.line(f"{y}[{nc}, {p}, {q}] = {total} / {dtype_name(node)}({divisor})")
     m.launch(name, blocks_for(math.prod(g.output_shape)), THREADS)
 
 
@@ -237,7 +254,8 @@ def render_avg_pool2d_grad(node: Node, m: CudaModule) -> None:
             total = m.fresh("total")
             body.line(f"{total} = {literal(0, node.outputs[0].type.dtype)}")
             with _windows_containing(m, body, g, h, w) as (p, q):
-                share = f"{gy}[{nc}, {p}, {q}] / {dtype_name(node)}({g.divisor(p, q)})"
+                divisor = pool_divisor(m, node, node.attrs["input_shape"], p, q)
+                share = f"{gy}[{nc}, {p}, {q}] / {dtype_name(node)}({divisor})"
                 body.line(f"{total} += {share}")
             body.line(f"{gx}[{nc}, {h}, {w}] = {total}")
     m.launch(name, blocks_for(math.prod(g.input_shape)), THREADS)

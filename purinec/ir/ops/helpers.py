@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from purinec.errors import ShapeError, VerifyError
 from purinec.ir.expr import Const
+from purinec.ir.nnref import pad_edges
 from purinec.ir.ops.registry import SplitSignature
 from purinec.ir.types import DType, TensorType
 
@@ -49,6 +50,18 @@ def pair(op: str, attrs: dict, key: str) -> list[int]:
     if len(value) != 2:
         raise VerifyError(f"op {op}: attribute {key} must have 2 entries, got {value}")
     return value
+
+
+def pad_attr(op: str, attrs: dict) -> tuple[int, int, int, int]:
+    """The ``pad`` attribute as ``(top, left, bottom, right)``, from 2 entries (both
+    sides of an axis alike) or 4 (ONNX's order; see `purinec.ir.nnref.pad_edges`)."""
+    value = attrs["pad"]
+    if len(value) not in (2, 4):
+        raise VerifyError(f"op {op}: attribute pad must have 2 entries [ph, pw] or 4 "
+                          f"[top, left, bottom, right], got {value}")
+    if min(value) < 0:
+        raise fail(op, f"pad must be >= 0, got {value}")
+    return pad_edges(value)
 
 
 def shape_attr(op: str, attrs: dict, key: str = "shape") -> tuple[int, ...]:

@@ -8,8 +8,8 @@ import numpy as np
 
 from purinec.ir import nnref
 from purinec.ir.nnref import conv_output_size
-from purinec.ir.ops.helpers import (check_float, check_rank, emit1, fail, only, pair,
-                                    shape_attr)
+from purinec.ir.ops.helpers import (check_float, check_rank, emit1, fail, only, pad_attr,
+                                    pair, shape_attr)
 from purinec.ir.ops.registry import Attr, FusionKind, OpDef, SplitSignature, Trait, register
 from purinec.ir.types import TensorType
 
@@ -97,18 +97,23 @@ def _conv_check(x: TensorType, w_shape, attrs, op: str):
         raise fail(op, f"input {x} with {groups} group(s) does not fit weight "
                         f"[{','.join(map(str, w_shape))}] (out, in/groups, kh, kw)")
     sh, sw = pair(op, attrs, "stride")
-    ph, pw = pair(op, attrs, "pad")
-    if sh < 1 or sw < 1 or ph < 0 or pw < 0:
-        raise fail(op, f"stride must be >= 1 and pad >= 0, got {attrs['stride']}, {attrs['pad']}")
-    oh = conv_output_size(x.shape[2], kh, sh, ph)
-    ow = conv_output_size(x.shape[3], kw, sw, pw)
+    dh, dw = pair(op, attrs, "dilation")
+    top, left, bottom, right = pad_attr(op, attrs)
+    if min(sh, sw, dh, dw) < 1:
+        raise fail(op, f"stride and dilation must be >= 1, got {attrs['stride']}, "
+                        f"{attrs['dilation']}")
+    oh = conv_output_size(x.shape[2], kh, sh, top, bottom, dh)
+    ow = conv_output_size(x.shape[3], kw, sw, left, right, dw)
     if oh < 1 or ow < 1:
-        raise fail(op, f"kernel {kh}x{kw} does not fit input {x} with pad {attrs['pad']}")
+        raise fail(op, f"kernel {kh}x{kw} does not fit input {x} with pad {attrs['pad']} "
+                        f"and dilation {attrs['dilation']}")
     return (x.shape[0], cout, oh, ow)
 
 
+# pad: [ph, pw], or [top, left, bottom, right] as ONNX orders them; dilation: the
+# spacing of the kernel's taps (ONNX's dilations).
 CONV_ATTRS = {"stride": Attr("ints", [1, 1]), "pad": Attr("ints", [0, 0]),
-              "groups": Attr("int", 1)}
+              "groups": Attr("int", 1), "dilation": Attr("ints", [1, 1])}
 
 
 def _conv2d_infer(types, attrs):
@@ -130,7 +135,7 @@ def _conv2d_split(types, attrs):
 def _conv2d_gradient(g, node, gys, needs=None):
     """gx = conv2d_grad_input(gy, w), gw = conv2d_grad_weight(x, gy)."""
     x, w = node.inputs
-    conv = {k: node.attrs[k] for k in ("stride", "pad", "groups")}
+    conv = {k: node.attrs[k] for k in CONV_ATTRS}
     return only(
         needs,
         lambda: emit1(g, node, "conv2d_grad_input", [gys[0], w],
@@ -140,7 +145,8 @@ def _conv2d_gradient(g, node, gys, needs=None):
 
 
 def _conv_flops(output, weight_shape) -> int:
-    """2 FLOPs per multiply-add: every output element sums Cin/groups * kh * kw products.
+    """2 FLOPs per multiply-add: every output element sums Cin/groups * kh * kw products
+    (dilation spaces the taps out, it adds none).
     Both gradients cost what the forward convolution does: the transposed convolution
     scatters the same products, and every weight sums N * OH * OW of them."""
     n, cout, oh, ow = output.type.shape
@@ -152,7 +158,9 @@ register(OpDef("conv2d", ("x", "w"), _conv2d_infer, nnref.conv2d, O, attrs=dict(
                split=_conv2d_split, gradient=_conv2d_gradient,
                flops=lambda node: _conv_flops(node.outputs[0], node.inputs[1].type.shape),
                traits=ANCHOR, model_split={1: lambda attrs: 0},
-               doc="cross-correlation, NCHW input, OIHW weight"))
+               doc="cross-correlation, NCHW input, OIHW weight; pad [ph, pw] or [top, left, "
+                   "bottom, right], dilation spaces the taps; output floor((H + top + bottom "
+                   "- dh*(kh-1) - 1)/sh) + 1"))
 
 
 def _conv2d_grad_input_infer(types, attrs):

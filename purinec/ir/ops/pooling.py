@@ -1,15 +1,16 @@
-"""Pooling and reductions: max and average pooling over windows (Caffe's semantics),
-global average pooling, sums over axes, and their gradients."""
+"""Pooling and reductions: max and average pooling over windows (Caffe's semantics by
+default, ONNX's through attributes), global average pooling, sums over axes, and their
+gradients."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from purinec.ir import nnref
-from purinec.ir.nnref import pool_output_size
+from purinec.ir.nnref import pool_axis
 from purinec.ir.ops.helpers import (check_float, check_rank, constant, emit1, fail, nc_split,
-                                    only, pair, per_input_element, per_output_element,
-                                    shape_attr, size)
+                                    only, pad_attr, pair, per_input_element,
+                                    per_output_element, shape_attr, size)
 from purinec.ir.ops.registry import Attr, FusionKind, OpDef, SplitSignature, register
 from purinec.ir.types import TensorType
 
@@ -64,8 +65,15 @@ register(OpDef("reduce_sum", ("x",), _reduce_sum_infer,
                flops=lambda node: size(node.inputs) - size(node.outputs)))
 
 
+# pad: [ph, pw], or [top, left, bottom, right] as ONNX orders them; dilation: the
+# spacing of a window's taps; ceil_mode: Caffe's output size (the default), else ONNX's
+# default floor (`purinec.ir.nnref.pool_output_size`).
 POOL_ATTRS = {"kernel": Attr("ints"), "stride": Attr("ints", [1, 1]),
-              "pad": Attr("ints", [0, 0])}
+              "pad": Attr("ints", [0, 0]), "dilation": Attr("ints", [1, 1]),
+              "ceil_mode": Attr("bool", True)}
+# count_include_pad: the average's divisor counts the window's taps inside the padded
+# input (Caffe's, the default), else only those inside the input.
+AVG_POOL_ATTRS = {**POOL_ATTRS, "count_include_pad": Attr("bool", True)}
 
 
 def _pool_shape(op, x: TensorType, attrs):
@@ -73,25 +81,30 @@ def _pool_shape(op, x: TensorType, attrs):
     check_rank(op, x, 4)
     kh, kw = pair(op, attrs, "kernel")
     sh, sw = pair(op, attrs, "stride")
-    ph, pw = pair(op, attrs, "pad")
-    if min(kh, kw, sh, sw) < 1 or min(ph, pw) < 0 or ph >= kh or pw >= kw:
+    dh, dw = pair(op, attrs, "dilation")
+    top, left, bottom, right = pad_attr(op, attrs)
+    if min(kh, kw, sh, sw, dh, dw) < 1:
         raise fail(op, f"bad window: kernel {attrs['kernel']}, stride {attrs['stride']}, "
-                        f"pad {attrs['pad']} (pad must be smaller than the kernel)")
-    oh = pool_output_size(x.shape[2], kh, sh, ph)
-    ow = pool_output_size(x.shape[3], kw, sw, pw)
-    if oh < 1 or ow < 1:
-        raise fail(op, f"window {kh}x{kw} does not fit input {x}")
-    return (x.shape[0], x.shape[1], oh, ow)
+                        f"dilation {attrs['dilation']} must be >= 1")
+    out = []
+    for length, k, s, begin, end, d in ((x.shape[2], kh, sh, top, bottom, dh),
+                                        (x.shape[3], kw, sw, left, right, dw)):
+        windows = pool_axis(length, k, s, begin, end, d, attrs["ceil_mode"])
+        if not windows:
+            raise fail(op, f"window {kh}x{kw} does not fit input {x}")
+        # A window of padding alone has no maximum, nor an average without its pad.
+        if any(not len(taps) for taps, _ in windows):
+            raise fail(op, f"some window of kernel {attrs['kernel']}, stride "
+                            f"{attrs['stride']}, dilation {attrs['dilation']} holds only "
+                            f"padding ({attrs['pad']}) of input {x}")
+        out.append(len(windows))
+    return (x.shape[0], x.shape[1], *out)
 
 
 def _pool_infer(op):
     def infer(types, attrs):
         return [types[0].with_shape(_pool_shape(op, types[0], attrs))]
     return infer
-
-
-def _window_attrs(node):
-    return {k: node.attrs[k] for k in ("kernel", "stride", "pad")}
 
 
 def _window_flops(value_at):
@@ -105,23 +118,28 @@ def _window_flops(value_at):
 def _max_pool2d_gradient(g, node, gys, needs=None):
     """gx = max_pool2d_grad(x, y, gy): gy routed to each window's first maximum."""
     args = [node.inputs[0], node.outputs[0], gys[0]]
-    return only(needs, lambda: emit1(g, node, "max_pool2d_grad", args, _window_attrs(node)))
+    return only(needs, lambda: emit1(g, node, "max_pool2d_grad", args, dict(node.attrs)))
 
 
 def _avg_pool2d_gradient(g, node, gys, needs=None):
     """gx = avg_pool2d_grad(gy), the adjoint of the average."""
-    attrs = {**_window_attrs(node), "input_shape": list(node.inputs[0].type.shape)}
+    attrs = {**node.attrs, "input_shape": list(node.inputs[0].type.shape)}
     return only(needs, lambda: emit1(g, node, "avg_pool2d_grad", [gys[0]], attrs))
 
 
 register(OpDef("max_pool2d", ("x",), _pool_infer("max_pool2d"), nnref.max_pool2d, X,
                attrs=dict(POOL_ATTRS), split=nc_split, gradient=_max_pool2d_gradient,
                flops=_window_flops(lambda node: node.outputs[0]),
-               doc="max over windows, Caffe's ceil-mode output size"))
+               doc="max over each window's taps inside the input; ceil_mode (default) is "
+                   "Caffe's output size, else floor"))
 register(OpDef("avg_pool2d", ("x",), _pool_infer("avg_pool2d"), nnref.avg_pool2d, X,
-               attrs=dict(POOL_ATTRS), split=nc_split, gradient=_avg_pool2d_gradient,
+               attrs=dict(AVG_POOL_ATTRS), split=nc_split, gradient=_avg_pool2d_gradient,
                flops=_window_flops(lambda node: node.outputs[0]),
-               doc="mean over windows, Caffe's ceil-mode size and divisor"))
+               doc="sum over each window's taps inside the input, divided by the number "
+                   "of its taps inside the padded input [-top, H + bottom) with "
+                   "count_include_pad (default; Caffe's divisor, ONNX's count_include_pad=1, "
+                   "PyTorch's True), else inside the input (ONNX's 0); a ceil-mode window's "
+                   "taps beyond the padded input never count; ceil_mode as max_pool2d"))
 
 
 def _max_pool_grad_infer(types, attrs):
@@ -148,7 +166,7 @@ def _avg_pool_grad_infer(types, attrs):
 
 
 register(OpDef("avg_pool2d_grad", ("gy",), _avg_pool_grad_infer, nnref.avg_pool2d_grad, X,
-               attrs={**POOL_ATTRS, "input_shape": Attr("ints")}, split=nc_split,
+               attrs={**AVG_POOL_ATTRS, "input_shape": Attr("ints")}, split=nc_split,
                flops=_window_flops(lambda node: node.inputs[0]), shape_attr="input_shape"))
 
 
