@@ -17,6 +17,15 @@ from purinec.onnxio.model import describe, ir_dtype
 MODES = ("inference", "train")
 
 
+class ConstantNeeded(ModelError):
+    """A graph input that the model uses as an attribute (a Reshape's shape, a Slice's
+    starts): compiling needs its value (`read_onnx`'s ``known``)."""
+
+    def __init__(self, message: str, input: str):
+        super().__init__(message)
+        self.input = input
+
+
 class Lowering:
     """One lowering of ``model`` for ``mode``. Converters read the node's inputs with
     `value` (a tensor computed at run time) or `constant` (an array known at import,
@@ -96,6 +105,8 @@ class Lowering:
     # -- what converters use ----------------------------------------------------------
 
     def where(self) -> str:
+        if self.node is None:
+            return f"{self.model.where}: the graph's outputs"
         return f"{self.model.where}: node {describe(self.node)}"
 
     def fail(self, message: str) -> ModelError:
@@ -118,21 +129,31 @@ class Lowering:
             raise self.fail(f"input {name} is neither an input, an initializer nor "
                             f"computed before this node")
         array = self.model.constants[name]
-        ir_name = self.model.names.get(name) or self.fresh(name)
         dtype = ir_dtype(_elem_type(array), f"{self.where()}: constant {name}")
+        if array.size == 0:
+            raise self.fail(f"constant {name} is empty; purinec has no empty tensors")
         type = TensorType(array.shape, dtype)
-        if name in self.model.initializers and dtype.is_float and role == "param":
-            value = self.graph.add_input(ir_name, type, role="param",
-                                         init=init or _default_init(type))
-        elif name not in self.model.initializers and array.size and _uniform(array):
+        initializer = name in self.model.initializers
+        if initializer and dtype.is_float and role == "param":
+            value = self._variable(name, self.model.names[name], type, "param",
+                                   init or _default_init(type))
+        elif not initializer and _uniform(array):
             (value,) = self.graph.add_node(
                 "fill", [], {"shape": list(array.shape), "dtype": str(dtype),
                              "value": float(array.flat[0])},
-                names=[ir_name], loc=self.loc()).outputs
-        else:
-            value = self.graph.add_input(ir_name, type, role="state", init=init)
+                names=[self.model.names[name]], loc=self.loc()).outputs
+        else:  # a computed constant's own name may be a graph output's
+            ir_name = self.model.names[name] if initializer else self.fresh(
+                f"{self.model.names[name]}.value")
+            value = self._variable(name, ir_name, type, "state", init)
         self.values[name] = value
         return value
+
+    def _variable(self, name: str, ir_name: str, type: TensorType, role: str,
+                  init: str | None) -> Value:
+        """A param or state input holding the file's constant ``name``."""
+        self.model.sources[ir_name] = name
+        return self.graph.add_input(ir_name, type, role=role, init=init)
 
     def constant(self, k: int, what: str) -> np.ndarray | None:
         """The array of the node's input ``k``, which must be known at import (None
@@ -141,11 +162,15 @@ class Lowering:
         if name is None:
             return None
         if name not in self.model.constants:
-            raise self.fail(f"{what} (input {name}) must be a constant: purinec compiles "
-                            f"static shapes and attributes")
+            message = (f"{self.where()}: {what} (input {name}) must be a constant: purinec "
+                       f"compiles static shapes and attributes")
+            fed = any(v.name == name for v in self.model.data_inputs)
+            raise ConstantNeeded(message, name) if fed else ModelError(message)
         return self.model.constants[name]
 
-    def loc(self) -> str:
+    def loc(self) -> str | None:
+        if self.node is None:
+            return None
         return f"{os.path.basename(self.model.where)}: {describe(self.node)}"
 
     def emit(self, op: str, inputs: Sequence[Value], attrs: dict | None = None,

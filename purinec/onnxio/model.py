@@ -44,15 +44,18 @@ def onnx_package():
     return onnx
 
 
-def read_onnx(source: Any, batch: int | None = None) -> "OnnxModel":
+def read_onnx(source: Any, batch: int | None = None,
+              known: dict[str, np.ndarray] | None = None) -> "OnnxModel":
     """The model in ``source`` (a path, or an ``onnx.ModelProto``), with every data
     input's first axis set to ``batch`` (when given; a symbolic one otherwise becomes
-    1). Raises `ModelError` naming what is wrong and where: an unreadable or invalid
+    1). ``known`` gives the values of graph inputs the model uses as attributes (what
+    `ConstantNeeded` names): they become constants. Raises `ModelError` naming what is wrong and where: an unreadable or invalid
     file, a symbolic dimension that is not the batch, and every node whose op purinec
     does not support."""
     onnx = onnx_package()
     where = os.fspath(source) if isinstance(source, (str, os.PathLike)) else "the ONNX model"
     proto = _load(onnx, source, where)
+    _bind_known(onnx, proto.graph, known or {}, where)
     try:
         onnx.checker.check_model(proto)
     except onnx.checker.ValidationError as err:
@@ -84,6 +87,17 @@ def _load(onnx, source: Any, where: str):
         return onnx.load(os.fspath(source))
     except Exception as err:  # protobuf's DecodeError, a missing external data file
         raise ModelError(f"{where} is not an ONNX model file: {_first_line(err)}") from None
+
+
+def _bind_known(onnx, graph, known: dict[str, np.ndarray], where: str) -> None:
+    """The inputs named in ``known`` become initializers holding their values."""
+    from onnx import numpy_helper
+
+    inputs = {v.name for v in graph.input}
+    for name, array in known.items():
+        if name not in inputs:
+            raise ModelError(f"{where} has no input {name} to give a value")
+        graph.initializer.append(numpy_helper.from_array(np.asarray(array), name))
 
 
 def _first_line(err: Exception) -> str:
@@ -147,6 +161,8 @@ class OnnxModel:
     initializers: frozenset[str] = frozenset()
     names: dict[str, str] = field(default_factory=dict)
     types: dict[str, TensorType] = field(default_factory=dict)
+    # The file's constant that each param and state input of a lowered graph holds.
+    sources: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         from onnx import numpy_helper
@@ -183,8 +199,10 @@ class OnnxModel:
         """Compute every node whose inputs are all constants (shapes included, since
         every shape is static), in the file's own semantics."""
         for node in self.proto.graph.node:
-            if node.op_type == "Shape" and node.input[0] in self.types:
-                self.constants[node.output[0]] = _shape_of(node, self.types[node.input[0]])
+            if node.op_type in ("Shape", "Size") and node.input[0] in self.types:
+                shape = _shape_of(node, self.types[node.input[0]])
+                self.constants[node.output[0]] = (shape if node.op_type == "Shape" else
+                                                  np.array(np.prod(shape), np.int64))
             elif all(name in self.constants for name in node.input if name) and \
                     node.op_type not in NEVER_FOLDED:
                 for name, value in zip(node.output, self._evaluate(node)):
@@ -238,10 +256,9 @@ class OnnxModel:
     def variables(self, graph: Graph) -> dict[str, dict[str, np.ndarray]]:
         """The arrays the file gives for ``graph``'s params and state, by role and IR
         name (those the import adds, such as the dropout counter, are not among them)."""
-        by_ir = {ir: onnx for onnx, ir in self.names.items()}
         found: dict[str, dict[str, np.ndarray]] = {"param": {}, "state": {}}
         for value in graph.inputs_with_role("param", "state"):
-            array = self.constants.get(by_ir.get(value.name, ""))
+            array = self.constants.get(self.sources.get(value.name, ""))
             if array is not None:
                 found[value.role][value.name] = np.ascontiguousarray(
                     array, dtype=value.type.dtype.numpy).reshape(value.type.shape)
@@ -273,7 +290,7 @@ def _shape_of(node, type: TensorType) -> np.ndarray:
     shape = np.array(type.shape, dtype=np.int64)
     start = next((a.i for a in node.attribute if a.name == "start"), 0)
     end = next((a.i for a in node.attribute if a.name == "end"), len(shape))
-    return shape[slice(start, end)] if (start, end) != (0, len(shape)) else shape
+    return shape[start:end]  # ONNX clamps start and end as Python's slices do
 
 
 def _tensor_type(value) -> TensorType | None:

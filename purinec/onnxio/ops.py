@@ -443,7 +443,10 @@ def reduce(lo, node, a):
 @converts("Flatten")
 def flatten(lo, node, a):
     (x,) = inputs(lo)
-    k = axis(lo, a.get("axis", 1), x.type.rank + 1)
+    k = a.get("axis", 1)
+    if not -x.type.rank <= k <= x.type.rank:
+        raise lo.fail(f"axis {k} is out of range for {x.type}")
+    k %= x.type.rank + (k >= 0)
     return [reshape(lo, x, (math.prod(x.type.shape[:k]), math.prod(x.type.shape[k:])),
                     lo.out(0))]
 
@@ -592,8 +595,25 @@ def pad(lo, node, a):
     return [y]
 
 
+@converts("ConstantOfShape")
+def constant_of_shape(lo, node, a):
+    shape = ints(lo.constant(0, "shape"), lo, "shape")
+    value = np.asarray(a.get("value", np.zeros(1, np.float32)))
+    dtype = ir_dtype(_onnx_type(value), f"{lo.where()}: its value")
+    if 0 in shape:
+        raise lo.fail(f"shape {shape} is empty; purinec has no empty tensors")
+    return [lo.emit("fill", [], {"shape": shape, "dtype": str(dtype),
+                                 "value": float(value.reshape(-1)[0])}, lo.out(0))]
+
+
+def _onnx_type(array: np.ndarray) -> int:
+    from onnx import helper
+
+    return helper.np_dtype_to_tensor_dtype(array.dtype)
+
+
 # Ops a file may use that never reach the IR: computed at import from constants and
 # static shapes (any op whose inputs are all constants folds, these always do).
-FOLDED_ALWAYS = {"Constant", "Shape", "ConstantOfShape", "Size"}
+FOLDED_ALWAYS = {"Constant", "Shape", "Size"}
 
 SUPPORTED_OPS = frozenset(CONVERTERS) | FOLDED_ALWAYS
