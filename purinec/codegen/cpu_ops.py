@@ -11,7 +11,7 @@ BLAS), `purinec.codegen.cpu_pool` (pooling and LRN) and `purinec.codegen.cpu_fus
 * data movement (``reshape``, ``concat``, ``split``): row copies; ``transpose``,
   ``strided_slice``, ``pad`` and their gradients: loop nests over the output;
 * ``reduce_sum``: kept axes outside, summed axes inside, four partial sums;
-* softmax and the losses: direct loops over rows.
+* softmax, log_softmax and the losses: direct loops over rows.
 
 Big kernels are *blocked* (`KernelModule.split`): one loop over independent items
 (images, planes, rows of a product, im2col rows) runs over ``lo:hi`` only, so threads
@@ -22,7 +22,7 @@ own scratch.
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 from purinec.codegen.cpu_module import KernelModule, literal, numpy_name, renders
 from purinec.codegen.elementwise import emit_loop
@@ -421,13 +421,15 @@ def _softmax_views(node: Node, m: KernelModule, arrays: list[str]) -> tuple[int,
     return outer, shape[axis], inner
 
 
-@renders("softmax")
-def render_softmax(node: Node, m: KernelModule) -> None:
+def _render_softmax_rows(node: Node, m: KernelModule, log: bool) -> None:
+    """softmax, or with ``log`` log_softmax, along the axis: per row its maximum; then
+    ``exp(x - max)`` (log: ``x - max``) stored while the exps are summed in float64;
+    then the row divided by the sum (log: less the sum's log, taken in float64)."""
     (x,), (y,), b = m.inputs, m.outputs, m.body
     outer, classes, inner = _softmax_views(node, m, [x, y])
     if not classes:
         return
-    o, i, c, top, total, e = (m.fresh(s) for s in ("o", "i", "c", "top", "total", "e"))
+    o, i, c, top, total, v = (m.fresh(s) for s in ("o", "i", "c", "top", "total", "v"))
     lo, hi = m.split(outer, outer * classes * inner * 8)
     with b.block(f"for {o} in range({span_of(lo, hi)}):"), b.block(f"for {i} in range({inner}):"):
         b.line(f"{top} = {x}_v[{o}, 0, {i}]")
@@ -435,29 +437,56 @@ def render_softmax(node: Node, m: KernelModule) -> None:
             b.line(f"{top} = max({top}, {x}_v[{o}, {c}, {i}])")
         b.line(f"{total} = 0.0")
         with b.block(f"for {c} in range({classes}):"):
-            b.line(f"{e} = np.exp({x}_v[{o}, {c}, {i}] - {top})")
-            b.line(f"{y}_v[{o}, {c}, {i}] = {e}")
-            b.line(f"{total} += {e}")
+            shifted = f"{x}_v[{o}, {c}, {i}] - {top}"
+            b.line(f"{v} = {shifted if log else f'np.exp({shifted})'}")
+            b.line(f"{y}_v[{o}, {c}, {i}] = {v}")
+            b.line(f"{total} += {f'np.exp({v})' if log else v}")
+        b.line(f"{total} = {dtype_name(node)}({f'np.log({total})' if log else total})")
+        with b.block(f"for {c} in range({classes}):"):
+            out = f"{y}_v[{o}, {c}, {i}]"
+            b.line(f"{out} = {out} {'-' if log else '/'} {total}")
+
+
+@renders("softmax")
+def render_softmax(node: Node, m: KernelModule) -> None:
+    _render_softmax_rows(node, m, log=False)
+
+
+@renders("log_softmax")
+def render_log_softmax(node: Node, m: KernelModule) -> None:
+    _render_softmax_rows(node, m, log=True)
+
+
+def _render_row_sum_then_map(node: Node, m: KernelModule, summand: Callable[[str, str], str],
+                             result: Callable[[str, str, str], str]) -> None:
+    """The softmax gradients: per row the sum of ``summand(y, gy)`` (in float64), then
+    each ``gx = result(y, gy, sum)``."""
+    (y, gy), (gx,), b = m.inputs, m.outputs, m.body
+    outer, classes, inner = _softmax_views(node, m, [y, gy, gx])
+    o, i, c, total = (m.fresh(s) for s in ("o", "i", "c", "total"))
+    at = lambda name: f"{name}_v[{o}, {c}, {i}]"  # noqa: E731
+    lo, hi = m.split(outer, outer * classes * inner * 4)
+    with b.block(f"for {o} in range({span_of(lo, hi)}):"), b.block(f"for {i} in range({inner}):"):
+        b.line(f"{total} = 0.0")
+        with b.block(f"for {c} in range({classes}):"):
+            b.line(f"{total} += {summand(at(y), at(gy))}")
         b.line(f"{total} = {dtype_name(node)}({total})")
         with b.block(f"for {c} in range({classes}):"):
-            b.line(f"{y}_v[{o}, {c}, {i}] = {y}_v[{o}, {c}, {i}] / {total}")
+            b.line(f"{at(gx)} = {result(at(y), at(gy), total)}")
 
 
 @renders("softmax_grad")
 def render_softmax_grad(node: Node, m: KernelModule) -> None:
     """``gx = y * (gy - sum over the axis of gy * y)``."""
-    (y, gy), (gx,), b = m.inputs, m.outputs, m.body
-    outer, classes, inner = _softmax_views(node, m, [y, gy, gx])
-    o, i, c, dot = (m.fresh(s) for s in ("o", "i", "c", "dot"))
-    lo, hi = m.split(outer, outer * classes * inner * 4)
-    with b.block(f"for {o} in range({span_of(lo, hi)}):"), b.block(f"for {i} in range({inner}):"):
-        b.line(f"{dot} = 0.0")
-        with b.block(f"for {c} in range({classes}):"):
-            b.line(f"{dot} += {gy}_v[{o}, {c}, {i}] * {y}_v[{o}, {c}, {i}]")
-        b.line(f"{dot} = {dtype_name(node)}({dot})")
-        with b.block(f"for {c} in range({classes}):"):
-            b.line(f"{gx}_v[{o}, {c}, {i}] = {y}_v[{o}, {c}, {i}] * "
-                   f"({gy}_v[{o}, {c}, {i}] - {dot})")
+    _render_row_sum_then_map(node, m, lambda y, gy: f"{gy} * {y}",
+                             lambda y, gy, dot: f"{y} * ({gy} - {dot})")
+
+
+@renders("log_softmax_grad")
+def render_log_softmax_grad(node: Node, m: KernelModule) -> None:
+    """``gx = gy - exp(y) * sum over the axis of gy``."""
+    _render_row_sum_then_map(node, m, lambda y, gy: gy,
+                             lambda y, gy, total: f"{gy} - np.exp({y}) * {total}")
 
 
 def _row_softmax_parts(m: KernelModule, node: Node, logits: str, row: str, classes: int

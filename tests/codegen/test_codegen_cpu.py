@@ -588,16 +588,17 @@ def test_lrn_and_its_gradient(shape, size, dtype, seed, options):
 
 
 @pytest.mark.slow  # a Numba compile per example
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
 @SETTINGS
 @given(shape=shapes(3).filter(len), data=st.data(), dtype=st.sampled_from(FLOATS),
        options=st.sampled_from(OPTIONS))
-def test_softmax_and_its_gradient(shape, data, dtype, options):
+def test_softmax_and_its_gradient(op, shape, data, dtype, options):
     axis = data.draw(st.integers(0, len(shape) - 1))
     rng = np.random.default_rng(data.draw(seeds))
     x = random_array(rng, shape, dtype, -5, 5)
-    check("softmax", [x], {"axis": axis}, options)
-    (y,) = REGISTRY["softmax"].reference(x, axis=axis)
-    check("softmax_grad", [y, random_array(rng, shape, dtype)], {"axis": axis}, options)
+    check(op, [x], {"axis": axis}, options)
+    (y,) = REGISTRY[op].reference(x, axis=axis)
+    check(f"{op}_grad", [y, random_array(rng, shape, dtype)], {"axis": axis}, options)
 
 
 @pytest.mark.slow  # a Numba compile per example

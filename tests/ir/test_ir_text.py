@@ -548,7 +548,8 @@ BUILDERS = {"relu": _unary, "sigmoid": _unary, "tanh": _unary, "add": _binary,
             "sub": _binary, "mul": _binary, "scale": _scale, "add_scalar": _add_scalar,
             "cast": _cast, "bias_add": _bias_add, "matmul": _matmul, "reshape": _reshape,
             "concat": _concat, "split": _split, "reduce_sum": _reduce_sum,
-            "softmax": _softmax, "softmax_xent": _softmax_xent, "fill": _fill, "sgd": _sgd}
+            "softmax": _softmax, "log_softmax": _softmax, "softmax_xent": _softmax_xent,
+            "fill": _fill, "sgd": _sgd}
 OPS = sorted(BUILDERS)
 
 

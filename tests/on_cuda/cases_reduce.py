@@ -1,4 +1,4 @@
-"""Simulator cases: sums over axes, softmax and the losses (see
+"""Simulator cases: sums over axes, softmax, log_softmax and the losses (see
 `tests.on_cuda.simulate`). Some rows are longer than a block (`REDUCE_THREADS`), so
 its threads take several elements each."""
 
@@ -52,6 +52,20 @@ CASES = {
     "softmax_grad_axis1_of_4d": lambda rng: ("softmax_grad",
                                              [R(rng, (2, 3, 2, 2), "float32"),
                                               R(rng, (2, 3, 2, 2), "float32")], {"axis": 1}),
+    "log_softmax_last_axis": lambda rng: ("log_softmax", [R(rng, (4, 10), "float32")],
+                                          {"axis": 1}),
+    "log_softmax_long_rows_f64": lambda rng: ("log_softmax",
+                                              [R(rng, (2, 300), "float64", -30, 30)],
+                                              {"axis": 1}),
+    "log_softmax_axis1_of_4d": lambda rng: ("log_softmax", [R(rng, (2, 3, 2, 2), "float32")],
+                                            {"axis": 1}),
+    "log_softmax_grad_last_axis": lambda rng: ("log_softmax_grad",
+                                               [R(rng, (4, 10), "float32", -5, 0),
+                                                R(rng, (4, 10), "float32")], {"axis": 1}),
+    "log_softmax_grad_axis1_of_4d": lambda rng: ("log_softmax_grad",
+                                                 [R(rng, (2, 3, 2, 2), "float32", -5, 0),
+                                                  R(rng, (2, 3, 2, 2), "float32")],
+                                                 {"axis": 1}),
     "softmax_xent": _logits("softmax_xent", 4, 10),
     "softmax_xent_long_rows_f64": _logits("softmax_xent", 3, 200, "float64"),
     "softmax_xent_grad": _logits("softmax_xent_grad", 4, 10, scalar_gradient=True),

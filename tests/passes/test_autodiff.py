@@ -300,6 +300,8 @@ case("lrn", "strong")(lambda: _pool("lrn", "lrn", (2, 5, 2, 2), size=3, alpha=0.
 case("lrn", "caffe_defaults")(lambda: _pool("lrn", "lrn5", (1, 7, 2, 2)))
 case("softmax", "axis1")(lambda: _unary("softmax", "softmax1", axis=1))
 case("softmax", "axis0")(lambda: _unary("softmax", "softmax0", axis=0))
+case("log_softmax", "axis1")(lambda: _unary("log_softmax", "log_softmax1", axis=1))
+case("log_softmax", "axis0")(lambda: _unary("log_softmax", "log_softmax0", axis=0))
 
 
 def _xent(label_dtype):

@@ -1,5 +1,5 @@
-"""CUDA reductions: sums over axes, softmax and its gradient, the softmax cross-entropy
-and its gradient, and accuracy.
+"""CUDA reductions: sums over axes, softmax and log_softmax and their gradients, the
+softmax cross-entropy and its gradient, and accuracy.
 
 A reduction gives each result (a sum, a row of softmax) to one block, and blocks
 stride over the results, so a grid never exceeds `purinec.codegen.cuda.module.MAX_BLOCKS`.
@@ -184,10 +184,12 @@ class _Rows:
 
 
 def _row_max_and_sum(m: CudaModule, body: SourceBuilder, rows: _Rows, partials: str,
-                     at: Callable[[str], str]) -> tuple[str, str]:
+                     at: Callable[[str], str],
+                     of_sum: Callable[[str], str] = lambda total: total
+                     ) -> tuple[str, str]:
     """Binds the row's maximum and its sum of ``exp(x - max)`` (in the row's dtype,
-    the sum added in float64), every thread of the block taking part; ``at(c)`` is
-    the row's element ``c``."""
+    the sum added in float64, then made ``of_sum(sum)`` before it is cast), every
+    thread of the block taking part; ``at(c)`` is the row's element ``c``."""
     dt = numpy_name(rows.dtype)
     high, top = m.fresh("high"), m.fresh("top")
     part, total = m.fresh("part"), m.fresh("total")
@@ -199,15 +201,16 @@ def _row_max_and_sum(m: CudaModule, body: SourceBuilder, rows: _Rows, partials: 
     body.line(f"{part} = 0.0")
     with body.block(loop):
         body.line(f"{part} += math.exp({at(c)} - {top})")
-    body.line(f"{total} = {dt}(block_sum({partials}, {part}))")
+    body.line(f"{total} = {dt}({of_sum(f'block_sum({partials}, {part})')})")
     m.helper("block_max")
     m.helper("block_sum")
     return top, total
 
 
-@renders("softmax")
-def render_softmax(node: Node, m: CudaModule) -> None:
-    """``exp(x - max) / sum exp(x - max)`` along the axis, one block per row."""
+def _render_softmax_rows(node: Node, m: CudaModule, of_sum: Callable[[str], str],
+                         store: Callable[[str, str, str], str]) -> None:
+    """One block per row: its maximum and (made ``of_sum(sum)``) its sum of
+    ``exp(x - max)``, then each ``y = store(x, max, that)``."""
     rows = _Rows(node, node.attrs["axis"])
     arrays = [m.inputs[0], m.outputs[0]]
     with m.kernel("rows") as (name, body):
@@ -216,16 +219,32 @@ def render_softmax(node: Node, m: CudaModule) -> None:
         header, row = _block_loop(m, rows.count, "row")
         with body.block(header):
             at = rows.locate(m, body, row)
-            top, total = _row_max_and_sum(m, body, rows, partials, lambda c: at(x, c))
+            top, total = _row_max_and_sum(m, body, rows, partials, lambda c: at(x, c), of_sum)
             loop, c = _thread_loop(m, rows.classes, "c")
             with body.block(loop):
-                body.line(f"{at(y, c)} = math.exp({at(x, c)} - {top}) / {total}")
+                body.line(f"{at(y, c)} = {store(at(x, c), top, total)}")
     _launch(m, name, rows.count, arrays)
 
 
-@renders("softmax_grad")
-def render_softmax_grad(node: Node, m: CudaModule) -> None:
-    """``gx = y * (gy - sum over the axis of gy * y)``, one block per row."""
+@renders("softmax")
+def render_softmax(node: Node, m: CudaModule) -> None:
+    """``exp(x - max) / sum exp(x - max)`` along the axis, one block per row."""
+    _render_softmax_rows(node, m, lambda total: total,
+                         lambda x, top, total: f"math.exp({x} - {top}) / {total}")
+
+
+@renders("log_softmax")
+def render_log_softmax(node: Node, m: CudaModule) -> None:
+    """``x - max - log(sum exp(x - max))`` along the axis, one block per row; the log is
+    taken of the float64 sum."""
+    _render_softmax_rows(node, m, lambda total: f"math.log({total})",
+                         lambda x, top, log_total: f"({x} - {top}) - {log_total}")
+
+
+def _render_row_sum_then_map(node: Node, m: CudaModule, summand: Callable[[str, str], str],
+                             result: Callable[[str, str, str], str]) -> None:
+    """The softmax gradients, one block per row: the row's sum of ``summand(y, gy)``
+    (in float64), then each ``gx = result(y, gy, sum)``."""
     rows = _Rows(node, node.attrs["axis"])
     arrays = m.inputs + m.outputs
     with m.kernel("rows") as (name, body):
@@ -234,16 +253,30 @@ def render_softmax_grad(node: Node, m: CudaModule) -> None:
         header, row = _block_loop(m, rows.count, "row")
         with body.block(header):
             at = rows.locate(m, body, row)
-            part, dot = m.fresh("part"), m.fresh("dot")
+            part, total = m.fresh("part"), m.fresh("total")
             body.line(f"{part} = 0.0")
             loop, c = _thread_loop(m, rows.classes, "c")
             with body.block(loop):
-                body.line(f"{part} += {at(gy, c)} * {at(y, c)}")
-            body.line(f"{dot} = {numpy_name(rows.dtype)}(block_sum({partials}, {part}))")
+                body.line(f"{part} += {summand(at(y, c), at(gy, c))}")
+            body.line(f"{total} = {numpy_name(rows.dtype)}(block_sum({partials}, {part}))")
             with body.block(loop):
-                body.line(f"{at(gx, c)} = {at(y, c)} * ({at(gy, c)} - {dot})")
+                body.line(f"{at(gx, c)} = {result(at(y, c), at(gy, c), total)}")
     m.helper("block_sum")
     _launch(m, name, rows.count, arrays)
+
+
+@renders("softmax_grad")
+def render_softmax_grad(node: Node, m: CudaModule) -> None:
+    """``gx = y * (gy - sum over the axis of gy * y)``, one block per row."""
+    _render_row_sum_then_map(node, m, lambda y, gy: f"{gy} * {y}",
+                             lambda y, gy, dot: f"{y} * ({gy} - {dot})")
+
+
+@renders("log_softmax_grad")
+def render_log_softmax_grad(node: Node, m: CudaModule) -> None:
+    """``gx = gy - exp(y) * sum over the axis of gy``, one block per row."""
+    _render_row_sum_then_map(node, m, lambda y, gy: gy,
+                             lambda y, gy, total: f"{gy} - math.exp({y}) * {total}")
 
 
 def _label(m: CudaModule, body: SourceBuilder, label: str, row: str) -> str:

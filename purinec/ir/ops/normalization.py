@@ -1,4 +1,5 @@
-"""Normalization: Caffe's local response normalization and softmax, with gradients."""
+"""Normalization: Caffe's local response normalization, softmax and log-softmax, with
+gradients."""
 
 from __future__ import annotations
 
@@ -48,12 +49,20 @@ def softmax_ref(x, axis):
     return (e / e.sum(axis=axis, keepdims=True),)
 
 
-def _softmax_infer(types, attrs):
-    x = types[0]
-    check_float("softmax", x)
-    if not 0 <= attrs["axis"] < x.rank:
-        raise fail("softmax", f"axis {attrs['axis']} out of range for {x}")
-    return [x]
+def log_softmax_ref(x, axis):
+    shifted = x - x.max(axis=axis, keepdims=True)
+    return (shifted - np.log(np.exp(shifted).sum(axis=axis, keepdims=True)),)
+
+
+def _along_axis_infer(op: str):
+    """Float data and an axis in range: both ops of the softmax family."""
+    def infer(types, attrs):
+        x = types[0]
+        check_float(op, x)
+        if not 0 <= attrs["axis"] < x.rank:
+            raise fail(op, f"axis {attrs['axis']} out of range for {x}")
+        return [x]
+    return infer
 
 
 def _softmax_split(types, attrs):
@@ -62,17 +71,31 @@ def _softmax_split(types, attrs):
             if a != attrs["axis"]] + [SplitSignature(("B",) * n, ("B",))]
 
 
-def _softmax_gradient(g, node, gys, needs=None):
-    """gx = y * (gy - sum(gy * y, axis))."""
-    return only(needs, lambda: emit1(g, node, "softmax_grad", [node.outputs[0], gys[0]],
-                                     {"axis": node.attrs["axis"]}))
+def _gradient_from_output(op: str):
+    """softmax's and log_softmax's rule: ``gx = op(y, gy)`` with the forward axis, from
+    the output alone (softmax_grad: y * (gy - sum(gy * y, axis)); log_softmax_grad:
+    gy - exp(y) * sum(gy, axis))."""
+    def gradient(g, node, gys, needs=None):
+        return only(needs, lambda: emit1(g, node, op, [node.outputs[0], gys[0]],
+                                         {"axis": node.attrs["axis"]}))
+    return gradient
 
 
-register(OpDef("softmax", ("x",), _softmax_infer, softmax_ref, X,
+register(OpDef("softmax", ("x",), _along_axis_infer("softmax"), softmax_ref, X,
                attrs={"axis": Attr("int", 1)}, split=_softmax_split,
-               gradient=_softmax_gradient,
-               flops=per_output_element(5)))  # max, subtract, exp, sum, divide
+               gradient=_gradient_from_output("softmax_grad"),
+               flops=per_output_element(5),  # max, subtract, exp, sum, divide
+               doc="exp(x - max) / sum exp(x - max) along the axis"))
 register(OpDef("softmax_grad", ("y", "gy"), float_infer("softmax_grad"),
                lambda y, gy, axis: (y * (gy - (gy * y).sum(axis=axis, keepdims=True)),), X,
                attrs={"axis": Attr("int", 1)}, split=_softmax_split,
                flops=per_output_element(4)))  # gy * y, sum, subtract, multiply
+register(OpDef("log_softmax", ("x",), _along_axis_infer("log_softmax"), log_softmax_ref, X,
+               attrs={"axis": Attr("int", 1)}, split=_softmax_split,
+               gradient=_gradient_from_output("log_softmax_grad"),
+               flops=per_output_element(5),  # max, subtract, exp, sum, subtract its log
+               doc="x - max - log(sum exp(x - max)) along the axis"))
+register(OpDef("log_softmax_grad", ("y", "gy"), float_infer("log_softmax_grad"),
+               lambda y, gy, axis: (gy - np.exp(y) * gy.sum(axis=axis, keepdims=True),), X,
+               attrs={"axis": Attr("int", 1)}, split=_softmax_split,
+               flops=per_output_element(4)))  # sum, exp, multiply, subtract
