@@ -67,19 +67,23 @@ def load_source(model: Any, batch: int | None = None, **model_kwargs) -> Any:
     return load_model(model, batch, **model_kwargs)
 
 
+def lowered(source: Any, mode: str = "inference") -> Graph:
+    """The IR graph of what `load_source` gave, for ``mode`` (a Graph is copied)."""
+    from purinec.bigraph.lower import lower
+
+    if isinstance(source, Graph):
+        return source.clone()
+    if isinstance(source, OnnxModel):
+        return source.lower(mode)
+    return lower(source, mode=mode)
+
+
 def build_graph(source: Any, train: SGD | None, after: StageHook | None = None,
                 target: str = "reference", parallel: Parallel | None = None) -> Graph:
     """Lower (or take) the graph and run ``target``'s pipeline (with ``parallel``, or
     the model's own placement: to the distributed logical graph); ``after`` sees every
     stage."""
-    from purinec.bigraph.lower import lower
-
-    if isinstance(source, Graph):
-        graph = source.clone()
-    elif isinstance(source, OnnxModel):
-        graph = source.lower("train" if train is not None else "inference")
-    else:
-        graph = lower(source, mode="train" if train is not None else "inference")
+    graph = lowered(source, "train" if train is not None else "inference")
     if after is not None:
         after("lower", graph)
     return get_target(target).pipeline(train, parallel or placement(graph)).run(graph, after)
@@ -178,11 +182,7 @@ def _start_from_file(program: Program, source: Any) -> None:
 def _warn_if_placement_dropped(source: Any) -> None:
     """A model that puts its layers on devices itself, compiled with devices or a
     strategy: the strategy lays it out anew and the model's placement is not used."""
-    from purinec.bigraph.lower import lower
-
-    if isinstance(source, OnnxModel):
-        return  # a file places nothing
-    graph = source if isinstance(source, Graph) else lower(source, mode="inference")
+    graph = source if isinstance(source, Graph) else lowered(source)
     own = placement(graph)
     if own is not None:
         warnings.warn(PurinecWarning(

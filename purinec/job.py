@@ -27,11 +27,11 @@ def default_strategy(parallel: str | None, devices: Any,
 def placement_of(source):
     """The `Parallel` of a model that puts its layers on several devices itself, or None
     (lowering it takes milliseconds; compile() lowers it again)."""
-    from purinec.bigraph.lower import lower
+    from purinec.compiler import lowered
     from purinec.ir.graph import Graph
     from purinec.layout import placement
 
-    return placement(source if isinstance(source, Graph) else lower(source, mode="inference"))
+    return placement(source if isinstance(source, Graph) else lowered(source))
 
 
 def spread_options(model, batch: int | None, devices: Any, parallel: str | None,

@@ -89,7 +89,8 @@ def evaluate(program: Program, x: np.ndarray, y: np.ndarray, batch: int) -> floa
     correct = 0
     for start, (bx, by) in zip(range(0, len(x), batch), batches(x, y, batch, None)):
         real = min(batch, len(x) - start)
-        logits = program.run({"data": bx, **({"label": by} if takes_labels else {})})["logits"]
+        feeds = {images_input(program.eval_ir): bx, **({"label": by} if takes_labels else {})}
+        logits = program.run(feeds)[scores_output(program.eval_ir)]
         correct += int((logits[:real].argmax(axis=1) == by[:real]).sum())
     return correct / len(x)
 
@@ -117,6 +118,7 @@ def train(program: Program, data: Dataset, epochs: int, batch: int, seed: int = 
 
     check_batch(data, batch)
     steps = len(data.train_x) // batch
+    images = images_input(program.ir)
     result = TrainResult()
     for epoch in range(start_epoch + 1, epochs + 1):
         losses, accuracies = [], []
@@ -126,7 +128,7 @@ def train(program: Program, data: Dataset, epochs: int, batch: int, seed: int = 
         bar = tqdm(total=steps, desc=f"epoch {epoch}/{epochs}", unit="step",
                    disable=not progress, leave=False)
         for step, (bx, by) in enumerate(batches(data.train_x, data.train_y, batch, rng), 1):
-            losses.append(program.step({"data": bx, "label": by}))
+            losses.append(program.step({images: bx, "label": by}))
             if not np.isfinite(losses[-1]):
                 bar.close()
                 raise _diverged(losses[-1], bx, f"epoch {epoch}, step {step} of {steps}")
@@ -335,9 +337,23 @@ def refuse_fixed_options(options: Mapping[str, Any], artifact: str) -> None:
                    "compile the model again to change them")
 
 
+def images_input(graph) -> str:
+    """The data input the images go to: ``data``, or else a graph's only data input
+    besides ``label`` (an ONNX model keeps its input's own name)."""
+    names = [v.name for v in graph.inputs_with_role("data") if v.name != "label"]
+    return "data" if "data" in names or len(names) != 1 else names[0]
+
+
+def scores_output(graph) -> str:
+    """The output of class scores: ``logits``, or else an inference graph's only output
+    (an ONNX model's)."""
+    names = [name for name, _ in graph.outputs]
+    return "logits" if "logits" in names or len(names) != 1 else names[0]
+
+
 def num_classes(graph) -> int | None:
     """The number of classes, when the graph returns logits."""
-    logits = dict(graph.outputs).get("logits")
+    logits = dict(graph.outputs).get(scores_output(graph))
     return logits.type.shape[-1] if logits is not None and logits.type.rank else None
 
 
@@ -390,7 +406,8 @@ def _checked_model(model: str, batch: int | None, target: str, trace: Any,
                    solver_options: dict, spread: dict) -> SGD | None:
     """The solver to compile MODEL's training iteration with, once everything about it
     that needs no data set is checked: the model looked up and built at its own
-    defaults (a .pir file parsed), the solver, the target, the devices and the trace.
+    defaults (a .pir file parsed, an ONNX file read and lowered for training), the
+    solver, the target, the devices and the trace.
     None for a .pir file of a whole training iteration (a dump of the optimizer stage
     or later), which trains as it is, its solver fixed in its IR."""
     from purinec.compiler import check_differentiable, checked_layout, load_source
@@ -402,10 +419,13 @@ def _checked_model(model: str, batch: int | None, target: str, trace: Any,
         warnings.simplefilter("ignore")
         checked_layout(target, trace=trace, **spread)
     get_target(target).check_runnable()
-    if not model.endswith(".pir"):
+    if not model.endswith((".pir", ".onnx")):
         check_model(model, batch, given_later=DATA_ARGUMENTS)
         return default_sgd(**solver_options)
     source = load_source(model, batch)
+    if model.endswith(".onnx"):
+        source.lower("train")  # a model without one output of class scores cannot train
+        return default_sgd(**solver_options)
     if updated_variables(source):
         refuse_options(solver_options, SOLVER_OPTIONS, f"{model} is a training iteration "
                        f"with its solver in its IR; edit the sgd nodes' attributes to "
@@ -478,7 +498,7 @@ def _compiled_for(data: Dataset, model: str, target: str, solver: SGD | None,
     from purinec.models.loader import offered_args
 
     model_kwargs = {}
-    if not model.endswith(".pir"):  # the data set's, where build() takes them
+    if not model.endswith((".pir", ".onnx")):  # the data set's, where build() takes them
         model_kwargs = offered_args(model, {name: getattr(data, name)
                                             for name in DATA_ARGUMENTS})
     return compile(model, target=target, train=solver, batch=batch, seed=seed, trace=trace,
@@ -490,7 +510,7 @@ def _default_input_shape(model: str, data_spec: str) -> tuple[int, ...] | None:
     the model declares one (None for data read from files: those are what they are)."""
     from purinec.models.loader import default_input_shape
 
-    if data_spec not in DATASETS or model.endswith(".pir"):
+    if data_spec not in DATASETS or model.endswith((".pir", ".onnx")):
         return None
     return default_input_shape(model)
 
@@ -504,7 +524,7 @@ def _trained(program: Program, data: Dataset, where: Checkpoint, model: str, epo
     with contextlib.closing(program):
         data = _built_in_data_for(program, where.data, data, report)
         _check_fits(program, data, model)
-        batch = program.ir.input("data").type.shape[0]
+        batch = program.ir.input(images_input(program.ir)).type.shape[0]
         began = time.perf_counter()
         result = train(program, data, epochs, batch, seed=where.seed, progress=progress,
                        start_epoch=where.epoch, on_epoch_end=_end_of_epoch(
@@ -547,7 +567,7 @@ def _built_in_data_for(program: Program, data_spec: str, data: Dataset,
     resumed from a model that needed larger images than the built-in sets'). Smaller
     is not made: `_check_fits` refuses the program."""
     try:
-        shape = tuple(program.ir.input("data").type.shape[1:])
+        shape = tuple(program.ir.input(images_input(program.ir)).type.shape[1:])
     except KeyError:
         return data  # _check_fits says what is wrong
     have = data.input_shape
@@ -562,10 +582,10 @@ def _check_fits(program: Program, data: Dataset, model: str) -> None:
     """The program's data input and logits must fit the data set's images and classes,
     and its inference graph must give the logits that evaluating reads."""
     try:
-        shape = program.ir.input("data").type.shape
+        shape = program.ir.input(images_input(program.ir)).type.shape
     except KeyError:
         raise DataError(f"{program.ir.name} has no input named data to feed images to") from None
-    if "logits" not in dict(program.eval_ir.outputs):
+    if scores_output(program.eval_ir) not in dict(program.eval_ir.outputs):
         raise DataError(f"{model}: its inference graph has no output named logits, which "
                         f"the test accuracy reads (it has "
                         f"{', '.join(n for n, _ in program.eval_ir.outputs) or 'none'}); "

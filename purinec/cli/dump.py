@@ -171,7 +171,7 @@ def _dump_model(args, makedirs: Callable[[str], None]) -> int:
             return
         base = f"{graph.name}.{runs.index(stage):02d}-{stage}"
         if args.format == "text":
-            emit(f"{base}.pir", str(graph))
+            emit(f"{base}.pir", _onnx_names(source, stage) + str(graph))
         else:
             draw(f"{base}.{args.format}", graph)
         if stage == "fuse" and args.explain:
@@ -197,6 +197,16 @@ def _dump_model(args, makedirs: Callable[[str], None]) -> int:
     for path in written:
         print(f"wrote {path}")
     return 0
+
+
+def _onnx_names(source, stage: str) -> str:
+    """Comment lines heading an ONNX model's first stage: the ONNX names of its inputs,
+    initializers and outputs that the IR spells differently."""
+    from purinec.onnxio import OnnxModel
+
+    if not isinstance(source, OnnxModel) or stage != "lower":
+        return ""
+    return "".join(f"# ONNX {name!r} is %{ir}\n" for name, ir in source.mapping())
 
 
 def _dump_artifact(args, makedirs: Callable[[str], None]) -> int:

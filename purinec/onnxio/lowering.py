@@ -57,6 +57,9 @@ class Lowering:
             what = f"{self.model.where}: input {value.name}"
             dtype = ir_dtype(value.type.tensor_type.elem_type, what)
             shape = tuple(d.dim_value for d in value.type.tensor_type.shape.dim)
+            if 0 in shape:
+                raise ModelError(f"{what} is empty ({list(shape)}); purinec has no empty "
+                                 f"tensors")
             self.values[value.name] = self.graph.add_input(
                 self.model.names[value.name], TensorType(shape, dtype), role="data")
         for node in self.model.proto.graph.node:
