@@ -226,7 +226,7 @@ def write_table(path: str, results: dict[str, list[Outcome]]) -> None:
     with open(path, encoding="utf-8") as f:
         text = f.read()
     begin, end = text.index(TABLE_BEGIN) + len(TABLE_BEGIN), text.index(TABLE_END)
-    with replacing(path, "w") as f:
+    with replacing(path) as temporary, open(temporary, "w", encoding="utf-8") as f:
         f.write(text[:begin] + "\n\n" + table(results) + "\n" + text[end:])
 
 

@@ -53,15 +53,6 @@ class Lowering:
     def run(self) -> Graph:
         from purinec.onnxio.ops import CONVERTERS
 
-        for value in self.model.data_inputs:
-            what = f"{self.model.where}: input {value.name}"
-            dtype = ir_dtype(value.type.tensor_type.elem_type, what)
-            shape = tuple(d.dim_value for d in value.type.tensor_type.shape.dim)
-            if 0 in shape:
-                raise ModelError(f"{what} is empty ({list(shape)}); purinec has no empty "
-                                 f"tensors")
-            self.values[value.name] = self.graph.add_input(
-                self.model.names[value.name], TensorType(shape, dtype), role="data")
         for node in self.model.proto.graph.node:
             if self.model.folded(node):
                 continue
@@ -78,6 +69,11 @@ class Lowering:
         self.node = None
         outputs = [(self.model.names[v.name], self.value(v.name))
                    for v in self.model.proto.graph.output]
+        for value in self.model.data_inputs:  # those nothing reads are inputs all the same
+            self.value(value.name)
+        order = {v.name: k for k, v in enumerate(self.model.data_inputs)}
+        self.graph.inputs.sort(key=lambda v: order.get(self.model.sources.get(v.name),
+                                                       len(order)))
         self.graph.set_outputs(self._with_loss(outputs) + self.updates if self.training
                                else outputs)
         if self._iteration is not None:
@@ -128,6 +124,10 @@ class Lowering:
         elements are equal, else a state input nothing updates."""
         if name in self.values:
             return self.values[name]
+        fed = next((v for v in self.model.data_inputs if v.name == name), None)
+        if fed is not None:
+            self.values[name] = self._data_input(fed)
+            return self.values[name]
         if name not in self.model.constants:
             raise self.fail(f"input {name} is neither an input, an initializer nor "
                             f"computed before this node")
@@ -151,6 +151,18 @@ class Lowering:
             value = self._variable(name, ir_name, type, "state", init)
         self.values[name] = value
         return value
+
+    def _data_input(self, value) -> Value:
+        """The graph input fed as ONNX input ``value``, made when first read: an input
+        used as an attribute is never one (`constant`)."""
+        what = f"{self.model.where}: input {value.name}"
+        dtype = ir_dtype(value.type.tensor_type.elem_type, what)
+        shape = tuple(d.dim_value for d in value.type.tensor_type.shape.dim)
+        if 0 in shape:
+            raise ModelError(f"{what} is empty ({list(shape)}); purinec has no empty tensors")
+        self.model.sources[self.model.names[value.name]] = value.name
+        return self.graph.add_input(self.model.names[value.name], TensorType(shape, dtype),
+                                    role="data")
 
     def _variable(self, name: str, ir_name: str, type: TensorType, role: str,
                   init: str | None) -> Value:

@@ -161,7 +161,8 @@ class OnnxModel:
     initializers: frozenset[str] = frozenset()
     names: dict[str, str] = field(default_factory=dict)
     types: dict[str, TensorType] = field(default_factory=dict)
-    # The file's constant that each param and state input of a lowered graph holds.
+    # The ONNX value each input of a lowered graph stands for (a constant for params
+    # and state).
     sources: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):

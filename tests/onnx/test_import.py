@@ -262,3 +262,28 @@ def test_model_options_other_than_the_batch_are_refused(tmp_path):
     with pytest.raises(ModelError, match=r"an ONNX model takes no model options \(given "
                                          r"num_classes\); only batch"):
         purinec.compile(path, num_classes=3)
+
+
+def test_purinec_train_trains_a_classifier_from_an_onnx_file(tmp_path, capsys):
+    from purinec.cli import main
+
+    rng = np.random.default_rng(3)
+    weights = [("c.w", (rng.standard_normal((8, 1, 3, 3)) * 0.4).astype(np.float32)),
+               ("c.b", np.zeros(8, np.float32)),
+               ("f.w", (rng.standard_normal((10, 8 * 4 * 4)) * 0.1).astype(np.float32)),
+               ("f.b", np.zeros(10, np.float32))]
+    nodes = [helper.make_node("Conv", ["image", "c.w", "c.b"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("MaxPool", ["r"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("Flatten", ["p"], ["f"]),
+             helper.make_node("Gemm", ["f", "f.w", "f.b"], ["scores"], transB=1)]
+    path = save(model(nodes, [helper.make_tensor_value_info("image", F, ["N", 1, 8, 8])],
+                      [helper.make_tensor_value_info("scores", F, ["N", 10])], weights),
+                tmp_path, "digits.onnx")
+    checkpoint = str(tmp_path / "digits.purine")
+    assert main(["train", path, "--data", "digits", "--epochs", "2", "--batch", "32",
+                 "--target", "reference", "--checkpoint", checkpoint, "--quiet"]) == 0
+    accuracy = float(capsys.readouterr().out.split("test accuracy")[-1].split()[0])
+    assert accuracy > 0.8
+    trained = purinec.load(checkpoint)
+    assert not np.array_equal(trained.params["c.w"], weights[0][1])
