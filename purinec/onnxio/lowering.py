@@ -12,7 +12,7 @@ import numpy as np
 from purinec.errors import ModelError, PurinecError
 from purinec.ir.graph import Graph, Value
 from purinec.ir.types import DType, TensorType
-from purinec.onnxio.model import describe, ir_dtype
+from purinec.onnxio.proto import attributes, describe, ir_dtype
 
 MODES = ("inference", "train")
 
@@ -32,11 +32,12 @@ class Lowering:
     for inputs that act as attributes), and add IR with `emit`; the values they return
     become the node's outputs."""
 
-    def __init__(self, model, mode: str):
+    def __init__(self, model, mode: str, converters: dict):
         if mode not in MODES:
             raise ModelError(f"unknown lowering mode {mode!r}; use one of {', '.join(MODES)}")
         self.model = model
         self.mode = mode
+        self.converters = converters  # ONNX op -> converter (purinec.onnxio.ops)
         self.graph = Graph(model.name if mode == "inference" else f"{model.name}.train")
         self.values: dict[str, Value] = {}
         self.reserved = set(model.names.values())
@@ -51,14 +52,12 @@ class Lowering:
     # -- the walk ---------------------------------------------------------------------
 
     def run(self) -> Graph:
-        from purinec.onnxio.ops import CONVERTERS
-
         for node in self.model.proto.graph.node:
             if self.model.folded(node):
                 continue
             self.node = node
             try:
-                results = CONVERTERS[node.op_type](self, node, attributes(node))
+                results = self.converters[node.op_type](self, node, attributes(node))
             except ModelError:
                 raise
             except PurinecError as err:  # a shape the IR refuses: say which node
@@ -231,24 +230,6 @@ class Lowering:
     def seed(self) -> int:
         """The dropout seed of the node being lowered, from its output's name."""
         return zlib.crc32(self.node.output[0].encode()) & 0x7FFFFFFF
-
-
-def attributes(node) -> dict[str, Any]:
-    """The node's attributes as Python values (lists for repeated fields, arrays for
-    tensors)."""
-    from onnx import helper, numpy_helper
-
-    result = {}
-    for attribute in node.attribute:
-        value = helper.get_attribute_value(attribute)
-        if attribute.type == attribute.TENSOR:
-            value = numpy_helper.to_array(value)
-        elif isinstance(value, bytes):
-            value = value.decode()
-        elif isinstance(value, (list, tuple)):
-            value = [v.decode() if isinstance(v, bytes) else v for v in value]
-        result[attribute.name] = value
-    return result
 
 
 def _elem_type(array: np.ndarray) -> int:

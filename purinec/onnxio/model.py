@@ -18,30 +18,15 @@ import numpy as np
 
 from purinec.errors import ModelError
 from purinec.ir.graph import Graph
-from purinec.ir.types import DType, TensorType
+from purinec.ir.types import TensorType
+from purinec.onnxio.lowering import Lowering
+from purinec.onnxio.ops import CONVERTERS, SUPPORTED_OPS
+from purinec.onnxio.proto import ONNX_DTYPES, describe, onnx_package
 
 # The oldest default-domain opset the converters know the attributes of.
 MIN_OPSET = 7
 
-# ONNX's element types that the IR has (TensorProto.DataType values).
-ONNX_DTYPES = {1: DType.f32, 11: DType.f64, 6: DType.i32, 7: DType.i64, 9: DType.bool}
-ONNX_TYPE_NAMES = {0: "undefined", 1: "float", 2: "uint8", 3: "int8", 4: "uint16",
-                   5: "int16", 6: "int32", 7: "int64", 8: "string", 9: "bool",
-                   10: "float16", 11: "double", 12: "uint32", 13: "uint64",
-                   14: "complex64", 15: "complex128", 16: "bfloat16"}
-
 IR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
-
-
-def onnx_package():
-    """The onnx module, or a ModelError saying how to install it."""
-    try:
-        import onnx
-        import onnx.reference  # noqa: F401  (folding evaluates nodes with it)
-    except ImportError:
-        raise ModelError("reading and writing ONNX files needs the onnx package: "
-                         "pip install 'purinec[onnx]'") from None
-    return onnx
 
 
 def read_onnx(source: Any, batch: int | None = None,
@@ -229,8 +214,6 @@ class OnnxModel:
 
     def check_supported(self) -> None:
         """Refuse, all at once, every node left to lower whose op has no converter."""
-        from purinec.onnxio.ops import CONVERTERS, SUPPORTED_OPS
-
         unsupported = [node for node in self.proto.graph.node
                        if not self.folded(node)
                        and (node.domain not in ("", "ai.onnx") or node.op_type not in CONVERTERS)]
@@ -250,9 +233,7 @@ class OnnxModel:
         """The IR graph: ``"inference"`` computes the file's outputs; ``"train"`` adds a
         ``label`` input and the ``loss`` and ``accuracy`` of the one output, whose batch
         normalizations then use batch statistics and update their running ones."""
-        from purinec.onnxio.lowering import Lowering
-
-        return Lowering(self, mode).run()
+        return Lowering(self, mode, CONVERTERS).run()
 
     def variables(self, graph: Graph) -> dict[str, dict[str, np.ndarray]]:
         """The arrays the file gives for ``graph``'s params and state, by role and IR
@@ -280,13 +261,6 @@ NEVER_FOLDED = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUnif
                 "Multinomial", "Bernoulli", "Dropout"}
 
 
-def describe(node) -> str:
-    """``/layer1/Conv (Conv)``: how messages name a node."""
-    name = node.name or (node.output[0] if node.output else "?")
-    domain = f"{node.domain}." if node.domain not in ("", "ai.onnx") else ""
-    return f"{name} ({domain}{node.op_type})"
-
-
 def _shape_of(node, type: TensorType) -> np.ndarray:
     shape = np.array(type.shape, dtype=np.int64)
     start = next((a.i for a in node.attribute if a.name == "start"), 0)
@@ -304,15 +278,6 @@ def _tensor_type(value) -> TensorType | None:
     if not all(d.HasField("dim_value") for d in tensor.shape.dim):
         return None
     return TensorType(tuple(d.dim_value for d in tensor.shape.dim), ONNX_DTYPES[tensor.elem_type])
-
-
-def ir_dtype(elem_type: int, what: str) -> DType:
-    """The IR dtype of ONNX element type ``elem_type``, or a ModelError naming ``what``."""
-    if elem_type not in ONNX_DTYPES:
-        name = ONNX_TYPE_NAMES.get(elem_type, str(elem_type))
-        raise ModelError(f"{what} is of ONNX type {name}; purinec computes in "
-                         f"float, double, int32, int64 and bool")
-    return ONNX_DTYPES[elem_type]
 
 
 def _ir_names(names: list[str]) -> dict[str, str]:

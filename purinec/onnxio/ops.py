@@ -11,15 +11,17 @@ supported. Broadcasting is spelled out (`reshape` to the same rank, then
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from purinec.ir.graph import Value
-from purinec.onnxio.lowering import Lowering
-from purinec.onnxio.model import ir_dtype
+from purinec.onnxio.proto import ir_dtype
 
-Converter = Callable[[Lowering, object, dict], list]
+if TYPE_CHECKING:
+    from purinec.onnxio.lowering import Lowering
+
+Converter = Callable[["Lowering", object, dict], list]
 CONVERTERS: dict[str, Converter] = {}
 
 

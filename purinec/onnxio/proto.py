@@ -1,0 +1,60 @@
+"""What the ONNX front end shares: the onnx package, ONNX's element types and how
+messages name a node."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from purinec.errors import ModelError
+from purinec.ir.types import DType
+
+# ONNX's element types that the IR has (TensorProto.DataType values).
+ONNX_DTYPES = {1: DType.f32, 11: DType.f64, 6: DType.i32, 7: DType.i64, 9: DType.bool}
+ONNX_TYPE_NAMES = {0: "undefined", 1: "float", 2: "uint8", 3: "int8", 4: "uint16",
+                   5: "int16", 6: "int32", 7: "int64", 8: "string", 9: "bool",
+                   10: "float16", 11: "double", 12: "uint32", 13: "uint64",
+                   14: "complex64", 15: "complex128", 16: "bfloat16"}
+
+def onnx_package():
+    """The onnx module, or a ModelError saying how to install it."""
+    try:
+        import onnx
+        import onnx.reference  # noqa: F401  (folding evaluates nodes with it)
+    except ImportError:
+        raise ModelError("reading and writing ONNX files needs the onnx package: "
+                         "pip install 'purinec[onnx]'") from None
+    return onnx
+
+
+def describe(node) -> str:
+    """``/layer1/Conv (Conv)``: how messages name a node."""
+    name = node.name or (node.output[0] if node.output else "?")
+    domain = f"{node.domain}." if node.domain not in ("", "ai.onnx") else ""
+    return f"{name} ({domain}{node.op_type})"
+
+
+def ir_dtype(elem_type: int, what: str) -> DType:
+    """The IR dtype of ONNX element type ``elem_type``, or a ModelError naming ``what``."""
+    if elem_type not in ONNX_DTYPES:
+        name = ONNX_TYPE_NAMES.get(elem_type, str(elem_type))
+        raise ModelError(f"{what} is of ONNX type {name}; purinec computes in "
+                         f"float, double, int32, int64 and bool")
+    return ONNX_DTYPES[elem_type]
+
+
+def attributes(node) -> dict[str, Any]:
+    """The node's attributes as Python values (lists for repeated fields, arrays for
+    tensors)."""
+    from onnx import helper, numpy_helper
+
+    result = {}
+    for attribute in node.attribute:
+        value = helper.get_attribute_value(attribute)
+        if attribute.type == attribute.TENSOR:
+            value = numpy_helper.to_array(value)
+        elif isinstance(value, bytes):
+            value = value.decode()
+        elif isinstance(value, (list, tuple)):
+            value = [v.decode() if isinstance(v, bytes) else v for v in value]
+        result[attribute.name] = value
+    return result
