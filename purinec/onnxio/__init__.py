@@ -5,9 +5,8 @@ The `onnx` package is an optional extra (``pip install 'purinec[onnx]'``); nothi
 here imports it until a file is read or written.
 """
 
-from purinec.onnxio.export import OPSET, ExportError, Exported, export_onnx
+from purinec.onnxio.export import OPSET, Exported, export_onnx
 from purinec.onnxio.model import OnnxModel, read_onnx
 from purinec.onnxio.ops import SUPPORTED_OPS
 
-__all__ = ["OPSET", "ExportError", "Exported", "OnnxModel", "SUPPORTED_OPS", "export_onnx",
-           "read_onnx"]
+__all__ = ["OPSET", "Exported", "OnnxModel", "SUPPORTED_OPS", "export_onnx", "read_onnx"]

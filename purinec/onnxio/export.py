@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from purinec.errors import PurinecError
+from purinec.errors import ExportError
 from purinec.fileio import replacing
 from purinec.ir.graph import Graph, Node, Value
 from purinec.ir.nnref import pad_edges
@@ -38,10 +38,6 @@ OPSET = 19
 
 # The ONNX element type (TensorProto.DataType) of each IR dtype.
 ONNX_TYPES = {DType.f32: 1, DType.f64: 11, DType.i32: 6, DType.i64: 7, DType.bool: 9}
-
-
-class ExportError(PurinecError):
-    """A graph or program that cannot be written as an ONNX model."""
 
 
 @dataclass
