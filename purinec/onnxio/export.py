@@ -26,7 +26,7 @@ import numpy as np
 from purinec.errors import ExportError
 from purinec.fileio import replacing
 from purinec.ir.graph import Graph, Node, Value
-from purinec.ir.nnref import pad_edges
+from purinec.ir.nnref import pad_edges, window_extent
 from purinec.ir.ops import Trait, op_has
 from purinec.ir.types import DType
 from purinec.onnxio.model import onnx_package
@@ -372,22 +372,36 @@ def conv2d(w: Writer, node: Node):
 
 @writes("max_pool2d", "avg_pool2d")
 def pool(w: Writer, node: Node):
-    """ONNX's ceil_mode is Caffe's (the IR's default): the last window may hang out of
-    the padded input if it starts inside the input or its leading pad, and an
-    average's divisor counts its taps inside the padded input alone."""
+    """Written with ceil_mode exactly when a last window hangs out of the padded input
+    (Caffe's ceil mode is ONNX's then, an average's divisor counting the taps inside
+    it alone), and with each end pad cut to what the windows reach. Caffe's ceil mode
+    also drops a last window that would start past the input, as onnxruntime does, but
+    onnx's shape inference (the checker's) counts it; so no such window is left to
+    count: where a window hangs out along one axis, the input's tail that no window
+    reads along another is sliced off first."""
+    x = node.inputs[0]
+    top, left, bottom, right = pad_edges(node.attrs["pad"])
+    sizes = x.type.shape[2:]
+    reach = [(count - 1) * stride + window_extent(k, d) - begin  # past the last tap
+             for count, k, stride, d, begin in zip(
+                 node.outputs[0].type.shape[2:], node.attrs["kernel"], node.attrs["stride"],
+                 node.attrs["dilation"], (top, left))]
+    hangs = any(r > size + end for r, size, end in zip(reach, sizes, (bottom, right)))
+    if hangs and any(r < size for r, size in zip(reach, sizes)):
+        x = w.emit("Slice", [x, w.constant([0, 0]),
+                             w.constant([min(r, size) for r, size in zip(reach, sizes)]),
+                             w.constant([2, 3])])
+    ends = [min(end, max(0, r - size)) for r, size, end in zip(reach, sizes, (bottom, right))]
     extra = ({"count_include_pad": int(node.attrs["count_include_pad"])}
              if node.op == "avg_pool2d" else {})
-    w.out("MaxPool" if node.op == "max_pool2d" else "AveragePool", node.inputs[0],
-          kernel_shape=node.attrs["kernel"], ceil_mode=int(node.attrs["ceil_mode"]),
-          **window(node), **extra)
+    w.out("MaxPool" if node.op == "max_pool2d" else "AveragePool", x,
+          kernel_shape=node.attrs["kernel"], ceil_mode=int(hangs),
+          **{**window(node), "pads": [top, left, *ends]}, **extra)
 
 
 @writes("lrn")
 def lrn(w: Writer, node: Node):
-    """The IR's window is symmetric, (size-1)//2 channels each side, and its sum is
-    divided by size; ONNX's window of an even size is not symmetric. So ONNX is given
-    the odd size of the IR's window, and alpha scaled to keep alpha/size."""
-    size = node.attrs["size"]
-    taps = 2 * ((size - 1) // 2) + 1
-    w.out("LRN", node.inputs[0], size=taps, alpha=node.attrs["alpha"] * taps / size,
+    """Caffe's across-channel LRN is ONNX's, its k ONNX's bias (the IR's sizes are odd,
+    so both windows are symmetric)."""
+    w.out("LRN", node.inputs[0], size=node.attrs["size"], alpha=node.attrs["alpha"],
           beta=node.attrs["beta"], bias=node.attrs["k"])
