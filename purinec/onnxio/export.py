@@ -187,8 +187,8 @@ class Writer:
     def emit(self, op_type: str, inputs: list, outputs: list[Value] | None = None,
              **attrs) -> str:
         """One ONNX node of the IR node being written, reading ``inputs`` (values, ONNX
-        names, or None for an input left out) into ``outputs`` (default: the IR node's;
-        else one fresh name); returns its first output's name."""
+        names, or None for an input left out) into ``outputs`` (IR values; by default
+        one fresh name); returns its first output's name."""
         names = [self.name(v) for v in outputs] if outputs is not None else \
             [self.fresh(f"{self.node.name}.{op_type}")]
         self.nodes.append(self.onnx.helper.make_node(
