@@ -80,6 +80,11 @@ class ArtifactError(PurinecError):
     not a whole, untampered artifact this purinec can read."""
 
 
+class ExportError(PurinecError):
+    """A graph or program that cannot be written as an ONNX model (an op ONNX has no
+    spelling for, a distributed program)."""
+
+
 class UnknownNameError(PurinecError, KeyError):
     """A name a program has no tensor of (a KeyError too, as mappings raise)."""
 

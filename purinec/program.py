@@ -11,12 +11,14 @@ from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
-from purinec.errors import ExecutionError, PurinecError, PurinecWarning, UnknownNameError
+from purinec.errors import (ExecutionError, ExportError, PurinecError, PurinecWarning,
+                            UnknownNameError)
 from purinec.ir.graph import Graph, Value
 from purinec.ir.init import initial_value
 from purinec.ir.types import Device, DType, TensorType
 from purinec.ir.verify import verify
 from purinec.layout import is_distributed, layout_devices, layout_ranks, rank_of
+from purinec.onnxio import OPSET, Exported, export_onnx
 from purinec.passes.pipeline import StageHook
 from purinec.runtime.distributed import DistributedExecutable, Replicas
 from purinec.runtime.memory import check_values_fit
@@ -332,6 +334,20 @@ class Program:
         saved = save(self, path, merged)
         self.metadata = merged
         return saved
+
+    def export_onnx(self, path: str | os.PathLike, opset: int = OPSET) -> Exported:
+        """Write the inference graph and the current weights to ``path`` as an ONNX
+        model of ``opset`` (see `purinec.onnxio.export`), atomically. A program over
+        several devices is refused: export the model compiled for one device (weights
+        can be moved over by assigning them)."""
+        if len(self.devices) > 1:
+            raise ExportError(f"this program runs on {', '.join(map(str, self.devices))}; an "
+                              f"ONNX model is one device's computation: compile the model "
+                              f"for one device, assign it these weights (params[name] = "
+                              f"array) and export that")
+        params = {name: self.params[name] for name in self.params}
+        state = {name: self.state[name] for name in self.state}
+        return export_onnx(self.eval_ir, params, state, path, opset)
 
     def close(self) -> None:
         """Release what the target holds (worker threads; a trace is written out)."""

@@ -1,4 +1,4 @@
-"""The `purinec` command: one module per subcommand (dump, compile, run, train), each
+"""The `purinec` command: one module per subcommand (dump, compile, run, train, export), each
 with its ``add_parser(subparsers)`` and ``cmd_*`` function; what they share is in
 `purinec.cli.common`. The training session itself is `purinec.train`'s."""
 
@@ -11,13 +11,13 @@ import sys
 import warnings
 
 from purinec import __version__
-from purinec.cli import compile, dump, run, train
+from purinec.cli import compile, dump, export, run, train
 from purinec.cli.common import progress_style, warning_printer
 from purinec.codegen.progress import kernel_progress
 from purinec.errors import PurinecError
 from purinec.runtime.signals import interruption, terminating
 
-COMMANDS = (dump, compile, run, train)
+COMMANDS = (dump, compile, run, train, export)
 
 
 def build_parser() -> argparse.ArgumentParser:

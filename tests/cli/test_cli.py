@@ -66,7 +66,7 @@ def assert_clean_error(result, *fragments):
 def test_help_lists_commands_and_stages():
     top = purinec("--help")
     assert top.returncode == 0
-    for command in ("dump", "compile", "run", "train"):
+    for command in ("dump", "compile", "run", "train", "export"):
         assert command in top.stdout
     version = purinec("--version")
     assert version.returncode == 0 and version.stdout == f"purinec {purinec_api.__version__}\n"
