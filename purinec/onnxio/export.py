@@ -29,7 +29,7 @@ from purinec.ir.graph import Graph, Node, Value
 from purinec.ir.nnref import pad_edges, window_extent
 from purinec.ir.ops import Trait, op_has
 from purinec.ir.types import DType
-from purinec.onnxio.model import onnx_package
+from purinec.onnxio.proto import onnx_package
 from purinec.version import __version__
 
 # Opset 19 added AveragePool's dilations; every op below is spelled alike through the

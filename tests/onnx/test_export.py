@@ -175,6 +175,7 @@ def shape_graph() -> tuple[Graph, dict]:
         b.out(b.op("reduce_sum", [x], axes=axes, keepdims=keep)[0])
     for axis in (1, 3):
         b.out(b.op("softmax", [x], axis=axis)[0])
+        b.out(b.op("log_softmax", [x], axis=axis)[0])
     b.out(x, "x_again")  # a graph input returned: an Identity
     return b.done(), b.params
 
