@@ -2,7 +2,7 @@
 weightless ONNX files that the ONNX importer's tests read (tests/onnx/models/).
 
     python3 -m venv /tmp/tv-venv
-    /tmp/tv-venv/bin/pip install torch torchvision onnx   # the files: torch 2.14.1, torchvision 0.29.1
+    /tmp/tv-venv/bin/pip install torch torchvision onnx  # the files: 2.14.1, 0.29.1
     /tmp/tv-venv/bin/python -m benchmarks.export_torchvision [--out tests/onnx/models]
 
 Run it from the repository's root, in a venv of its own: it needs torch, like
