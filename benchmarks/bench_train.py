@@ -337,16 +337,18 @@ def child_env(threads: int, **extra: str) -> dict[str, str]:
     return env
 
 
-def run_worker(job: dict, env: dict[str, str], workdir: str, timeout: float) -> dict:
-    """Run ``job`` in a fresh process; its result, plus the process's wall time."""
+def run_worker(job: dict, env: dict[str, str], workdir: str, timeout: float,
+               module: str = "benchmarks.bench_train") -> dict:
+    """Run ``job`` in a fresh process (``python -m module --worker JOB``); its result,
+    plus the process's wall time."""
     fd, job_path = tempfile.mkstemp(suffix=".json", dir=workdir)
     job = {**job, "result": job_path + ".out"}
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(job, f)
     start = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_train", "--worker",
-                               job_path], cwd=REPO, env=env, capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, "-m", module, "--worker", job_path],
+                              cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"status": "error", "problems": [f"no result within {timeout:.0f} s"]}

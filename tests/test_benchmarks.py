@@ -297,3 +297,36 @@ def test_pytorch_with_another_weight_decay_is_a_mismatch():
     trainer = make_trainer("torch", "mlp", check.init, **dict(SOLVER, weight_decay=0.05))
     losses = [trainer.step(trainer.prepare(x, y)) for x, y in check.batches]
     assert compare(check, losses, trainer.params())[1]
+
+
+def test_the_onnx_benchmark_checks_then_times_purinec_against_onnxruntime(tmp_path,
+                                                                          monkeypatch,
+                                                                          capsys):
+    pytest.importorskip("onnxruntime", reason="onnxruntime is the ONNX benchmark's peer")
+    from benchmarks import bench_onnx
+
+    monkeypatch.setenv("PURINEC_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "onnx.json"
+    status = bench_onnx.main(["--quick", "--models", "squeezenet1_1", "--batches", "1",
+                              "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    ours, peer = json.loads(out.read_text())["rows"]
+    assert (ours["contender"], peer["contender"]) == ("purinec:cpu", "onnxruntime")
+    assert ours["status"] == peer["status"] == "ok"
+    assert ours["check_error"] <= bench_onnx.CHECK_RTOL
+    assert peer["peer_over_purinec"] == pytest.approx(peer["median_ms"] / ours["median_ms"])
+
+
+def test_the_onnx_benchmark_flags_scores_that_differ_from_onnxruntime(tmp_path):
+    from benchmarks import bench_onnx
+
+    runs = {}
+    for contender, scores in zip(bench_onnx.CONTENDERS, ([1.0, 2.0], [1.0, 2.01])):
+        np.save(tmp_path / f"{contender}.npy", np.array(scores))
+        runs[contender] = [{"status": "ok", "times_ms": [1.0, 2.0], "build_s": 0.1,
+                            "load_1m": 0.5, "outputs": str(tmp_path / f"{contender}.npy")}]
+    rows = [bench_onnx._row("m", 1, c, runs[c]) for c in bench_onnx.CONTENDERS]
+    bench_onnx._check(rows, runs)
+    assert rows[0]["status"] == "mismatch"
+    assert "largest difference from onnxruntime 5.0e-03" in rows[0]["problems"][0]

@@ -12,7 +12,7 @@ import numpy as np
 from purinec.errors import ModelError, PurinecError
 from purinec.ir.graph import Graph, Value
 from purinec.ir.types import DType, TensorType
-from purinec.onnxio.proto import attributes, describe, ir_dtype
+from purinec.onnxio.proto import array_dtype, attributes, describe, ir_dtype
 
 MODES = ("inference", "train")
 
@@ -131,7 +131,7 @@ class Lowering:
             raise self.fail(f"input {name} is neither an input, an initializer nor "
                             f"computed before this node")
         array = self.model.constants[name]
-        dtype = ir_dtype(_elem_type(array), f"{self.where()}: constant {name}")
+        dtype = array_dtype(array, f"{self.where()}: constant {name}")
         if array.size == 0:
             raise self.fail(f"constant {name} is empty; purinec has no empty tensors")
         type = TensorType(array.shape, dtype)
@@ -230,15 +230,6 @@ class Lowering:
     def seed(self) -> int:
         """The dropout seed of the node being lowered, from its output's name."""
         return zlib.crc32(self.node.output[0].encode()) & 0x7FFFFFFF
-
-
-def _elem_type(array: np.ndarray) -> int:
-    from onnx import helper
-
-    try:
-        return helper.np_dtype_to_tensor_dtype(array.dtype)
-    except (KeyError, TypeError, ValueError):
-        return 0
 
 
 def _uniform(array: np.ndarray) -> bool:

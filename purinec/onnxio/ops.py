@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from purinec.ir.graph import Value
-from purinec.onnxio.proto import ir_dtype
+from purinec.onnxio.proto import array_dtype, ir_dtype
 
 if TYPE_CHECKING:
     from purinec.onnxio.lowering import Lowering
@@ -601,17 +601,11 @@ def pad(lo, node, a):
 def constant_of_shape(lo, node, a):
     shape = ints(lo.constant(0, "shape"), lo, "shape")
     value = np.asarray(a.get("value", np.zeros(1, np.float32)))
-    dtype = ir_dtype(_onnx_type(value), f"{lo.where()}: its value")
+    dtype = array_dtype(value, f"{lo.where()}: its value")
     if 0 in shape:
         raise lo.fail(f"shape {shape} is empty; purinec has no empty tensors")
     return [lo.emit("fill", [], {"shape": shape, "dtype": str(dtype),
                                  "value": float(value.reshape(-1)[0])}, lo.out(0))]
-
-
-def _onnx_type(array: np.ndarray) -> int:
-    from onnx import helper
-
-    return helper.np_dtype_to_tensor_dtype(array.dtype)
 
 
 # Ops a file may use that never reach the IR: computed at import from constants and

@@ -10,10 +10,7 @@ from purinec.ir.types import DType
 
 # ONNX's element types that the IR has (TensorProto.DataType values).
 ONNX_DTYPES = {1: DType.f32, 11: DType.f64, 6: DType.i32, 7: DType.i64, 9: DType.bool}
-ONNX_TYPE_NAMES = {0: "undefined", 1: "float", 2: "uint8", 3: "int8", 4: "uint16",
-                   5: "int16", 6: "int32", 7: "int64", 8: "string", 9: "bool",
-                   10: "float16", 11: "double", 12: "uint32", 13: "uint64",
-                   14: "complex64", 15: "complex128", 16: "bfloat16"}
+
 
 def onnx_package():
     """The onnx module, or a ModelError saying how to install it."""
@@ -36,7 +33,12 @@ def describe(node) -> str:
 def ir_dtype(elem_type: int, what: str) -> DType:
     """The IR dtype of ONNX element type ``elem_type``, or a ModelError naming ``what``."""
     if elem_type not in ONNX_DTYPES:
-        name = ONNX_TYPE_NAMES.get(elem_type, str(elem_type))
+        from onnx import TensorProto
+
+        try:
+            name = TensorProto.DataType.Name(elem_type).lower()
+        except ValueError:  # a number this onnx does not know
+            name = str(elem_type)
         raise ModelError(f"{what} is of ONNX type {name}; purinec computes in "
                          f"float, double, int32, int64 and bool")
     return ONNX_DTYPES[elem_type]
@@ -58,3 +60,14 @@ def attributes(node) -> dict[str, Any]:
             value = [v.decode() if isinstance(v, bytes) else v for v in value]
         result[attribute.name] = value
     return result
+
+
+def array_dtype(array: Any, what: str) -> DType:
+    """The IR dtype of a NumPy array read from a file, or a ModelError naming ``what``."""
+    from onnx import helper
+
+    try:
+        elem_type = helper.np_dtype_to_tensor_dtype(array.dtype)
+    except (KeyError, TypeError, ValueError):
+        elem_type = 0
+    return ir_dtype(elem_type, what)
