@@ -117,14 +117,25 @@ def test_dump_shows_cuda_kernels_and_their_ptx(tmp_path):
 
 
 def zoo_kernels(name: str):
-    """The cuda kernels of ``name``'s training step at a small batch."""
-    program = purinec.compile(name, target="cuda", train=purinec.SGD(lr=0.01), batch=2)
+    """The cuda kernels of ``name``'s training step at a small batch (``name``: a zoo
+    model, or a torchvision model imported from ONNX)."""
+    model = name
+    if name in TORCHVISION:
+        from tests.onnx.torchvision_models import load
+
+        model = load(name)
+    program = purinec.compile(model, target="cuda", train=purinec.SGD(lr=0.01), batch=2)
     return [kernel for graph in program.executed_graphs()
             for kernel in get_target("cuda").generated(graph).values()]
 
 
+# mobilenet_v2 has what the zoo lacks: clipped activations, batch normalization, grouped
+# convolutions.
+TORCHVISION = ("mobilenet_v2",)
+
+
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)
-                                  if n != "mlp" else n for n in sorted(ZOO)])
+                                  if n != "mlp" else n for n in sorted(ZOO) + list(TORCHVISION)])
 def test_every_kernel_of_every_zoo_training_step_compiles_to_ptx_for_sm90(name, tmp_path,
                                                                          monkeypatch):
     monkeypatch.setenv("PURINEC_CACHE_DIR", str(tmp_path))

@@ -287,3 +287,20 @@ def test_purinec_train_trains_a_classifier_from_an_onnx_file(tmp_path, capsys):
     assert accuracy > 0.8
     trained = purinec.load(checkpoint)
     assert not np.array_equal(trained.params["c.w"], weights[0][1])
+
+
+def test_purinec_compile_and_run_take_an_onnx_file(tmp_path, capsys):
+    from purinec.cli import main
+
+    rng = np.random.default_rng(4)
+    path = save(small_cnn(rng), tmp_path)
+    x = rng.standard_normal((3, 3, 9, 9)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    artifact, out = str(tmp_path / "cnn.purine"), str(tmp_path / "out.npz")
+    assert main(["compile", path, "--batch", "3", "--target", "reference",
+                 "-o", artifact]) == 0
+    assert main(["run", artifact, "--input", f"input={tmp_path / 'x.npy'}",
+                 "--output", out]) == 0
+    with np.load(out) as saved:
+        np.testing.assert_allclose(saved["prob"], onnxruntime(path, {"input": x})["prob"],
+                                   rtol=1e-5, atol=1e-6)
