@@ -22,8 +22,8 @@ import time
 
 import numpy as np
 
-from benchmarks.bench_train import (child_env, load_average, machine, run_worker, say,
-                                    summarize, version)
+from benchmarks.bench_train import (child_env, load_average, machine, run_job, run_worker,
+                                    say, summarize, version)
 
 MODELS = ("resnet18", "mobilenet_v2", "squeezenet1_1", "googlenet")
 CONTENDERS = ("purinec:cpu", "onnxruntime")
@@ -82,21 +82,6 @@ def work(job: dict) -> dict:
             break
     return {"status": "ok", "build_s": build_s, "times_ms": [t * 1e3 for t in times],
             "outputs": job["result"] + ".npy"}
-
-
-def worker_main(job_path: str) -> int:
-    with open(job_path, encoding="utf-8") as f:
-        job = json.load(f)
-    try:
-        result = work(job)
-    except Exception as err:  # reported in the table, with the traceback on stderr
-        import traceback
-
-        traceback.print_exc()
-        result = {"status": "error", "problems": [f"{type(err).__name__}: {err}"]}
-    with open(job["result"], "w", encoding="utf-8") as f:
-        json.dump(result, f)
-    return 0
 
 
 # -- the parent -------------------------------------------------------------------------
@@ -213,7 +198,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
-        return worker_main(args.worker)
+        return run_job(args.worker, work)
     info = machine()
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="purinec-bench-onnx-") as workdir:

@@ -310,11 +310,19 @@ WORK = {"train": work_train, "cold": work_cold, "warm": work_warm}
 
 
 def worker_main(job_path: str) -> int:
+    def work(job: dict) -> dict:
+        _limit_threads(job["threads"], job.get("contender", PURINEC))
+        return WORK[job["kind"]](job)
+    return run_job(job_path, work)
+
+
+def run_job(job_path: str, work: Callable[[dict], dict]) -> int:
+    """A worker process's whole life: the job read, ``work(job)`` done, its result (or
+    the error it raised) written where the parent looks (`run_worker`)."""
     with open(job_path, encoding="utf-8") as f:
         job = json.load(f)
-    _limit_threads(job["threads"], job.get("contender", PURINEC))
     try:
-        result = WORK[job["kind"]](job)
+        result = work(job)
     except Exception as err:  # reported in the table, with the traceback on stderr
         import traceback
 

@@ -214,10 +214,7 @@ class Lowering:
 
     def fresh_name(self, base: str) -> str:
         """A value name unused in the graph and by every blob of the net."""
-        name, i = base, 0
-        while name in self.reserved or self.graph.fresh_name(name) != name:
-            i += 1
-            name = f"{base}.{i}"
+        name = self.graph.fresh_name(base, avoid=self.reserved)
         self.reserved.add(name)
         return name
 

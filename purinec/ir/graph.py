@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 from purinec.errors import VerifyError
 from purinec.ir.ops import get_op
@@ -98,14 +98,14 @@ class Graph:
 
     # -- building -------------------------------------------------------------------
 
-    def fresh_name(self, base: str) -> str:
-        """``base`` if unused in this graph, else ``base.1``, ``base.2``, ..."""
-        if base not in self._names:
-            return base
-        i = 1
-        while f"{base}.{i}" in self._names:
+    def fresh_name(self, base: str, avoid: Collection[str] = ()) -> str:
+        """``base`` if unused in this graph (and not in ``avoid``: names a front end
+        keeps for values still to come), else ``base.1``, ``base.2``, ..."""
+        name, i = base, 0
+        while name in self._names or name in avoid:
             i += 1
-        return f"{base}.{i}"
+            name = f"{base}.{i}"
+        return name
 
     def _claim(self, name: str) -> str:
         if name in self._names:

@@ -206,10 +206,7 @@ class Lowering:
 
     def fresh(self, base: str) -> str:
         """A name no ONNX value has and this graph has not used."""
-        name, k = base, 0
-        while name in self.reserved or self.graph.fresh_name(name) != name:
-            k += 1
-            name = f"{base}.{k}"
+        name = self.graph.fresh_name(base, avoid=self.reserved)
         self.reserved.add(name)
         return name
 
