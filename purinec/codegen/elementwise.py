@@ -200,15 +200,23 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
 
     body = module.body
     count = (f"{bounds[1]} - {block_start}" if block_start else bounds[1]) if extents else ""
-    operands = [(value, op) for (value, _), op in loads.items()] + list(zip(outputs, stores))
+    operands = list(loads.values()) + stores
+    rows: list[str] = []  # views of rows sliced to the block, made in the loops around it
     with body.origin(*members):
-        for value, op in operands:
+        for op in operands:
             op.view = module.fresh(op.hint + "_v")
             dims = [str(extents[k]) for k in op.merged] or ["1"]
-            sliced = ""
-            if block_start is not None and blocked in op.merged:
-                sliced = f"[{':, ' * op.merged.index(blocked)}{block_start}:{bounds[1]}]"
-            body.line(f"{op.view} = {op.array}.reshape(({', '.join(dims)},)){sliced}")
+            sliced = block_start is not None and blocked in op.merged
+            outside = [loop_vars[k] for k in op.merged if k < blocked]
+            block_slice = f"{block_start}:{bounds[1]}" if sliced else ""
+            whole = f"{op.array}.reshape(({', '.join(dims)},))"
+            body.line(f"{op.view} = {whole}[{block_slice}]" if sliced and not outside
+                      else f"{op.view} = {whole}")
+            if sliced and outside:  # ``v[:, a:b]`` is not contiguous: Numba would not
+                # vectorize loops over it; ``v[i, a:b]`` is
+                row = module.fresh(op.hint + "_r")
+                rows.append(f"{row} = {op.view}[{', '.join(outside)}, {block_slice}]")
+                op.view, op.merged = row, tuple(k for k in op.merged if k >= blocked)
         for op in loads.values():
             if not op.merged:  # the same element everywhere: read it once
                 body.line(f"{op.element} = {op.view}[0]")
@@ -218,7 +226,7 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
     def nest(store_views: dict[int, str]) -> None:
         """The loops, storing output k into ``store_views[k]`` (default: its view)."""
         with body.origin(*members):
-            _open_loops(module, loop_vars, extents, list(loads.values()), blocked, count)
+            _open_loops(module, loop_vars, extents, list(loads.values()), blocked, count, rows)
         with body.indent(len(extents)):
             for node, lines in statements:
                 with body.origin(node):
@@ -265,13 +273,16 @@ def _in_place_pairs(loads: dict, stores: list[_Operand], outputs: Sequence[Value
     return pairs
 
 
-def _open_loops(module, loop_vars, extents, loads, blocked: int, count: str) -> None:
-    """The loop headers (loop ``blocked`` over ``count``), each followed by the loads
-    of operands whose last varying axis it is. Leaves the body's indentation where it
-    was: the caller indents the nest."""
+def _open_loops(module, loop_vars, extents, loads, blocked: int, count: str,
+                rows: list[str]) -> None:
+    """The loop headers (loop ``blocked`` over ``count``, after the lines ``rows``),
+    each followed by the loads of operands whose last varying axis it is. Leaves the
+    body's indentation where it was: the caller indents the nest."""
     body = module.body
     for k, (var, extent) in enumerate(zip(loop_vars, extents)):
         with body.indent(k):
+            if k == blocked:
+                body.lines(rows)
             body.line(f"for {var} in range({count if k == blocked else extent}):")
         with body.indent(k + 1):
             for op in loads:
