@@ -82,7 +82,7 @@ def emit_matmul(node: Node, m: KernelModule, a: str, bm: str,
     if out is None:
         m.body.line(f"product = np.empty(({rows if by_columns else count}, {cols}), "
                     f"{dtype_name(node)})")
-        out = "product[:, lo:hi]" if by_columns and lo != "0" else "product"
+        out = f"product[:, {lo}:{hi}]" if by_columns and lo != "0" else "product"
     elif lo != "0":
         out = f"{out}[:, {lo}:{hi}]" if by_columns else f"{out}[{lo}:{hi}]"
     if rows == 0 or cols == 0:
