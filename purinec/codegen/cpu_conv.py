@@ -7,7 +7,9 @@
   bounds tests; taps ``dilation`` apart are just larger steps) and one GEMM per group.
   1x1 convolutions with stride 1 and no padding skip im2col: the image is the matrix.
   With stride 1 along rows and enough input channels, one GEMM per kernel row over a
-  matrix ``kh`` times smaller than im2col's (see `_by_kernel_rows`);
+  matrix ``kh`` times smaller than im2col's (see `_by_kernel_rows`). Groups of few
+  channels (depthwise) are a direct loop nest instead (`_direct`). Threads split the
+  images' output rows (`_image_rows`), so one image runs on all of them;
 * ``conv2d_grad_input``: col2im of ``w^T @ gy`` per image (by kernel rows, likewise),
   or, for stride 1 "same" convolutions, a forward convolution of ``gy`` with flipped
   weights (as dilated as the forward's);
@@ -16,7 +18,8 @@
   are independent, so they are what blocks split.
 
 Both anchors take an *epilogue* (`purinec.codegen.cpu_fused`): elementwise consumers
-run on each image (or row) right after it is computed, while it is in cache.
+run on each image (or row; or the block of them a thread computed) right after it is
+computed, while it is in cache.
 """
 
 from __future__ import annotations
@@ -63,7 +66,8 @@ FEW_ROWS = 128
 def emit_matmul(node: Node, m: KernelModule, a: str, bm: str,
                 out: str | None) -> tuple[str, str, bool]:
     """One GEMM into ``out``, or with ``out`` None into a scratch ``product`` holding
-    just what this call computes. A big one runs in blocks of rows, or of columns when
+    the rows this call computes (whole: a block of columns lies where it is in the
+    output). A big one runs in blocks of rows, or of columns when
     it has few rows (`FEW_ROWS`) and more columns: a block of a short, wide product then
     keeps every row, and OpenBLAS runs a [64, 256] block about 20% faster than a
     [32, 512] one. Returns the block's bounds and whether they count columns."""
@@ -75,21 +79,20 @@ def emit_matmul(node: Node, m: KernelModule, a: str, bm: str,
     by_columns = cols > rows and rows < FEW_ROWS
     lo, hi = m.split(cols if by_columns else rows, work) if rows and cols else ("0", "0")
     count = (cols if by_columns else rows) if lo == "0" else f"{hi} - {lo}"
-    ldc = cols
     if out is None:
-        out, ldc = "product", (count if by_columns else cols)
-        shape = f"({rows}, {count})" if by_columns else f"({count}, {cols})"
-        m.body.line(f"product = np.empty({shape}, {dtype_name(node)})")
+        m.body.line(f"product = np.empty(({rows if by_columns else count}, {cols}), "
+                    f"{dtype_name(node)})")
+        out = f"product[:, {lo}:{hi}]" if by_columns and lo != "0" else "product"
     elif lo != "0":
         out = f"{out}[:, {lo}:{hi}]" if by_columns else f"{out}[{lo}:{hi}]"
     if rows == 0 or cols == 0:
         return "0", str(rows), False
     if by_columns:  # blocks of columns of op(b) and of the output
         b_block = bm if lo == "0" else (f"{bm}[{lo}:{hi}]" if tb else f"{bm}[:, {lo}:{hi}]")
-        _gemm(m, node, a, b_block, out, rows, count, inner, lda, ldb, ldc, 0, ta, tb)
+        _gemm(m, node, a, b_block, out, rows, count, inner, lda, ldb, cols, 0, ta, tb)
     else:  # blocks of rows of op(a) and of the output
         a_block = a if lo == "0" else (f"{a}[:, {lo}:{hi}]" if ta else f"{a}[{lo}:{hi}]")
-        _gemm(m, node, a_block, bm, out, count, cols, inner, lda, ldb, ldc, 0, ta, tb)
+        _gemm(m, node, a_block, bm, out, count, cols, inner, lda, ldb, cols, 0, ta, tb)
     return lo, hi, by_columns
 
 
@@ -176,14 +179,23 @@ def _padded_scratch(m: KernelModule, node: Node, g: _Conv) -> None:
                     f"{dtype_name(node)})")
 
 
-def _pad_image(m: KernelModule, g: _Conv, x: str, n: str, c0: str) -> str:
-    """Copy group ``c0`` of image ``n`` into the inside of ``xpad``; returns how to
+def _pad_image(m: KernelModule, g: _Conv, x: str, n: str, c0: str,
+               rows: tuple[str, str] | None = None) -> str:
+    """Copy group ``c0`` of image ``n`` into the inside of ``xpad``: the input rows
+    that output rows ``rows`` read (`_image_rows`; all by default). Returns how to
     index the (padded) image: a prefix taking ``[c, row, column]``."""
     if not g.padded:
         return f"{x}[{n}, {c0} + " if c0 != "0" else f"{x}[{n}, "
     b, c, h, w = m.body, m.fresh("c"), m.fresh("h"), m.fresh("w")
     channel = c if c0 == "0" else f"{c0} + {c}"
-    with b.block(f"for {c} in range({g.cg}):"), b.block(f"for {h} in range({g.h}):"), \
+    span = str(g.h)
+    if rows is not None and rows[0] != "0":
+        first, last = m.fresh("h_lo"), m.fresh("h_hi")
+        b.line(f"{first} = max({rows[0]} * {g.sh} - {g.pt}, 0)")
+        b.line(f"{last} = min(({rows[1]} - 1) * {g.sh} + {(g.kh - 1) * g.dh + 1 - g.pt}, "
+               f"{g.h})")
+        span = f"{first}, {last}"
+    with b.block(f"for {c} in range({g.cg}):"), b.block(f"for {h} in range({span}):"), \
             b.block(f"for {w} in range({g.w}):"):
         b.line(f"xpad[{c}, {affine(h, 1, g.pt)}, {affine(w, 1, g.pl)}] = "
                f"{x}[{n}, {channel}, {h}, {w}]")
@@ -191,20 +203,22 @@ def _pad_image(m: KernelModule, g: _Conv, x: str, n: str, c0: str) -> str:
 
 
 def _im2col(m: KernelModule, g: _Conv, image: str, col: str, rows: tuple[str, str],
-            back: bool) -> None:
+            back: bool, out_rows: tuple[str, str] | None = None) -> None:
     """For the im2col rows ``r`` in ``rows`` (``r = (c*kh + i)*kw + j``), stored at row
     ``r - rows[0]`` of ``col``: ``col[r, p*ow + q] = image[c, p*sh + i*dh, q*sw + j*dw]``, the
     image padded (`_pad_image`), so no bounds are tested and the trip counts are
-    constants. With ``back``, the adjoint (col2im): ``image[...] += col[...]``."""
+    constants; for output rows ``p`` in ``out_rows`` only (all by default), stored from
+    column 0. With ``back``, the adjoint (col2im): ``image[...] += col[...]``."""
     b = m.body
     r, c, i, j, row, p, q = (m.fresh(s) for s in ("r", "c", "i", "j", "row", "p", "q"))
+    span, first = _row_span(g, out_rows)
     with b.block(f"for {r} in range({span_of(*rows)}):"):
         b.line(f"{c} = {r} // {g.kh * g.kw}")
         b.line(f"{i} = {r} // {g.kw} % {g.kh}")
         b.line(f"{j} = {r} % {g.kw}")
         b.line(f"{row} = {r}" if rows[0] == "0" else f"{row} = {r} - {rows[0]}")
-        with b.block(f"for {p} in range({g.oh}):"), b.block(f"for {q} in range({g.ow}):"):
-            pixel = (f"{image}{c}, {affine(p, g.sh, _times(i, g.dh))}, "
+        with b.block(f"for {p} in range({span}):"), b.block(f"for {q} in range({g.ow}):"):
+            pixel = (f"{image}{c}, {affine(first(p), g.sh, _times(i, g.dh))}, "
                      f"{affine(q, g.sw, _times(j, g.dw))}]")
             entry = f"{col}[{row}, {affine(p, g.ow, q)}]"
             b.line(f"{pixel} += {entry}" if back else f"{entry} = {pixel}")
@@ -228,7 +242,8 @@ def render_conv2d(node: Node, m: KernelModule) -> None:
 
 
 def emit_conv2d(node: Node, m: KernelModule, x: str, w: str, y: str | None,
-            epilogue: Callable[[str, str | None], None] | None = None) -> None:
+                epilogue: Callable[[str, str | None, tuple[str, str]], None] | None = None
+                ) -> None:
     g = _conv(node.inputs[0].type.shape, node.inputs[1].type.shape,
               node.outputs[0].type.shape, node.attrs)
     m.body.line(f"w_mat = {w}.reshape(({g.cout}, {g.K}))")
@@ -236,17 +251,21 @@ def emit_conv2d(node: Node, m: KernelModule, x: str, w: str, y: str | None,
 
 
 def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: str | None,
-                  epilogue: Callable[[str, str | None], None] | None = None) -> None:
-    """Per image and group: ``y[n, group] = w_mat[group] @ im2col(x[n, group])``. Then
-    ``epilogue(n, scratch)``, if given, while image ``n`` is still in cache; with
-    ``y`` None the output lives only in the per-image ``scratch`` it is given."""
-    b = m.body
+                  epilogue: Callable[[str, str | None, tuple[str, str]], None] | None = None
+                  ) -> None:
+    """Per image and group: ``y[n, group] = w_mat[group] @ im2col(x[n, group])``, or a
+    direct loop nest for few channels per group (`_direct`), in blocks of output rows
+    (`_image_rows`): a block copies, multiplies and stores only its rows' columns. Then
+    ``epilogue(n, scratch, rows)``, if given, on those rows while they are in cache;
+    with ``y`` None the output lives only in the per-image ``scratch`` it is given."""
+    b, direct, by_rows = m.body, _direct(m, g), _by_kernel_rows(g)
     if y is None:
         b.line(f"y_img = np.empty(({g.cout}, {g.P}), {dtype_name(node)})")
     else:
         b.line(f"y_mat = {y}.reshape(({g.n}, {g.cout}, {g.P}))")
-    by_rows = _by_kernel_rows(g)
-    if g.pointwise:
+    if direct:
+        _padded_scratch(m, node, g)
+    elif g.pointwise:
         b.line(f"x_mat = {x}.reshape(({g.n}, {g.c}, {g.P}))")
     elif by_rows:
         _kernel_row_weights(m, node, g, w_mat)
@@ -255,21 +274,105 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
     else:
         b.line(f"col = np.empty(({g.K}, {g.P}), {dtype_name(node)})")
         _padded_scratch(m, node, g)
-    with split_loop(m, "n", g.n, g.macs) as n:
+    with _image_rows(m, g) as (n, rows):
         image = "y_img" if y is None else f"y_mat[{n}]"
+        start = "0" if rows[0] == "0" else f"{rows[0]} * {g.ow}"
+        count = g.P if rows[0] == "0" else f"({rows[1]} - {rows[0]}) * {g.ow}"
         with _groups(m, g) as (c0, o0):
-            out = row_slice(image, o0, g.og, g.cout)
-            if by_rows:
-                _row_im2col(m, g, _pad_image(m, g, x, n, c0), "col")
-                _kernel_row_gemms(m, node, g, o0, out)
+            out = _from_column(row_slice(image, o0, g.og, g.cout), start)
+            if direct:
+                _direct_conv(m, node, g, _pad_image(m, g, x, n, c0, rows), w_mat, image, o0,
+                             rows)
+            elif by_rows:
+                _row_im2col(m, g, _pad_image(m, g, x, n, c0, rows), "col", out_rows=rows)
+                _kernel_row_gemms(m, node, g, o0, out, count)
             else:
-                col = row_slice(f"x_mat[{n}]", c0, g.cg, g.c) if g.pointwise else "col"
-                if not g.pointwise:
-                    _im2col(m, g, _pad_image(m, g, x, n, c0), col, ("0", str(g.K)), back=False)
-                _gemm(m, node, row_slice(w_mat, o0, g.og, g.cout), col, out, g.og, g.P, g.K,
-                      g.K, g.P, g.P)
+                col = "col"
+                if g.pointwise:
+                    col = _from_column(row_slice(f"x_mat[{n}]", c0, g.cg, g.c), start)
+                else:
+                    _im2col(m, g, _pad_image(m, g, x, n, c0, rows), col, ("0", str(g.K)),
+                            back=False, out_rows=rows)
+                _gemm(m, node, row_slice(w_mat, o0, g.og, g.cout), col, out, g.og, count,
+                      g.K, g.K, g.P, g.P)
         if epilogue is not None:
-            epilogue(n, "y_img" if y is None else None)
+            epilogue(n, "y_img" if y is None else None, rows)
+
+
+@contextmanager
+def _image_rows(m: KernelModule, g: _Conv) -> Iterator[tuple[str, tuple[str, str]]]:
+    """The loop over images; yields the image and the output rows ``r0, r1`` to compute
+    of it. The kernel's split loop is over every image's rows (``n * oh`` items), so a
+    batch smaller than the threads still splits (a block's first and last images may
+    be partial) and no block repeats another's work. Unsplit, the rows are ``"0"`` and
+    ``oh``: whole images, with constant trip counts."""
+    lo, hi = m.split(g.n * g.oh, g.macs)
+    b, n = m.body, m.fresh("n")
+    if lo == "0":
+        with b.block(f"for {n} in range({g.n}):"):
+            yield n, ("0", str(g.oh))
+        return
+    r0, r1 = m.fresh("r0"), m.fresh("r1")
+    with b.block(f"for {n} in range({lo} // {g.oh}, ({hi} + {g.oh - 1}) // {g.oh}):"):
+        b.line(f"{r0} = max({lo} - {n} * {g.oh}, 0)")
+        b.line(f"{r1} = min({hi} - {n} * {g.oh}, {g.oh})")
+        yield n, (r0, r1)
+
+
+def _row_span(g: _Conv, rows: tuple[str, str] | None, extra: int = 0
+              ) -> tuple[str, Callable[[str], str]]:
+    """The trip count of a loop over the output rows ``rows`` (`_image_rows`; all if
+    None) and ``extra`` rows after them, counting from 0; and how to make its variable
+    a row."""
+    if rows is None or rows[0] == "0":
+        return str(g.oh + extra), lambda p: p
+    r0, r1 = rows
+    return f"{r1} - {r0} + {extra}" if extra else f"{r1} - {r0}", lambda p: f"({p} + {r0})"
+
+
+def _from_column(matrix: str, start: str) -> str:
+    """The columns of ``matrix`` from ``start`` on (a block of output rows' pixels)."""
+    return matrix if start == "0" else f"{matrix}[:, {start}:]"
+
+
+# Direct convolutions: a group of few input and output channels makes GEMMs too small
+# for BLAS to run well (a depthwise convolution's are 1 x kh*kw by kh*kw x P), so
+# groups of at most `CpuOptions.direct_max_channels` input times output channels are
+# computed by `_direct_conv`. 3x3 convolutions, one image, 2 threads, direct vs im2col
+# + GEMM (ms): 96 channels of 56x56, depthwise: 0.24 vs 1.37 (stride 2: 0.23 vs 0.45;
+# 32 images: 3.8 vs 31.5); 64 channels, 2 a group: 0.26 vs 1.01; 4 x 4 a group: 0.57
+# vs 1.04 (28x28: 0.27 vs 0.29); 4 in x 8 out: 0.29 vs 0.35 at 28x28 but 1.03 vs 0.73
+# at 56x56; 8 x 8 at 28x28: 0.70 vs 0.33 (16 x 16: 5.2 vs 0.4, too many taps for
+# LLVM to unroll). Hence 16.
+
+
+def _direct(m: KernelModule, g: _Conv) -> bool:
+    return g.cg * g.og <= m.options.direct_max_channels
+
+
+def _direct_conv(m: KernelModule, node: Node, g: _Conv, image: str, w_mat: str, y_img: str,
+                 o0: str, rows: tuple[str, str]) -> None:
+    """``y[o, p, q] = sum over c, i, j of w[o, c, i, j] * image[c, p*sh + i*dh,
+    q*sw + j*dw]`` for the group's output channels ``o`` and output rows ``rows``
+    (`_image_rows`), the image padded (`_pad_image`). The taps' loops have constant
+    trip counts, so LLVM unrolls them and vectorizes the loop along ``q``, summing the
+    taps in registers."""
+    b = m.body
+    o, p, q, c, i, j = (m.fresh(s) for s in ("o", "p", "q", "c", "i", "j"))
+    y_row, total = m.fresh("y_row"), m.fresh("total")
+    span, first = _row_span(g, rows)
+    channel = o if o0 == "0" else f"{o0} + {o}"
+    with b.block(f"for {o} in range({g.og}):"), b.block(f"for {p} in range({span}):"):
+        b.line(f"{y_row} = {y_img}[{channel}, {affine(first(p), g.ow, 0)}:"
+               f"{affine(first(p), g.ow, g.ow)}]")
+        with b.block(f"for {q} in range({g.ow}):"):
+            b.line(f"{total} = {literal(0, node.outputs[0].type.dtype)}")
+            with b.block(f"for {c} in range({g.cg}):"), b.block(f"for {i} in range({g.kh}):"), \
+                    b.block(f"for {j} in range({g.kw}):"):
+                b.line(f"{total} += {w_mat}[{channel}, ({c} * {g.kh} + {i}) * {g.kw} + {j}] * "
+                       f"{image}{c}, {affine(first(p), g.sh, _times(i, g.dh))}, "
+                       f"{affine(q, g.sw, _times(j, g.dw))}]")
+            b.line(f"{y_row}[{q}] = {total}")
 
 
 # Kernel rows: for stride-1 rows, one GEMM per kernel row ``i`` over a matrix holding
@@ -298,35 +401,39 @@ def _kernel_row_weights(m: KernelModule, node: Node, g: _Conv, w_mat: str) -> No
 
 
 def _row_im2col(m: KernelModule, g: _Conv, image: str, col: str, back: bool = False,
-                rows: tuple[str, str] | None = None) -> None:
-    """``col[c*kw + j, row*ow + q] = image[c, row, q*sw + j*dw]`` for every padded row,
-    for the matrix rows ``r = c*kw + j`` in ``rows`` (all by default), stored at row
+                rows: tuple[str, str] | None = None,
+                out_rows: tuple[str, str] | None = None) -> None:
+    """``col[c*kw + j, row*ow + q] = image[c, row, q*sw + j*dw]`` for every padded row
+    that output rows ``out_rows`` read (all by default; stored from column 0), for the
+    matrix rows ``r = c*kw + j`` in ``rows`` (all by default), stored at row
     ``r - rows[0]``; with ``back``, the adjoint: ``image[...] += col[...]``."""
     b = m.body
     rows = rows or ("0", str(g.cg * g.kw))
+    span, first = _row_span(g, out_rows, (g.kh - 1) * g.dh)
     r, c, j, row, q = (m.fresh(s) for s in ("r", "c", "j", "row", "q"))
     with b.block(f"for {r} in range({span_of(*rows)}):"):
         b.line(f"{c} = {r} // {g.kw}")
         b.line(f"{j} = {r} % {g.kw}")
         if rows[0] != "0":
             r = f"{r} - {rows[0]}"
-        with b.block(f"for {row} in range({g.rows_read}):"), \
+        with b.block(f"for {row} in range({span}):"), \
                 b.block(f"for {q} in range({g.ow}):"):
-            pixel = f"{image}{c}, {row}, {affine(q, g.sw, _times(j, g.dw))}]"
+            pixel = f"{image}{c}, {first(row)}, {affine(q, g.sw, _times(j, g.dw))}]"
             entry = f"{col}[{r}, {affine(row, g.ow, q)}]"
             b.line(f"{pixel} += {entry}" if back else f"{entry} = {pixel}")
 
 
-def _kernel_row_gemms(m: KernelModule, node: Node, g: _Conv, o0: str, out: str) -> None:
-    """``out = sum over i of w_rows[i, group] @ col[:, i*dh*ow:]``, the first GEMM
-    writing, the others adding (BLAS beta = 1)."""
+def _kernel_row_gemms(m: KernelModule, node: Node, g: _Conv, o0: str, out: str,
+                      count) -> None:
+    """``out = sum over i of w_rows[i, group] @ col[:, i*dh*ow:]`` for ``count``
+    columns, the first GEMM writing, the others adding (BLAS beta = 1)."""
     depth, ld, i = g.cg * g.kw, g.rows_read * g.ow, m.fresh("i")
     weights = f"w_rows[0, {o0}:]" if o0 != "0" else "w_rows[0]"
-    _gemm(m, node, weights, "col", out, g.og, g.P, depth, depth, ld, g.P)
+    _gemm(m, node, weights, "col", out, g.og, count, depth, depth, ld, g.P)
     with m.body.block(f"for {i} in range(1, {g.kh}):"):
         weights = f"w_rows[{i}, {o0}:]" if o0 != "0" else f"w_rows[{i}]"
-        _gemm(m, node, weights, f"col[:, {i} * {g.dh * g.ow}:]", out, g.og, g.P, depth, depth,
-              ld, g.P, beta=1)
+        _gemm(m, node, weights, f"col[:, {i} * {g.dh * g.ow}:]", out, g.og, count, depth,
+              depth, ld, g.P, beta=1)
 
 
 @renders("conv2d_grad_input")

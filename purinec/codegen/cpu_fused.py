@@ -67,17 +67,19 @@ def _render_epilogue(node: Node, m: KernelModule, arrays: dict[Value, str]) -> N
 
 def _conv2d_epilogue(node: Node, m: KernelModule, arrays: dict[Value, str],
                      outputs: list[Value]) -> None:
-    """The convolution image by image, each image's epilogue right after it."""
+    """The convolution image by image (or block of rows), each image's epilogue on
+    what was just computed of it."""
     anchor, rest = node.body[0], node.body[1:]
     (produced,) = anchor.outputs
     exported = produced in node.outputs
 
-    def epilogue(n: str, scratch: str | None) -> None:
+    def epilogue(n: str, scratch: str | None, rows: tuple[str, str]) -> None:
         local = dict(arrays)
         if scratch is not None:
             local[produced] = scratch
         emit_loop(m, rest, local, outputs, outer=n,
-                  local=frozenset([produced]) if scratch else frozenset())
+                  local=frozenset([produced]) if scratch else frozenset(),
+                  block=(2, *rows) if rows[0] != "0" else None)
     with m.body.origin(anchor):
         emit_conv2d(anchor, m, *[arrays[v] for v in anchor.inputs],
                     arrays[produced] if exported else None, epilogue)
@@ -102,7 +104,7 @@ def _matmul_epilogue(node: Node, m: KernelModule, arrays: dict[Value, str],
                                else f"product[{r} - {lo}]")
         emit_loop(m, rest, local, outputs, outer=r,
                   local=frozenset() if exported else frozenset([produced]),
-                  columns=(lo, hi) if by_columns and lo != "0" else None)
+                  block=(1, lo, hi) if by_columns and lo != "0" else None)
 
 
 # The renderer of each epilogue anchor's op (`Trait.epilogue_anchor`) and its epilogue.

@@ -32,9 +32,13 @@ class CpuOptions:
     ``parallel_min``: the least work (elements touched, or multiply-adds for products
     and convolutions) for which a kernel is split into blocks that run on several
     threads; below it, handing blocks to threads would cost more than it saves.
+    ``direct_max_channels``: convolutions whose groups have at most this many input
+    times output channels are direct loop nests rather than GEMMs (measured in
+    `purinec.codegen.cpu_conv`, above ``_direct``; 0: always GEMMs).
     """
 
     parallel_min: int = 1 << 18
+    direct_max_channels: int = 16
 
 
 DEFAULT_OPTIONS = CpuOptions()

@@ -117,7 +117,7 @@ class _Operand:
 def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value, str],
               outputs: Sequence[Value], outer: str | None = None,
               local: frozenset[Value] = frozenset(),
-              columns: tuple[str, str] | None = None) -> None:
+              block: tuple[int, str, str] | None = None) -> None:
     """Write into ``module.body`` one loop nest computing ``outputs`` from ``members``.
 
     ``members`` are elementwise/broadcast nodes in dependency order, each with a scalar
@@ -127,9 +127,10 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
     With ``outer`` (an index expression), the loop covers only ``[outer, ...]``: one
     image or row, as an epilogue inside its producer's loop. Arrays varying along axis
     0 are then indexed at ``outer``, except the ``local`` ones, which hold just that
-    image already (a producer's scratch). With ``columns`` too (``lo, hi``), only that
-    block of a row: a matmul computed in blocks of columns. Otherwise the outermost
-    loop may become the kernel's blocked loop (`KernelModule.split`).
+    image already (a producer's scratch). With ``block`` too (``axis, lo, hi``), only
+    indices ``lo:hi`` along output axis ``axis``: the block of a row a matmul computed
+    by columns, or of an image's output rows a convolution computed. Otherwise the
+    outermost loop may become the kernel's blocked loop (`KernelModule.split`).
     """
     shape = outputs[0].type.shape
     _check_group(members, outputs, shape)
@@ -150,23 +151,30 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
                 if key not in loads:
                     loads[key] = operand(*key)
     stores = [operand(v, frozenset(range(len(shape)))) for v in outputs]
-    extents = merge_axes(shape[first:], list(loads.values()) + stores)
+    cut = block[0] - first if block else None
+    groups = merge_axes(shape[first:], list(loads.values()) + stores, cut)
+    extents = [_prod(shape[first + a] for a in group) for group in groups]
     loop_vars = [module.fresh(f"i{k}") for k in range(len(extents))]
     for op in loads.values():
         op.element = module.fresh(op.hint)
-    # The outermost loop over lo:hi when the kernel is blocked. It counts from 0 over
-    # views sliced to the block: a loop from ``lo`` would index with a variable of
-    # unknown sign, and Numba's negative-index wraparound then keeps LLVM from
-    # vectorizing (4-8x slower on a flat loop).
+    # One loop (``blocked``, the outermost unless ``block`` says) runs over
+    # ``bounds``: lo:hi when the kernel is blocked. It counts from 0 over views sliced
+    # to the block: a loop from ``lo`` would index with a variable of unknown sign, and
+    # Numba's negative-index wraparound then keeps LLVM from vectorizing (4-8x slower
+    # on a flat loop).
+    blocked = 0
     bounds = ("0", str(extents[0])) if extents else None
     if extents and not first:
         bounds = module.split(extents[0], _prod(shape))
-    if extents and columns is not None:
-        bounds = columns
+    restricted = [k for k, group in enumerate(groups) if block and group[0] >= cut]
+    if restricted:  # the block's indices times the size of the axes merged after it
+        blocked = restricted[0]
+        inner = _prod(shape[first + a] for a in groups[blocked] if a > cut)
+        bounds = tuple(bound if inner == 1 else f"{bound} * {inner}" for bound in block[1:])
     block_start = bounds[0] if bounds and bounds[0] != "0" else None
 
     # Evaluate the members' rules in order; each result becomes a local.
-    index = _flat_index([f"({v} + {block_start})" if k == 0 and block_start else v
+    index = _flat_index([f"({v} + {block_start})" if k == blocked and block_start else v
                          for k, v in enumerate(loop_vars)], extents)
     if first:
         index = f"({outer} * {_prod(shape[1:])} + {index})"
@@ -192,18 +200,23 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
 
     body = module.body
     count = (f"{bounds[1]} - {block_start}" if block_start else bounds[1]) if extents else ""
-    operands = [(value, op) for (value, _), op in loads.items()] + list(zip(outputs, stores))
+    operands = list(loads.values()) + stores
+    rows: list[str] = []  # views of rows sliced to the block, made in the loops around it
     with body.origin(*members):
-        for value, op in operands:
+        for op in operands:
             op.view = module.fresh(op.hint + "_v")
             dims = [str(extents[k]) for k in op.merged] or ["1"]
-            sliced = ""
-            if block_start is not None and 0 in op.merged:
-                if value in local:  # a producer's scratch holds just the block already
-                    dims[0] = count
-                else:
-                    sliced = f"[{block_start}:{bounds[1]}]"
-            body.line(f"{op.view} = {op.array}.reshape(({', '.join(dims)},)){sliced}")
+            sliced = block_start is not None and blocked in op.merged
+            outside = [loop_vars[k] for k in op.merged if k < blocked]
+            block_slice = f"{block_start}:{bounds[1]}" if sliced else ""
+            whole = f"{op.array}.reshape(({', '.join(dims)},))"
+            body.line(f"{op.view} = {whole}[{block_slice}]" if sliced and not outside
+                      else f"{op.view} = {whole}")
+            if sliced and outside:  # ``v[:, a:b]`` is not contiguous: Numba would not
+                # vectorize loops over it; ``v[i, a:b]`` is
+                row = module.fresh(op.hint + "_r")
+                rows.append(f"{row} = {op.view}[{', '.join(outside)}, {block_slice}]")
+                op.view, op.merged = row, tuple(k for k in op.merged if k >= blocked)
         for op in loads.values():
             if not op.merged:  # the same element everywhere: read it once
                 body.line(f"{op.element} = {op.view}[0]")
@@ -213,7 +226,7 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
     def nest(store_views: dict[int, str]) -> None:
         """The loops, storing output k into ``store_views[k]`` (default: its view)."""
         with body.origin(*members):
-            _open_loops(module, loop_vars, extents, list(loads.values()), count)
+            _open_loops(module, loop_vars, extents, list(loads.values()), blocked, count, rows)
         with body.indent(len(extents)):
             for node, lines in statements:
                 with body.origin(node):
@@ -260,14 +273,17 @@ def _in_place_pairs(loads: dict, stores: list[_Operand], outputs: Sequence[Value
     return pairs
 
 
-def _open_loops(module, loop_vars, extents, loads, count: str) -> None:
-    """The loop headers (the outermost over ``count``), each followed by the loads of
-    operands whose last varying axis it is. Leaves the body's indentation where it was:
-    the caller indents the nest."""
+def _open_loops(module, loop_vars, extents, loads, blocked: int, count: str,
+                rows: list[str]) -> None:
+    """The loop headers (loop ``blocked`` over ``count``, after the lines ``rows``),
+    each followed by the loads of operands whose last varying axis it is. Leaves the
+    body's indentation where it was: the caller indents the nest."""
     body = module.body
     for k, (var, extent) in enumerate(zip(loop_vars, extents)):
         with body.indent(k):
-            body.line(f"for {var} in range({count if k == 0 else extent}):")
+            if k == blocked:
+                body.lines(rows)
+            body.line(f"for {var} in range({count if k == blocked else extent}):")
         with body.indent(k + 1):
             for op in loads:
                 if op.merged and op.merged[-1] == k:
@@ -315,21 +331,22 @@ def varying_axes(node: Node, i: int) -> frozenset[int]:
     return frozenset(a for a in input_axes(node, i) if a is not None)
 
 
-def merge_axes(shape, operands: list[_Operand]) -> list[int]:
+def merge_axes(shape, operands: list[_Operand], cut: int | None = None) -> list[list[int]]:
     """Drop size-1 axes and merge neighbours along which every operand varies alike
-    (for C-contiguous arrays that is a plain reshape). Returns the merged extents and
-    sets each operand's ``merged`` axes."""
+    (for C-contiguous arrays that is a plain reshape), never axis ``cut`` with the one
+    before. Returns the groups of merged axes and sets each operand's ``merged`` ones."""
     groups: list[list[int]] = []
     for a, size in enumerate(shape):
         if size == 1:
             continue
-        if groups and all((a in op.axes) == (groups[-1][-1] in op.axes) for op in operands):
+        if groups and a != cut and \
+                all((a in op.axes) == (groups[-1][-1] in op.axes) for op in operands):
             groups[-1].append(a)
         else:
             groups.append([a])
     for op in operands:
         op.merged = tuple(k for k, g in enumerate(groups) if g[0] in op.axes)
-    return [_prod(shape[a] for a in g) for g in groups]
+    return groups
 
 
 def _prod(values) -> int:

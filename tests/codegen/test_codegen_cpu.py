@@ -30,6 +30,7 @@ SETTINGS = settings(max_examples=6, deadline=None, derandomize=True,
 FEW = settings(SETTINGS, max_examples=4)
 BLOCKED = CpuOptions(parallel_min=0)
 OPTIONS = [CpuOptions(), BLOCKED]
+GEMMS = CpuOptions(parallel_min=0, direct_max_channels=0)  # no direct convolutions
 FLOATS = [DType.f32, DType.f64]
 
 
@@ -449,7 +450,7 @@ def check_conv_gradients(rng, x_shape, w_shape, attrs, dtype, options) -> None:
 @pytest.mark.slow  # a Numba compile per example
 @settings(SETTINGS, max_examples=8)
 @given(problem=conv_problems(), dtype=st.sampled_from(FLOATS), seed=seeds,
-       options=st.sampled_from(OPTIONS))
+       options=st.sampled_from(OPTIONS + [GEMMS]))
 def test_conv2d_and_its_gradients(problem, dtype, seed, options):
     x_shape, w_shape, attrs = problem
     rng = np.random.default_rng(seed)
@@ -459,7 +460,7 @@ def test_conv2d_and_its_gradients(problem, dtype, seed, options):
 
 
 @pytest.mark.slow  # a Numba compile per case
-@pytest.mark.parametrize("options", OPTIONS)
+@pytest.mark.parametrize("options", [CpuOptions(direct_max_channels=0), GEMMS])
 def test_pointwise_conv_skips_im2col_and_agrees(options):
     rng = np.random.default_rng(3)
     x, w = random_array(rng, (3, 4, 5, 6), DType.f32), random_array(rng, (6, 2, 1, 1), DType.f32)
@@ -494,6 +495,29 @@ def test_conv_by_kernel_rows_agrees(x_shape, w_shape, attrs, options):
     assert "w_rows" in cpu.render(one_node("conv2d", [x, w], attrs), options)
     check("conv2d", [x, w], attrs, options)
     check_conv_gradients(rng, x_shape, w_shape, attrs, DType.f32, options)
+
+@pytest.mark.slow  # a Numba compile per case
+@pytest.mark.parametrize("x_shape, w_shape, attrs, direct", [
+    ((1, 8, 9, 7), (12, 8, 3, 3), {"stride": [2, 1], "pad": [1, 1], "groups": 1}, False),
+    ((1, 16, 7, 6), (16, 16, 5, 5), {"stride": [1, 1], "pad": [2, 2], "groups": 1}, False),
+    ((1, 24, 8, 5), (32, 24, 1, 1), {"stride": [1, 1], "pad": [0, 0], "groups": 1}, False),
+    # Depthwise and few channels a group: direct loop nests.
+    ((1, 6, 9, 8), (6, 1, 3, 3), {"stride": [2, 2], "pad": [1, 1], "groups": 6}, True),
+    ((2, 6, 9, 8), (12, 1, 3, 3), {"stride": [1, 2], "pad": [1, 0, 2, 1], "groups": 6,
+                                   "dilation": [2, 1]}, True),
+    ((1, 8, 7, 9), (8, 2, 3, 5), {"stride": [2, 1], "pad": [0, 2], "groups": 4,
+                                  "dilation": [1, 2]}, True),
+])
+def test_conv_in_blocks_of_output_rows_agrees(x_shape, w_shape, attrs, direct):
+    """Fewer images than blocks (3): threads split output rows, a block computing
+    part of an image (and, with 2 images, the end of one and the start of the next)."""
+    rng = np.random.default_rng(7)
+    x, w = random_array(rng, x_shape, DType.f32), random_array(rng, w_shape, DType.f32)
+    source = cpu.render(one_node("conv2d", [x, w], attrs), BLOCKED)
+    assert "r0 = max(lo - n * " in source
+    assert ("col = " not in source and "w_mat[" in source) == direct
+    check("conv2d", [x, w], attrs, BLOCKED)
+
 
 # ---------------------------------------------------------------------------------------
 # Pooling, LRN, softmax and the losses.
@@ -666,17 +690,23 @@ def _inputs(graph: Graph, seed: int) -> dict[str, np.ndarray]:
 
 @pytest.mark.slow  # a Numba compile per case
 @pytest.mark.parametrize("export_conv", [False, True])
-@pytest.mark.parametrize("options", OPTIONS)
-def test_fused_conv2d_epilogue(export_conv, options):
+@pytest.mark.parametrize("options", OPTIONS + [GEMMS])
+@pytest.mark.parametrize("batch, bias", [(3, True), (1, True), (1, False)])
+def test_fused_conv2d_epilogue(export_conv, options, batch, bias):
+    """Image by image, or (one image, blocked) on each block of output rows: with a
+    bias the epilogue loops over channels, then the block's pixels; without, over one
+    flat range the block's rows cut."""
     def build(g, make):
-        x = g.add_input("x", TensorType((3, 2, 6, 5), DType.f32))
+        x = g.add_input("x", TensorType((batch, 2, 6, 5), DType.f32))
         w = g.add_input("w", TensorType((4, 2, 3, 3), DType.f32))
-        b = g.add_input("b", TensorType((4,), DType.f32))
         conv = make("conv2d", [x, w], {"pad": [1, 1]}, ["conv"])
-        biased = make("bias_add", [conv.outputs[0], b], {}, ["biased"])
-        relu = make("relu", biased.outputs, {}, ["relu"])
+        members = [conv]
+        if bias:
+            b = g.add_input("b", TensorType((4,), DType.f32))
+            members.append(make("bias_add", [conv.outputs[0], b], {}, ["biased"]))
+        members.append(make("relu", members[-1].outputs, {}, ["relu"]))
         exported = [conv.outputs[0]] if export_conv else []
-        return [conv, biased, relu], exported + [biased.outputs[0], relu.outputs[0]]
+        return members, exported + [v for m in members[1:] for v in m.outputs]
     graph, node = fused_graph(build)
     check_fused(graph, node, _inputs(graph, 0), options)
 

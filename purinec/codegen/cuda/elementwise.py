@@ -123,7 +123,8 @@ def emit_loop(m: CudaModule, body: SourceBuilder, members: Sequence[Node],
                 key = (value, varying_axes(node, i))
                 loads.setdefault(key, _Operand(*key))
     stores = [_Operand(v, frozenset(range(len(shape)))) for v in outputs]
-    extents = merge_axes(shape, list(loads.values()) + stores)
+    extents = [_prod(shape[a] for a in group)
+               for group in merge_axes(shape, list(loads.values()) + stores)]
     count = _prod(extents)
     views: dict[tuple[Value, tuple[int, ...]], str] = {}
     for op in list(loads.values()) + stores:
