@@ -251,6 +251,14 @@ def as_2d(lo: Lowering, x: Value, what: str) -> Value:
                   f"(1 or 2 are)")
 
 
+def from_2d(lo: Lowering, x: Value, y: Value) -> Value:
+    """The result ``y`` of a window op on ``x``: as it is for a 2-d ``x``; for a 1-d
+    one, [N, C, 1, L] as [N, C, L]."""
+    if x.type.rank == 4:
+        return y
+    return reshape(lo, y, y.type.shape[:2] + y.type.shape[3:], lo.out(0))
+
+
 def window_attrs(lo: Lowering, a: dict, x: Value, kernel: list[int]) -> dict:
     """stride, pad ([top, left, bottom, right]) and dilation of a 2-d window op."""
     n = len(kernel)
@@ -277,7 +285,7 @@ def conv(lo, node, a):
     if bias:
         y = lo.emit("bias_add", [y, lo.value(bias, init="constant(0)")], {"axis": 1},
                     lo.out(0) if rank_kept else None)
-    return [y if rank_kept else reshape(lo, y, (*y.type.shape[:2], y.type.shape[3]), lo.out(0))]
+    return [from_2d(lo, x, y)]
 
 
 def _pool(lo, node, a, op: str, extra: dict) -> list:
@@ -292,7 +300,7 @@ def _pool(lo, node, a, op: str, extra: dict) -> list:
     attrs["ceil_mode"] = bool(a.get("ceil_mode", 0))
     x4 = as_2d(lo, x, node.op_type)
     y = lo.emit(op, [x4], {**attrs, **extra}, lo.out(0) if x4 is x else None)
-    return [y if x4 is x else reshape(lo, y, (*y.type.shape[:2], y.type.shape[3]), lo.out(0))]
+    return [from_2d(lo, x, y)]
 
 
 @converts("MaxPool")
@@ -316,7 +324,7 @@ def global_pool(lo, node, a):
     else:
         y = lo.emit("max_pool2d", [x4], {"kernel": list(x4.type.shape[2:]), "stride": [1, 1],
                                          "pad": [0, 0], "ceil_mode": False}, name)
-    return [y if x4 is x else reshape(lo, y, y.type.shape[:3], lo.out(0))]
+    return [from_2d(lo, x, y)]
 
 
 @converts("LRN")
