@@ -687,10 +687,15 @@ def test_a_model_that_cannot_fit_the_data_says_what_would(tmp_path, capsys):
     assert_clean_error(purinec_here(capsys, "compile", path, "--num-classes", "10", "-o",
                                     tmp_path / "five.purine"),
                        f"build() in {path} takes no argument 'num_classes'")
-    path.write_text(FIVE_CLASSES.replace('"logits"', '"scores"').replace("5)", "10)"))
+    scores = FIVE_CLASSES.replace('"logits"', '"scores"').replace("5)", "10)")
+    path.write_text(scores)  # the only output is the scores, whatever its name
+    assert purinec_here(capsys, "train", path, "--data", "synthetic", "--epochs", "1",
+                        "--quiet").returncode == 0
+    path.write_text(scores.replace("net.outputs = [logits,",
+                                   "net.outputs = [logits, data >> InnerProduct('aux', 2),"))
     result = purinec_here(capsys, "train", path, "--data", "synthetic")
     assert_clean_error(result, "its inference graph has no output named logits, which the "
-                               "test accuracy reads (it has scores)")
+                               "test accuracy reads (it has scores, aux)")
     assert "epoch" not in result.stdout  # refused before training, not after an epoch
 
 

@@ -458,7 +458,7 @@ def test_pool_refuses_windows_of_padding_alone():
     for attrs in ({"kernel": [2, 2], "pad": [2, 0]},                 # the first window
                   {"kernel": [2, 2], "pad": [0, 0, 2, 0], "ceil_mode": False},  # the last
                   {"kernel": [2, 2], "pad": [1, 0], "dilation": [5, 1]}):       # its taps skip x
-        with pytest.raises(ShapeError, match="holds only padding"):
+        with pytest.raises(ShapeError, match="holds? only padding"):
             op.infer([x], op.complete_attrs(attrs))
     with pytest.raises(VerifyError, match="2 entries"):
         op.infer([x], op.complete_attrs({"kernel": [2, 2], "pad": [1, 1, 1]}))

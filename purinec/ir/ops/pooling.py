@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from purinec.ir import nnref
-from purinec.ir.nnref import pool_axis
+from purinec.ir.nnref import pool_output_size, window_extent
 from purinec.ir.ops.helpers import (check_float, check_rank, constant, emit1, fail, nc_split,
                                     only, pad_attr, pair, per_input_element,
                                     per_output_element, shape_attr, size)
@@ -89,15 +89,20 @@ def _pool_shape(op, x: TensorType, attrs):
     out = []
     for length, k, s, begin, end, d in ((x.shape[2], kh, sh, top, bottom, dh),
                                         (x.shape[3], kw, sw, left, right, dw)):
-        windows = pool_axis(length, k, s, begin, end, d, attrs["ceil_mode"])
-        if not windows:
+        windows = pool_output_size(length, k, s, begin, end, d, attrs["ceil_mode"])
+        if windows < 1:
             raise fail(op, f"window {kh}x{kw} does not fit input {x}")
-        # A window of padding alone has no maximum, nor an average without its pad.
-        if any(not len(taps) for taps, _ in windows):
+        if d > length:
+            raise fail(op, f"dilation {attrs['dilation']} spaces taps further apart than "
+                            f"input {x} is long: a window may hold only padding")
+        # A window of padding alone has no maximum, nor an average without its pad. With
+        # taps at most the input's length apart, a window reaching into the input has a
+        # tap in it, so only the first window (before it) and the last (after) can miss.
+        if -begin + window_extent(k, d) <= 0 or (windows - 1) * s - begin >= length:
             raise fail(op, f"some window of kernel {attrs['kernel']}, stride "
                             f"{attrs['stride']}, dilation {attrs['dilation']} holds only "
                             f"padding ({attrs['pad']}) of input {x}")
-        out.append(len(windows))
+        out.append(windows)
     return (x.shape[0], x.shape[1], *out)
 
 
