@@ -38,6 +38,34 @@ def tiny_convnet(batch: int = 2, classes: int = 3):
     return net
 
 
+def tiny_onnx_cnn(batch: int = 2, classes: int = 3):
+    """An ONNX model of what imported CNNs are made of: a strided convolution with
+    uneven pads, batch normalization (batch statistics when training), a clip (ReLU6),
+    global average pooling, a Gemm."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(5)
+    weights = {"w": rng.normal(0, 0.5, (4, 2, 3, 3)), "b": rng.normal(0, 0.1, 4),
+               "scale": rng.uniform(0.5, 1.5, 4), "shift": rng.normal(0, 0.1, 4),
+               "mean": rng.normal(0, 0.1, 4), "var": rng.uniform(0.5, 1.5, 4),
+               "fc": rng.normal(0, 0.5, (classes, 4)), "fc_b": rng.normal(0, 0.1, classes),
+               "low": np.array(0.0), "high": np.array(6.0)}
+    nodes = [helper.make_node("Conv", ["data", "w", "b"], ["c"], strides=[2, 2],
+                              pads=[1, 0, 0, 1]),
+             helper.make_node("BatchNormalization", ["c", "scale", "shift", "mean", "var"],
+                              ["n"]),
+             helper.make_node("Clip", ["n", "low", "high"], ["r"]),
+             helper.make_node("GlobalAveragePool", ["r"], ["p"]),
+             helper.make_node("Flatten", ["p"], ["f"]),
+             helper.make_node("Gemm", ["f", "fc", "fc_b"], ["logits"], transB=1)]
+    graph = helper.make_graph(
+        nodes, "tiny_onnx_cnn",
+        [helper.make_tensor_value_info("data", TensorProto.FLOAT, [batch, 2, 6, 6])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, classes])],
+        [numpy_helper.from_array(a.astype(np.float32), name) for name, a in weights.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
 def feeds_for(graph, rng, classes: int) -> dict:
     """Random data inputs of ``graph``: integer ones are labels below ``classes``."""
     feeds = {}
@@ -132,6 +160,7 @@ PROGRAMS = {
     "program_tiny_convnet_hybrid_2_gpus": lambda rng: same_training(
         tiny_convnet(), classes=3, devices=2, parallel="hybrid"),
     "program_tiny_convnet_steps": lambda rng: same_training(tiny_convnet(), classes=3),
+    "program_tiny_onnx_cnn_steps": lambda rng: same_training(tiny_onnx_cnn(), classes=3),
 }
 
 
