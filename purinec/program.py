@@ -165,7 +165,7 @@ class Program:
         self._on_device: set[str] = set()  # variables whose latest value the main run holds
         for store in (self.params, self.state):
             store.before_read = self._pull
-            store.assigned = lambda name: self._host_changed([name])
+            store.assigned = self._assigned
 
     def _pull(self) -> None:
         """Bring the host's arrays of the variables a step left on a device up to date."""
@@ -174,7 +174,20 @@ class Program:
         names = sorted(self._on_device)
         self._on_device.clear()
         self._run_main.pull({name: self._variable(name) for name in names})
+        self._replicas_stale(names)
         self._host_changed(names, but=self._run_main)
+
+    def _assigned(self, name: str) -> None:
+        """The caller set variable ``name`` (`TensorStore.__setitem__`)."""
+        self._replicas_stale([name])
+        self._host_changed([name])
+
+    def _replicas_stale(self, names: list[str]) -> None:
+        """The host arrays of ``names`` changed in place: the copies made of them for a
+        distributed run's other devices (which a run that does not keep a variable,
+        such as the inference graph's of running statistics, reads) are out of date."""
+        for name in names:
+            self._replicas.synced.pop(name, None)
 
     def _host_changed(self, names: list[str], but: Any = None) -> None:
         """Tell each run that keeps variables (except ``but``) that the host's arrays of

@@ -161,6 +161,9 @@ PROGRAMS = {
         tiny_convnet(), classes=3, devices=2, parallel="hybrid"),
     "program_tiny_convnet_steps": lambda rng: same_training(tiny_convnet(), classes=3),
     "program_tiny_onnx_cnn_steps": lambda rng: same_training(tiny_onnx_cnn(), classes=3),
+    # Inference after the steps reads the running statistics on both GPUs.
+    "program_tiny_onnx_cnn_data_parallel_2_gpus": lambda rng: same_training(
+        tiny_onnx_cnn(), classes=3, devices="gpu:0,gpu:1"),
 }
 
 
