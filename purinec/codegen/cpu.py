@@ -2,13 +2,15 @@
 
     kernels = compile_kernels(graph)       # {node: Kernel}, compiled (or loaded) now
     kernels[node].fn(*inputs, *outputs)     # fills the preallocated outputs
+    calls = kernel_calls(graph)            # {node: callable}, what the runtime runs
     print(render(node))                     # the generated module for one node
 
 Each node becomes one module of Python source for Numba (`render`), specialised to its
 shapes and attributes, which the kernel cache (`purinec.codegen.cache`) stores by the
 hash of its code (its text without the comments that quote the IR) and imports; the
 kernel is compiled for its exact argument types right away, or loaded from Numba's disk
-cache when a previous process compiled it. Nodes rendering to the same code share the
+cache when a previous process compiled it (`kernel_calls`, the runtime's view, defers
+loading each kernel of a warm cache to its first call). Nodes rendering to the same code share the
 compiled function: in one `compile_kernels` call each gets its own `Kernel` (its own
 source, comments included) around the same ``fn``.
 
@@ -29,6 +31,7 @@ import re
 import sys
 import threading
 from dataclasses import replace
+from typing import Callable
 
 from purinec.codegen import cache
 from purinec.codegen.compile_helpers import Job, helping, uncompiled
@@ -39,7 +42,7 @@ from purinec.codegen.kernel import CodegenError, Kernel
 from purinec.codegen.progress import kernel_counter
 from purinec.ir.graph import Graph, Node
 
-__all__ = ["compile_kernels", "compile_node", "render", "RENDERERS",
+__all__ = ["compile_kernels", "kernel_calls", "compile_node", "render", "RENDERERS",
            "CpuOptions", "set_threads"]
 
 log = logging.getLogger(__name__)
@@ -102,16 +105,79 @@ def render(node: Node, options: CpuOptions = DEFAULT_OPTIONS) -> str:
     return render_module(node, options).text()
 
 
+def _rendered(graph: Graph, options: CpuOptions
+              ) -> tuple[dict[Node, KernelModule], dict[Node, str], list[Job]]:
+    """Every node's module and its text, and the distinct compile jobs among them."""
+    modules = {node: render_module(node, options) for node in graph.nodes}
+    sources = {node: module.text() for node, module in modules.items()}
+    jobs = {cache.code_of(source): _job(modules[node], source)
+            for node, source in sources.items()}
+    return modules, sources, list(jobs.values())
+
+
 def compile_kernels(graph: Graph, options: CpuOptions = DEFAULT_OPTIONS
                     ) -> dict[Node, Kernel]:
     """A compiled kernel for every node of ``graph``; nodes whose code is the same
     share its ``fn``. Kernels that other processes are compiling (compile helpers,
     other ranks) are taken last, loaded from Numba's cache once they are done."""
-    modules = {node: render_module(node, options) for node in graph.nodes}
-    sources = {node: module.text() for node, module in modules.items()}
-    jobs = {cache.code_of(source): _job(modules[node], source)
-            for node, source in sources.items()}
-    todo = uncompiled(list(jobs.values()))
+    return _compile_all(graph, *_rendered(graph, options))
+
+
+def kernel_calls(graph: Graph, options: CpuOptions = DEFAULT_OPTIONS
+                 ) -> dict[Node, Callable]:
+    """What the runtime calls for every node of ``graph``. When Numba's disk cache
+    holds every kernel (a warm start), each loads when first called: a program loaded
+    to run inference never loads its training step's kernels, each a few milliseconds.
+    Otherwise all are compiled now, as `compile_kernels` does, so that a cold compile
+    uses its helper processes and reports a kernel that fails before anything runs."""
+    modules, sources, jobs = _rendered(graph, options)
+    if uncompiled(jobs):
+        kernels = _compile_all(graph, modules, sources, jobs)
+        return {node: kernel.fn for node, kernel in kernels.items()}
+    limit_blas_threads()
+    shared = _SharedLoads()
+    return {node: LoadOnFirstCall(modules[node], sources[node], shared)
+            for node in graph.nodes}
+
+
+class _SharedLoads:
+    """What the deferred kernels of one graph share: the kernels loaded so far (nodes
+    with the same code share one) and a lock, since devices' threads may call their
+    first kernels at once."""
+
+    def __init__(self) -> None:
+        self.compiled: dict[tuple, Kernel] = {}
+        self.lock = threading.Lock()
+
+
+class LoadOnFirstCall:
+    """A kernel in Numba's disk cache, loaded (`compile_module`) when first called."""
+
+    __slots__ = ("module", "source", "shared", "fn")
+
+    def __init__(self, module: KernelModule, source: str, shared: _SharedLoads):
+        self.module, self.source, self.shared = module, source, shared
+        self.fn: Callable | None = None
+
+    def __call__(self, *arrays):
+        fn = self.fn or self._load()
+        return fn(*arrays)
+
+    def _load(self) -> Callable:
+        with self.shared.lock:
+            if self.fn is None:
+                self.fn = compile_module(self.module, self.shared.compiled,
+                                         source=self.source).fn
+        return self.fn
+
+    def __repr__(self) -> str:
+        state = "loaded" if self.fn is not None else "not loaded yet"
+        return f"<kernel {self.module.name}, {state}>"
+
+
+def _compile_all(graph: Graph, modules: dict[Node, KernelModule], sources: dict[Node, str],
+                 jobs: list[Job]) -> dict[Node, Kernel]:
+    todo = uncompiled(jobs)
     cached = len(jobs) - len(todo)
     compiled: dict[tuple, Kernel] = {}
     kernels: dict[Node, Kernel] = {}

@@ -34,8 +34,6 @@ import contextlib
 import math
 from typing import Any
 
-import networkx as nx
-
 from purinec.errors import PurinecError, ShapeError, UnknownOpError, VerifyError
 from purinec.ir.graph import FUSED, INPUT_ROLES, NAME_RE, Graph, Node, Value, external_inputs
 from purinec.ir.init import check_init
@@ -486,6 +484,8 @@ def _same_attr(a: Any, b: Any) -> bool:
 
 def _find_cycle(graph: Graph) -> list[Node]:
     """The nodes of one cycle in the dataflow between ``graph.nodes``, or []."""
+    import networkx as nx  # only a malformed graph gets here: keep its import off loading
+
     dg = nx.DiGraph()
     producer: dict[int, int] = {}
     for i, node in enumerate(graph.nodes):

@@ -65,8 +65,6 @@ import heapq
 import itertools
 from dataclasses import dataclass
 
-import networkx as nx
-
 from purinec.errors import PurinecError
 from purinec.ir.graph import FUSED, Graph, Node, Value, external_inputs
 from purinec.ir.ops import FusionKind, Trait, get_op, op_has, spans_ranks
@@ -326,6 +324,8 @@ class _Planner:
 
     def post_dominators(self) -> list[int | None]:
         """Each node's immediate post-dominator, None where it is the virtual sink."""
+        import networkx as nx  # a tenth of a second to import: not on a warm load's path
+
         sink = -1
         dag = nx.DiGraph()
         dag.add_node(sink)

@@ -27,7 +27,9 @@ class CpuTarget(Target):
         return compile_kernels(without_host_nodes(graph))
 
     def kernels(self, graph: Graph) -> dict:
-        return {node: kernel.fn for node, kernel in self.generated(graph).items()}
+        from purinec.codegen.cpu import kernel_calls
+
+        return kernel_calls(without_host_nodes(graph))
 
     def worker_setup(self, graph: Graph) -> Callable:
         """Each device's compute threads get an equal share of the cores this process
