@@ -1,16 +1,18 @@
 """Time one training iteration on purinec's targets and on PyTorch and JAX, side by side.
 
-    python -m benchmarks.bench_train [--models mlp,lenet,cifar_quick] [--targets reference,cpu]
-        [--peers torch,torch.compile,jax|none] [--iterations N] [--warmup N] [--rounds R]
+    python -m benchmarks.bench_train [--models mlp,lenet,cifar_quick,inception]
+        [--targets reference,cpu] [--peers torch,torch.compile,jax|none]
+        [--iterations N] [--warmup N] [--rounds R]
         [--threads 2] [--max-seconds S] [--startup-repeats R] [--no-startup] [--quick]
         [--json OUT]
 
 One iteration is forward, backward and SGD (lr 0.01, momentum 0.9, weight decay 5e-4) of
-`mlp` (batch 64), `lenet` (64) and `cifar_quick` (100). Every contender runs in its own
-processes (the contenders take turns over a few rounds), with the same thread budget,
-after its numerics were checked against purinec's reference target; a contender that
-disagrees is reported and not timed. Then fresh
-processes measure purinec's cold compile and the warm start from a saved artifact.
+`mlp` (batch 64), `lenet` (64), `cifar_quick` (100) and `inception` (32). Every contender
+runs in its own processes (the contenders take turns over a few rounds), with the same
+thread budget, after its numerics were checked against purinec's reference target (the
+peers given the dropout masks that purinec drew); a contender that disagrees is reported
+and not timed. Then fresh processes measure purinec's cold compile and the warm start
+from a saved artifact.
 benchmarks/README.md says what each number means.
 """
 
@@ -31,9 +33,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks.peers import NETS, PEERS, make_trainer
+from benchmarks.peers import NETS, PEERS, dropout_layers, make_trainer, output_shapes
 
-MODELS = {"mlp": 64, "lenet": 64, "cifar_quick": 100}
+MODELS = {"mlp": 64, "lenet": 64, "cifar_quick": 100, "inception": 32}
 SOLVER = {"lr": 0.01, "momentum": 0.9, "weight_decay": 5e-4}
 PURINEC = "purinec:"  # contenders "purinec:<target>" are purinec's targets
 
@@ -76,10 +78,14 @@ def random_batch(rng: np.random.Generator, data_shape, classes: int):
 
 class CheckData:
     """purinec reference target's CHECK_STEPS iterations: the initial weights, the
-    batches, each step's loss and the weights afterwards."""
+    batches, each step's loss and the weights afterwards; and per step the dropout
+    masks it drew, by layer name (none for a network without dropout), which the peers
+    are given."""
 
-    def __init__(self, init: dict, batches: list, losses: list[float], final: dict):
+    def __init__(self, init: dict, batches: list, losses: list[float], final: dict,
+                 masks: list[dict] | None = None):
         self.init, self.batches, self.losses, self.final = init, batches, losses, final
+        self.masks = masks if masks is not None else [{} for _ in batches]
 
     @classmethod
     def compute(cls, model: str, batch: int, seed: int = 0) -> "CheckData":
@@ -92,15 +98,20 @@ class CheckData:
         classes = program.ir.value("logits").type.shape[1]
         init = {k: np.array(v) for k, v in program.params.items()}
         batches = [random_batch(rng, data_shape, classes) for _ in range(CHECK_STEPS)]
-        losses = [program.step({"data": x, "label": y}) for x, y in batches]
+        losses, masks = [], []
+        for x, y in batches:
+            masks.append(purinec_dropout_masks(program, model, batch))
+            losses.append(program.step({"data": x, "label": y}))
         final = {k: np.array(v) for k, v in program.params.items()}
-        return cls(init, batches, losses, final)
+        return cls(init, batches, losses, final, masks)
 
     def save(self, path: str) -> None:
         arrays = {f"init/{k}": v for k, v in self.init.items()}
         arrays.update({f"final/{k}": v for k, v in self.final.items()})
         for i, (x, y) in enumerate(self.batches):
             arrays[f"x{i}"], arrays[f"y{i}"] = x, y
+        for i, masks in enumerate(self.masks):
+            arrays.update({f"mask{i}/{k}": v for k, v in masks.items()})
         np.savez(path, losses=np.array(self.losses, dtype=np.float64), **arrays)
 
     @classmethod
@@ -110,7 +121,36 @@ class CheckData:
             final = {k[6:]: f[k] for k in f.files if k.startswith("final/")}
             losses = [float(v) for v in f["losses"]]
             batches = [(f[f"x{i}"], f[f"y{i}"]) for i in range(len(losses))]
-        return cls(init, batches, losses, final)
+            masks = [{k.split("/", 1)[1]: f[k] for k in f.files if k.startswith(f"mask{i}/")}
+                     for i in range(len(losses))]
+        return cls(init, batches, losses, final, masks)
+
+
+def purinec_dropout_masks(program, model: str, batch: int) -> dict[str, np.ndarray]:
+    """The dropout masks that ``program``'s next training step multiplies by, one per
+    dropout layer of the peers' description of ``model``: purinec's NumPy reference
+    (`purinec.ir.nnref.dropout_mask`, a counter hash) at the program's iteration
+    counter (its ``iteration`` state, which each step increments), with the seed purinec
+    gave that layer (in its IR's ``dropout_mask`` node: a crc32 of the layer's name) and
+    the layer's p and input shape from the description. The peers cannot draw these
+    numbers; the check gives them these masks, so that it compares everything else."""
+    layers = dropout_layers(model) if model in NETS else []
+    if not layers:
+        return {}
+    from purinec.ir.nnref import dropout_mask
+
+    seeds = {node.outputs[0].name: node.attrs["seed"] for node in program.ir.nodes
+             if node.op == "dropout_mask"}
+    shapes = output_shapes(model, batch)
+    masks = {}
+    for layer in layers:
+        seed = seeds.get(f"{layer.name}.mask")
+        if seed is None:
+            raise ValueError(f"{model}: no dropout_mask node {layer.name}.mask in purinec's "
+                             f"IR for the peers' dropout layer {layer.name}")
+        (masks[layer.name],) = dropout_mask(program.state["iteration"],
+                                            shapes[layer.output], layer.p, seed, "f32")
+    return masks
 
 
 def compare(check: CheckData, losses: list[float],
@@ -158,7 +198,9 @@ class PurinecTrainer:
         for name, value in params.items():
             self.program.params[name] = value
 
-    def prepare(self, x, y):
+    def prepare(self, x, y, masks=None):
+        """The feeds; ``masks`` (the peers' dropout masks) are not: purinec draws its
+        own, the same ones in the check (its iteration counter starts from 0 there)."""
         return {"data": x, "label": y}
 
     def step(self, feeds) -> float:
@@ -235,16 +277,19 @@ def work_train(job: dict) -> dict:
     else:
         trainer = make_trainer(contender, model, check.init, **SOLVER)
         problems = _shape_problems(trainer, batch, job["shapes"])
-    first, *rest = check.batches
-    losses = [trainer.step(trainer.prepare(*first))]
+    # The check's steps, with the dropout masks purinec's reference drew (if any).
+    (first, first_masks), *rest = zip(check.batches, check.masks)
+    losses = [trainer.step(trainer.prepare(*first, first_masks))]
     startup = time.perf_counter() - t0  # build (compile) and the first step
-    losses += [trainer.step(trainer.prepare(*batch)) for batch in rest]
+    losses += [trainer.step(trainer.prepare(*batch, masks)) for batch, masks in rest]
     errors, numeric_problems = compare(check, losses, trainer.params())
     problems += numeric_problems
     result = {"startup_s": startup, "check": errors}
     if problems:
         result.update(status="mismatch", problems=problems)
     else:
+        # Timed: the first batch, and for a peer the fixed dropout masks
+        # (peers.fixed_dropout_masks: a multiply, negligible; purinec draws its own).
         batch_data = trainer.prepare(*check.batches[0])
         times = _timed(trainer.step, batch_data, job["warmup"], job["iterations"],
                        job["max_seconds"])
@@ -426,8 +471,8 @@ def model_facts(model: str, batch: int) -> dict:
     from purinec.passes.cost import flops
 
     graph = build_graph(load_source(model, batch), purinec.SGD(**SOLVER))
-    shapes = {layer.output: list(graph.value(layer.output).type.shape)
-              for layer in NETS[model].layers}
+    shapes = {name: list(graph.value(name).type.shape)
+              for name in output_shapes(model, batch)}
     return {"flops": flops(graph), "shapes": shapes}
 
 

@@ -9,7 +9,8 @@ import pytest
 import purinec
 from benchmarks import bench_train
 from benchmarks.bench_train import SOLVER, CheckData, compare
-from benchmarks.peers import NETS, make_trainer, param_shapes, torch_module
+from benchmarks.peers import (NETS, Layer, NetSpec, fixed_dropout_masks, jax_forward,
+                             make_trainer, output_shapes, param_shapes, torch_module)
 from purinec.compiler import build_graph, load_source
 from purinec.errors import PurinecError
 from purinec.ir import Graph, TensorType
@@ -242,9 +243,17 @@ def test_the_check_flags_a_wrong_loss_or_update_but_not_float32_rounding():
 
 
 def test_peer_layer_lists_transcribe_the_zoo():
+    assert set(NETS) == set(bench_train.MODELS)
     for model in NETS:
         program = purinec.compile(model, batch=2)
         assert param_shapes(model) == {k: v.shape for k, v in program.params.items()}
+        # Every layer's output (an inception module's branches too) is a value of
+        # purinec's training graph (dropout's only exists there), of the same shape.
+        graph = build_graph(load_source(model, 2), purinec.SGD(**SOLVER))
+        shapes = output_shapes(model, 2)
+        assert shapes == {name: graph.value(name).type.shape for name in shapes}
+    assert {"inc3a.3x3", "inc3a.relu_pool_proj", "inc4a", "norm2", "drop"} <= set(
+        output_shapes("inception", 2))
 
 
 # ---------------------------------------------------------------------------------------
@@ -254,19 +263,69 @@ def test_peer_layer_lists_transcribe_the_zoo():
 def _check_peer(peer, model, batch=4):
     check = CheckData.compute(model, batch)
     trainer = make_trainer(peer, model, check.init, **SOLVER)
-    graph = build_graph(load_source(model, batch), None)
-    shapes = trainer.layer_shapes(batch)
-    assert shapes == {name: graph.value(name).type.shape for name in shapes}
-    losses = [trainer.step(trainer.prepare(x, y)) for x, y in check.batches]
+    assert trainer.layer_shapes(batch) == output_shapes(model, batch)
+    losses = [trainer.step(trainer.prepare(x, y, masks))
+              for (x, y), masks in zip(check.batches, check.masks)]
     return compare(check, losses, trainer.params())
 
 
-@pytest.mark.parametrize("model", ["lenet", "cifar_quick"])
+@pytest.mark.parametrize("model", ["lenet", "cifar_quick", "inception"])
 def test_pytorch_step_equals_the_reference_target(model):
+    # inception: LRN, inception modules (padded 3/1 max pools, concatenation), global
+    # average pooling, dropout with the masks purinec drew.
     pytest.importorskip("torch", reason="PyTorch is an optional extra (bench)")
     errors, problems = _check_peer("torch", model)
     assert problems == []
     assert errors["loss_rel_err"] < 1e-5
+
+
+def test_the_check_gives_the_peers_purinecs_dropout_masks(tmp_path):
+    pytest.importorskip("torch", reason="PyTorch is an optional extra (bench)")
+    check = CheckData.compute("inception", 4)
+    # Two steps, two masks (the iteration counter moves), 0 or 1/(1-p), as saved.
+    first, second = (m["drop"] for m in check.masks)
+    assert first.shape == (4, 128, 1, 1) and not np.array_equal(first, second)
+    assert set(np.unique(first)) == {np.float32(0), np.float32(1 / 0.6)}
+    check.save(str(tmp_path / "check.npz"))
+    loaded = CheckData.load(str(tmp_path / "check.npz"))
+    assert all(np.array_equal(a["drop"], b["drop"]) for a, b in zip(check.masks, loaded.masks))
+    # With other masks (the fixed ones a peer is timed with) the check fails: it sees
+    # dropout.
+    assert fixed_dropout_masks("inception", 4)["drop"].shape == first.shape
+    trainer = make_trainer("torch", "inception", check.init, **SOLVER)
+    losses = [trainer.step(trainer.prepare(x, y)) for x, y in check.batches]
+    assert compare(check, losses, trainer.params())[1]
+    # The other models have no dropout.
+    assert CheckData.compute("mlp", 2).masks == [{}, {}]
+
+
+@pytest.mark.parametrize("peer", ["torch", "jax"])
+def test_the_peers_lrn_is_purinecs(peer, monkeypatch):
+    # In inception (alpha 1e-4) LRN moves activations by ~1e-5: the two-step check
+    # cannot see it. Here alpha 1, k 2 and inputs of size ~3 make every term count;
+    # 7 channels, so that the window is clipped at both ends.
+    from purinec.ir import nnref
+
+    layer = Layer("lrn", "norm", 5, alpha=1.0, beta=0.75, k=2.0)
+    monkeypatch.setitem(NETS, "lrn", NetSpec((7, 3, 3), (layer,)))
+    rng = np.random.default_rng(0)
+    x = (3 * rng.standard_normal((2, 7, 3, 3))).astype(np.float32)
+    gy = rng.standard_normal(x.shape).astype(np.float32)
+    if peer == "torch":
+        torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (bench)")
+        xt = torch.tensor(x, requires_grad=True)
+        y = torch_module("lrn")(xt)
+        y.backward(torch.tensor(gy))
+        y, gx = y.detach().numpy(), xt.grad.numpy()
+    else:
+        jax = pytest.importorskip("jax", reason="JAX is an optional extra (bench)")
+        y, vjp = jax.vjp(lambda x: jax_forward("lrn")({}, x), x)
+        (gx,) = vjp(gy)
+    (want,) = nnref.lrn(x, 5, 1.0, 0.75, 2.0)
+    (want_gx,) = nnref.lrn_grad(x, gy, 5, 1.0, 0.75, 2.0)
+    assert np.abs(want).max() > 0.1 and np.abs(x - want).max() > 1  # LRN does something
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gx, want_gx, rtol=1e-4, atol=1e-5)
 
 
 def test_jax_step_equals_the_reference_target():
