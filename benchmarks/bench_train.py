@@ -19,6 +19,7 @@ benchmarks/README.md says what each number means.
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
 import importlib.util
 import json
@@ -351,7 +352,20 @@ def work_warm(job: dict) -> dict:
             "first_step_s": first_step}
 
 
-WORK = {"train": work_train, "cold": work_cold, "warm": work_warm}
+def work_peer_cold(job: dict) -> dict:
+    """A peer's cold start: import its framework, build the trainer from the check's
+    initial weights and run the first step (torch.compile's JIT compile happens there),
+    in a process whose compiler caches are empty (`bench_peer_startup`)."""
+    check = CheckData.load(job["check_file"])
+    importlib.import_module(job["contender"].split(".")[0])  # timed apart, as purinec's
+    t0 = time.perf_counter()
+    trainer = make_trainer(job["contender"], job["model"], check.init, **SOLVER)
+    trainer.step(trainer.prepare(*check.batches[0], check.masks[0]))
+    return {"status": "ok", "compile_s": 0.0, "first_step_s": time.perf_counter() - t0}
+
+
+WORK = {"train": work_train, "cold": work_cold, "warm": work_warm,
+        "peer_cold": work_peer_cold}
 
 
 def worker_main(job_path: str) -> int:
@@ -543,7 +557,8 @@ def merge_rounds(results: list[dict]) -> dict:
 def bench_startup(model: str, batch: int, target: str, args, workdir: str) -> dict:
     """Cold compile and warm start, each in fresh processes, ``args.startup_repeats``
     times; every cold run gets an empty kernel cache, its warm run reuses that cache."""
-    row: dict[str, Any] = {"model": model, "target": target, "cold": [], "warm": []}
+    row: dict[str, Any] = {"model": model, "contender": PURINEC + target, "cold": [],
+                           "warm": []}
     base = {"model": model, "batch": batch, "target": target, "threads": args.threads}
     for r in range(args.startup_repeats):
         cache = tempfile.mkdtemp(prefix=f"cache-{model}-{target}-{r}-", dir=workdir)
@@ -566,6 +581,28 @@ def bench_startup(model: str, batch: int, target: str, args, workdir: str) -> di
     return row
 
 
+# Where the peers keep compiled code between processes; a cold start gets them empty.
+JIT_PEERS = ("torch.compile", "jax")  # peers that compile: their cold start is measured
+PEER_CACHE_VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
+                   "JAX_COMPILATION_CACHE_DIR")
+
+
+def bench_peer_startup(model: str, batch: int, peer: str, args, workdir: str) -> dict:
+    """A peer's cold start (build + first step, its compiler caches empty), in fresh
+    processes, ``args.startup_repeats`` times: what purinec's cold compile is held
+    against. There is no warm start to compare: the peers save no compiled program."""
+    row: dict[str, Any] = {"model": model, "contender": peer, "cold": [], "warm": []}
+    job = {"model": model, "batch": batch, "contender": peer, "threads": args.threads,
+           "kind": "peer_cold", "check_file": os.path.join(workdir, f"{model}.check.npz")}
+    for r in range(args.startup_repeats):
+        cache = tempfile.mkdtemp(prefix=f"cache-{model}-{peer}-{r}-", dir=workdir)
+        env = child_env(args.threads, **{var: cache for var in PEER_CACHE_VARS})
+        say(f"[{model}] {peer} cold start {r + 1}/{args.startup_repeats} ...")
+        row["cold"].append(run_worker(job, env, workdir, args.timeout))
+    _summarize_startup(row)
+    return row
+
+
 def _summarize_startup(row: dict) -> None:
     def median(runs, *keys):
         ok = [r for r in runs if r["status"] == "ok"]
@@ -575,7 +612,8 @@ def _summarize_startup(row: dict) -> None:
     row["cold_process_s"] = median(row["cold"], "process_s")
     row["warm_s"] = median(row["warm"], "load_s", "first_step_s")
     row["warm_process_s"] = median(row["warm"], "process_s")
-    row["import_s"] = median(row["cold"] + row["warm"], "import_s")
+    row["import_s"] = median([r for r in row["cold"] + row["warm"] if "import_s" in r],
+                             "import_s")
     failed = [p for r in row["cold"] + row["warm"] if r["status"] != "ok"
               for p in r.get("problems", [])]
     row["status"] = "error" if failed else "ok"
@@ -635,19 +673,31 @@ def train_table(rows: list[dict], threads: int) -> str:
 
 def startup_table(rows: list[dict]) -> str:
     lines = ["Startup, fresh processes (medians): cold = compile with an empty kernel cache "
-             "+ first step; warm = purinec.load(artifact) + first step, kernel cache warm; "
-             "process = the whole process, interpreter and imports included.", ""]
-    head = (f"{'model':<12}  {'target':<19}{'import s':>9}{'cold s':>9}{'process':>9}"
+             "+ first step (a peer: build + first step, its compiler caches empty); warm = "
+             "purinec.load(artifact) + first step, kernel cache warm; process = the whole "
+             "process, interpreter and imports included.", ""]
+    head = (f"{'model':<12}  {'contender':<19}{'import s':>9}{'cold s':>9}{'process':>9}"
             f"{'warm s':>9}{'process':>9}{'cold/warm':>10}")
     lines += [head, "-" * len(head)]
     for r in rows:
         ratio = r["cold_s"] / r["warm_s"] if r["cold_s"] and r["warm_s"] else None
-        lines.append(f"{r['model']:<12}  {PURINEC + r['target']:<19}"
+        lines.append(f"{r['model']:<12}  {r['contender']:<19}"
                      f"{_fmt(r['import_s'], '.2f'):>9}{_fmt(r['cold_s'], '.3f'):>9}"
                      f"{_fmt(r['cold_process_s'], '.2f'):>9}{_fmt(r['warm_s'], '.3f'):>9}"
                      f"{_fmt(r['warm_process_s'], '.2f'):>9}{_fmt(ratio, '.1f'):>10}")
     notes = sorted({r["note"] for r in rows if r.get("note")})
-    return "\n".join(lines + [f"note: {n}" for n in notes])
+    return "\n".join(lines + _cold_ratios(rows) + [f"note: {n}" for n in notes])
+
+
+def _cold_ratios(rows: list[dict]) -> list[str]:
+    """Each model's purinec cold starts as a share of each compiling peer's."""
+    lines = []
+    for ours in (r for r in rows if r["contender"].startswith(PURINEC) and r["cold_s"]):
+        for peer in (r for r in rows if r["model"] == ours["model"] and r["cold_s"]
+                     and not r["contender"].startswith(PURINEC)):
+            lines.append(f"{ours['model']}: {ours['contender']}'s cold start is "
+                         f"{ours['cold_s'] / peer['cold_s']:.2f} of {peer['contender']}'s")
+    return [""] + lines if lines else []
 
 
 def problems_text(train_rows: list[dict], startup_rows: list[dict]) -> str:
@@ -663,7 +713,7 @@ def problems_text(train_rows: list[dict], startup_rows: list[dict]) -> str:
         blocks += [f"      {p}" for p in r.get("problems", [])]
     for r in startup_rows:
         if r["status"] != "ok":
-            blocks.append(f"!!! FAILED: startup of {PURINEC}{r['target']} on {r['model']}:")
+            blocks.append(f"!!! FAILED: startup of {r['contender']} on {r['model']}:")
             blocks += [f"      {p}" for p in r["problems"]]
     return "\n".join(blocks)
 
@@ -693,7 +743,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=",".join(MODELS),
                    help=f"comma-separated, from {', '.join(MODELS)} (default: all)")
-    p.add_argument("--targets", help="purinec targets (default: every registered one)")
+    p.add_argument("--targets",
+                   help="purinec targets (default: every registered one that can run here)")
     p.add_argument("--peers", help=f"from {', '.join(PEERS)}, or none (default: every "
                                    "installed one)")
     p.add_argument("--iterations", type=int, help="timed iterations (default 60)")
@@ -728,7 +779,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     from purinec.targets import TARGETS
 
-    args.targets = _names(args.targets) if args.targets else list(TARGETS)
+    args.targets = _names(args.targets) if args.targets else runnable_targets()
     unknown = [t for t in args.targets if t not in TARGETS]
     if unknown:
         p.error(f"unknown target(s) {', '.join(unknown)}; registered: {', '.join(TARGETS)}")
@@ -741,6 +792,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--iterations, --rounds, --threads and --startup-repeats must be >= 1, "
                 "--warmup >= 0")
     return args
+
+
+def runnable_targets() -> list[str]:
+    """Every registered purinec target that can run here (cuda only with a GPU), saying
+    which were left out and why."""
+    from purinec.targets import TARGETS
+
+    runnable = []
+    for name, target in TARGETS.items():
+        reason = target.missing() or target.cannot_run()
+        if reason:
+            say(f"target {name} left out: {reason.splitlines()[0]}")
+        else:
+            runnable.append(name)
+    return runnable
 
 
 def installed_peers(names: list[str]) -> tuple[list[str], list[str]]:
@@ -772,6 +838,9 @@ def main(argv: list[str] | None = None) -> int:
                 for target in args.targets:
                     startup_rows.append(bench_startup(model, MODELS[model], target, args,
                                                       workdir))
+                for peer in (p for p in peers if p in JIT_PEERS):
+                    startup_rows.append(bench_peer_startup(model, MODELS[model], peer, args,
+                                                           workdir))
     info["load_1m_end"] = load_average()
     report = [machine_text(info, args.threads), "", train_table(train_rows, args.threads)]
     if startup_rows:
