@@ -1,7 +1,7 @@
 """The CPU code generator: IR nodes to Numba kernels.
 
     kernels = compile_kernels(graph)       # {node: Kernel}, compiled (or loaded) now
-    kernels[node].fn(*inputs, *outputs)     # fills the preallocated outputs
+    kernels[node].fn(*inputs, *outputs)     # fills the preallocated outputs (checked)
     calls = kernel_calls(graph)            # {node: callable}, what the runtime runs
     print(render(node))                     # the generated module for one node
 
@@ -12,7 +12,7 @@ kernel is compiled for its exact argument types right away, or loaded from Numba
 cache when a previous process compiled it (`kernel_calls`, the runtime's view, defers
 loading each kernel of a warm cache to its first call). Nodes rendering to the same code share the
 compiled function: in one `compile_kernels` call each gets its own `Kernel` (its own
-source, comments included) around the same ``fn``.
+source, comments included) around the same ``run``.
 
 Renderers live in `purinec.codegen.cpu_ops`, `cpu_conv`, `cpu_pool` and `cpu_fused`, and
 are found through `RENDERERS` (op name -> function, ``fused`` included). Elementwise ops
@@ -118,7 +118,7 @@ def _rendered(graph: Graph, options: CpuOptions
 def compile_kernels(graph: Graph, options: CpuOptions = DEFAULT_OPTIONS
                     ) -> dict[Node, Kernel]:
     """A compiled kernel for every node of ``graph``; nodes whose code is the same
-    share its ``fn``. Kernels that other processes are compiling (compile helpers,
+    share its ``run``. Kernels that other processes are compiling (compile helpers,
     other ranks) are taken last, loaded from Numba's cache once they are done."""
     return _compile_all(graph, *_rendered(graph, options))
 
@@ -133,7 +133,7 @@ def kernel_calls(graph: Graph, options: CpuOptions = DEFAULT_OPTIONS
     modules, sources, jobs = _rendered(graph, options)
     if uncompiled(jobs):
         kernels = _compile_all(graph, modules, sources, jobs)
-        return {node: kernel.fn for node, kernel in kernels.items()}
+        return {node: kernel.run for node, kernel in kernels.items()}
     limit_blas_threads()
     shared = _SharedLoads()
     return {node: LoadOnFirstCall(modules[node], sources[node], shared)
@@ -167,7 +167,7 @@ class LoadOnFirstCall:
         with self.shared.lock:
             if self.fn is None:
                 self.fn = compile_module(self.module, self.shared.compiled,
-                                         source=self.source).fn
+                                         source=self.source).run
         return self.fn
 
     def __repr__(self) -> str:
@@ -195,7 +195,7 @@ def _compile_all(graph: Graph, modules: dict[Node, KernelModule], sources: dict[
 def compile_node(node: Node, options: CpuOptions = DEFAULT_OPTIONS,
                  compiled: dict[tuple, Kernel] | None = None) -> Kernel:
     """The compiled kernel of one node (a fused node included). ``compiled`` (code and
-    signature -> kernel) collects the kernels made so far, whose ``fn`` it reuses."""
+    signature -> kernel) collects the kernels made so far, whose ``run`` it reuses."""
     return compile_module(render_module(node, options), compiled)
 
 
@@ -234,9 +234,9 @@ def compile_module(module: KernelModule, compiled: dict[tuple, Kernel] | None = 
         path = cache.kernel_path(source)
         raise CodegenError(f"compiling the cpu kernel for {where} failed ({path}): "
                            f"{type(err).__name__}: {err}") from err
-    fn = dispatcher if module.blocks is None else Blocked(dispatcher, module.blocks)
-    kernel = Kernel(module.name, source, cache.kernel_path(source), nodes, fn, dispatcher,
-                    signature)
+    run = dispatcher if module.blocks is None else Blocked(dispatcher, module.blocks)
+    kernel = Kernel(module.name, source, cache.kernel_path(source), nodes, run,
+                    module.argument_check(), dispatcher, signature)
     if compiled is not None:
         compiled[key] = kernel
     return kernel

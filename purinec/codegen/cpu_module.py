@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from purinec.codegen.kernel import CodegenError, renderer_registry
+from purinec.codegen.kernel import ArgumentCheck, CodegenError, renderer_registry
 from purinec.codegen.source import SourceBuilder, ir_header
 from purinec.ir.graph import Node, Value
 from purinec.ir.types import DType
@@ -193,37 +193,19 @@ class KernelModule:
         out.line(f'@njit(nogil=True, cache=True, error_model="numpy"{fastmath})')
         params = (["lo", "hi"] if self.blocks is not None else []) + [p for p, _ in self.params]
         with out.block(f"def {self.function}({', '.join(params)}):"):
-            with out.origin(*self.nodes):
-                self._write_checks(out)
             out.extend(self.body)
         return out
 
     def text(self) -> str:
         return self.builder().text()
 
-    def _write_checks(self, out: SourceBuilder) -> None:
-        """Argument checks: shapes and dtypes are baked into the body, so an array of
-        another shape must never reach it (it would read or write out of bounds). One
-        test and one raise for all arguments: Numba's compile time grows much faster
-        than the number of raise sites (a raise per argument made a kernel of 80 arrays
-        take 30 s to compile instead of 6)."""
-        def both(names: list[str], expected: list[str]) -> str:
-            return f"{_tuple(names)} != {_tuple(expected)}"
-
-        ranked = [(name, value.type) for name, value in self.params if value.type.rank]
-        conditions = [both([f"{name}.itemsize" for name, _ in self.params],
-                           [str(value.type.dtype.numpy.itemsize) for _, value in self.params])]
-        if ranked:
-            conditions.insert(0, both([f"{name}.shape" for name, _ in ranked],
-                                      [repr(tuple(ty.shape)) for _, ty in ranked]))
-        signature = ", ".join(f"{name} {value.type}" for name, value in self.params)
-        with out.block(f"if {' or '.join(conditions)}:"):
-            out.line(f'raise ValueError("{self.function}: arguments must be {signature}")')
-
-
-def _tuple(items: list[str]) -> str:
-    """Python source of a tuple of ``items``."""
-    return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
+    def argument_check(self) -> ArgumentCheck:
+        """What the entry function's arrays must be (checked in Python by direct
+        callers, not in the kernel: see `ArgumentCheck`)."""
+        return ArgumentCheck(
+            self.function,
+            tuple((tuple(value.type.shape), value.type.dtype.numpy) for _, value in self.params),
+            ", ".join(f"{name} {value.type}" for name, value in self.params))
 
 
 def _roles(nodes: Sequence[Node], inputs: Sequence[Value], outputs: Sequence[Value]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from purinec.ir.graph import Graph
 from purinec.ir.ops import Trait, op_has, spans_ranks
 from purinec.runtime.collectives import host_kernel
+from purinec.runtime.memory import is_view
 
 
 def host_kernels(graph: Graph) -> dict:
@@ -23,7 +24,10 @@ def host_kernels(graph: Graph) -> dict:
 
 
 def without_host_nodes(graph: Graph) -> Graph:
-    """``graph`` with only the nodes a target's own kernels compute."""
+    """``graph`` with only the nodes a target's own kernels compute: no host tasks, and
+    no views (a reshape on one device runs nothing, so compiling a kernel for it would
+    only lengthen a cold compile)."""
     kept = Graph(graph.name)
-    kept.nodes = [node for node in graph.nodes if not op_has(node.op, Trait.host)]
+    kept.nodes = [node for node in graph.nodes
+                  if not op_has(node.op, Trait.host) and not is_view(node)]
     return kept

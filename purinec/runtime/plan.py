@@ -2,8 +2,9 @@
 
 A task is one unit of work on one queue: a kernel launch now; copies and collectives
 later. It carries the callable, the arrays in the callable's argument slots (inputs then
-outputs; ``Kernel.fn(*inputs, *outputs)``), the tasks it releases and how many tasks it
-waits for. Dependencies are the data dependencies plus the write-after-read hazards the
+outputs; ``Kernel.run(*inputs, *outputs)``, unchecked: every array bound is of its
+value's declared type, as `Plan.bind` checks of what the caller passes), the
+tasks it releases and how many tasks it waits for. Dependencies are the data dependencies plus the write-after-read hazards the
 memory planner reports, so any execution order the counts allow is correct.
 
 Everything is computed once: views into the arenas sit in the argument lists, and only

@@ -111,7 +111,7 @@ class CudaTarget(Target):
         return {node: kernels[node] for node in compute.nodes}
 
     def kernels(self, graph: Graph) -> dict:
-        return {node: kernel if hasattr(kernel, "launch") else kernel.fn
+        return {node: kernel if hasattr(kernel, "launch") else kernel.run
                 for node, kernel in self.generated(graph).items()}
 
     def hold(self) -> Callable[[], None]:

@@ -867,7 +867,7 @@ def test_an_op_without_a_renderer_is_a_clear_error(monkeypatch):
 def test_a_kernel_refuses_arrays_of_another_shape(options):
     node = one_node("relu", [np.zeros((2, 3), np.float32)])
     kernel = cpu.compile_node(node, options)
-    assert (kernel.fn is kernel.dispatcher) == (options is not BLOCKED)
+    assert (kernel.run is kernel.dispatcher) == (options is not BLOCKED)
     message = r"relu: arguments must be in0 f32\[2,3\], out0 f32\[2,3\]"
     with pytest.raises(ValueError, match=message):
         kernel.fn(np.zeros((3, 2), np.float32), np.zeros((2, 3), np.float32))
@@ -875,6 +875,10 @@ def test_a_kernel_refuses_arrays_of_another_shape(options):
         kernel.fn(np.zeros((2, 3), np.float32), np.zeros((2, 4), np.float32))
     with pytest.raises(ValueError, match=message):
         kernel.fn(np.zeros((2, 3), np.float32), np.zeros((2, 3), np.float64))
+    with pytest.raises(ValueError, match=message):  # a view of other strides
+        kernel.fn(np.zeros((3, 2), np.float32).T, np.zeros((2, 3), np.float32))
+    with pytest.raises(ValueError, match=message):
+        kernel.fn(np.zeros((2, 3), np.float32))
 
 
 def test_blocks_cover_the_items_once_on_the_threads_allowed():
