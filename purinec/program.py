@@ -145,8 +145,10 @@ class Program:
         self.physical_eval_ir: Graph | None = None
         self._replicas = Replicas()  # shared by the distributed executables
         self._run_main = self._executable(graph, trace, after)
-        self._run_eval = (self._run_main if self.eval_ir is graph
-                          else self._executable(self.eval_ir, trace))
+        self._trace = trace
+        self._run_eval = self._run_main if self.eval_ir is graph else None
+        if self._run_eval is None and not self._defers_inference(plugin):
+            self._run_eval = self._executable(self.eval_ir, trace)
         self._keep_variables_on_devices()
         self.last_outputs: dict[str, np.ndarray] = {}  # of the latest step
         if self.trainable:
@@ -154,6 +156,20 @@ class Program:
         self._partial_weights = False  # weights split over ranks, not gathered since
         # Calls from several threads take turns: a step updates the weights a run reads.
         self._turn = threading.Lock()
+
+    def _defers_inference(self, target) -> bool:
+        """Whether the inference graph's executable is built (its kernels compiled) when
+        first run rather than now: for a training program, so that a cold start and a
+        job that never runs inference skip that compile (a third of the kernels of a
+        small net). Not where executables keep variables on devices or span ranks: their
+        bookkeeping starts with every executable built."""
+        return (self.trainable and not target.keeps_variables
+                and not is_distributed(self.eval_ir))
+
+    def _inference_run(self):
+        if self._run_eval is None:
+            self._run_eval = self._executable(self.eval_ir, self._trace)
+        return self._run_eval
 
     def _keep_variables_on_devices(self) -> None:
         """Let executables that can keep variables on their devices between calls do so
@@ -238,8 +254,10 @@ class Program:
         return layout_devices(self.ir)
 
     def _runs(self) -> list:
-        """The executables of the training and inference graphs (one, when the same)."""
-        return list({id(r): r for r in (self._run_main, self._run_eval)}.values())
+        """The executables built of the training and inference graphs (one, when the
+        same or when inference has not run yet)."""
+        return list({id(r): r for r in (self._run_main, self._run_eval)
+                     if r is not None}.values())
 
     @property
     def communication(self) -> str | None:
@@ -299,7 +317,8 @@ class Program:
         updates = bool(updated_variables(self.eval_ir))
         with self._turn:
             self._pull()
-            outputs = self._run_eval(self._env(self.eval_ir, feeds, copy_variables=updates))
+            outputs = self._inference_run()(self._env(self.eval_ir, feeds,
+                                                      copy_variables=updates))
         return {k: v for k, v in outputs.items()
                 if k not in self.params and k not in self.state}
 

@@ -27,6 +27,9 @@ says:
   programs (a thread pool) for an executable, returning how to let go of it, so a
   closed program leaves nothing running;
 * ``records_traces``: whether its executables record a `runtime.trace.Trace`;
+  ``keeps_variables``: whether they keep params and state on their devices between
+  calls (``keep_variables()``), which a `Program` tracks from the start; one of a
+  target that does not builds its inference executable only when first run;
 * `executable(graph, trace)`: the runnable program of one graph, ``exe(env) ->
   outputs`` (the contract is in docs/architecture.md). Completion is the runtime's
   dependency counting: a kernel is done when its call returns (a target with
@@ -64,6 +67,7 @@ class Target:
     device_kinds: tuple[str, ...] = ("cpu",)
     records_traces: bool = False
     generates_code: bool = False
+    keeps_variables: bool = False  # its executables keep params and state on devices
     arenas: Any = FreshArenas
 
     def missing(self) -> str | None:

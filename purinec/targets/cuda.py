@@ -79,6 +79,7 @@ class CudaTarget(Target):
     doc = "Numba CUDA kernels on GPU streams, ordered by events, counted on the host"
     device_kinds = ("gpu", "cpu")
     generates_code = True
+    keeps_variables = True
 
     def missing(self) -> str | None:
         if importlib.util.find_spec("numba_cuda") is None:
