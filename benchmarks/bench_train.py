@@ -690,9 +690,13 @@ def startup_table(rows: list[dict]) -> str:
 
 
 def _cold_ratios(rows: list[dict]) -> list[str]:
-    """Each model's purinec cold starts as a share of each compiling peer's."""
+    """Each model's cold start on each purinec target that compiles kernels, as a share
+    of each compiling peer's."""
+    from purinec.targets import TARGETS
+
+    compiling = {PURINEC + name for name, target in TARGETS.items() if target.generates_code}
     lines = []
-    for ours in (r for r in rows if r["contender"].startswith(PURINEC) and r["cold_s"]):
+    for ours in (r for r in rows if r["contender"] in compiling and r["cold_s"]):
         for peer in (r for r in rows if r["model"] == ours["model"] and r["cold_s"]
                      and not r["contender"].startswith(PURINEC)):
             lines.append(f"{ours['model']}: {ours['contender']}'s cold start is "
