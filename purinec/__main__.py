@@ -1,5 +1,5 @@
 import sys
 
-from purinec.cli import main
+from purinec.cli import command
 
-sys.exit(main())
+sys.exit(command())
