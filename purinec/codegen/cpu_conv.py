@@ -77,7 +77,8 @@ def emit_matmul(node: Node, m: KernelModule, a: str, bm: str,
     inner = a_shape[0] if ta else a_shape[1]
     lda, ldb, work = a_shape[1], b_shape[1], rows * cols * inner
     by_columns = cols > rows and rows < FEW_ROWS
-    lo, hi = m.split(cols if by_columns else rows, work) if rows and cols else ("0", "0")
+    lo, hi = (m.split(cols if by_columns else rows, work, products=True) if rows and cols
+              else ("0", "0"))
     count = (cols if by_columns else rows) if lo == "0" else f"{hi} - {lo}"
     if out is None:
         m.body.line(f"product = np.empty(({rows if by_columns else count}, {cols}), "
@@ -306,7 +307,7 @@ def _image_rows(m: KernelModule, g: _Conv) -> Iterator[tuple[str, tuple[str, str
     batch smaller than the threads still splits (a block's first and last images may
     be partial) and no block repeats another's work. Unsplit, the rows are ``"0"`` and
     ``oh``: whole images, with constant trip counts."""
-    lo, hi = m.split(g.n * g.oh, g.macs)
+    lo, hi = m.split(g.n * g.oh, g.macs, products=True)
     b, n = m.body, m.fresh("n")
     if lo == "0":
         with b.block(f"for {n} in range({g.n}):"):
@@ -486,7 +487,7 @@ def _conv2d_grad_input_col2im(node: Node, m: KernelModule, g: _Conv) -> None:
     else:
         b.line(f"col = np.empty(({g.K}, {g.P}), {dtype_name(node)})")
     _padded_scratch(m, node, g)
-    with split_loop(m, "n", g.n, g.macs) as n:
+    with split_loop(m, "n", g.n, g.macs, products=True) as n:
         if not padded:  # col2im adds into gx: start from zero
             b.line(f"gx_mat[{n}] = 0")
         with _groups(m, g) as (c0, o0):
@@ -546,7 +547,7 @@ def render_conv2d_grad_weight(node: Node, m: KernelModule) -> None:
     if g.pointwise:
         b.line(f"x_mat = {x}.reshape(({g.n}, {g.c}, {g.P}))")
     count = g.cg * g.kw if by_rows else g.K
-    lo, hi = m.split(count, g.macs)
+    lo, hi = m.split(count, g.macs, products=True)
     width = count if lo == "0" else f"{hi} - {lo}"
     shifts = g.kh if by_rows else 1  # kernel rows done by separate GEMMs
     b.line(f"gw_t = np.zeros(({shifts}, {width}, {g.cout}), {dtype_name(node)})")

@@ -29,15 +29,19 @@ from purinec.ir.types import DType
 class CpuOptions:
     """Code generation choices that are not part of the IR.
 
-    ``parallel_min``: the least work (elements touched, or multiply-adds for products
-    and convolutions) for which a kernel is split into blocks that run on several
-    threads; below it, handing blocks to threads would cost more than it saves.
+    ``parallel_min``: the least work (elements touched) for which a kernel is split
+    into blocks that run on several threads; below it, handing blocks to threads would
+    cost more than it saves. ``parallel_min_products``: the same for products and
+    convolutions, whose work is multiply-adds, each a fraction of the cost of an
+    element in a memory-bound loop (mlp's 64x10x512 products, 327K multiply-adds, took
+    45 us split in two on the 2-core AMD machine, longer than one thread alone).
     ``direct_max_channels``: convolutions whose groups have at most this many input
     times output channels are direct loop nests rather than GEMMs (measured in
     `purinec.codegen.cpu_conv`, above ``_direct``; 0: always GEMMs).
     """
 
     parallel_min: int = 1 << 18
+    parallel_min_products: int = 1 << 20
     direct_max_channels: int = 16
 
 
@@ -152,9 +156,10 @@ class KernelModule:
             self._helpers.append(name)
         return name
 
-    def split(self, count: int, work: int) -> tuple[str, str]:
+    def split(self, count: int, work: int, products: bool = False) -> tuple[str, str]:
         """Bounds of the loop over ``count`` independent items (images, planes, rows)
-        that carries the kernel's ``work``. If the work is big enough, the kernel
+        that carries the kernel's ``work`` (multiply-adds when ``products``, else
+        elements: see `CpuOptions`). If the work is big enough, the kernel
         becomes *blocked*: its function takes ``lo, hi`` first and computes items
         ``lo:hi`` only, and `purinec.codegen.cpu_runtime.run_blocked` runs blocks on
         several threads; otherwise the bounds are the constants ``0, count``.
@@ -163,8 +168,9 @@ class KernelModule:
         share it), and only if no loop before was left whole: every block runs the
         whole function, so a whole loop would run once per block.
         """
+        least = self.options.parallel_min_products if products else self.options.parallel_min
         if self.blocks == count or (self.blocks is None and not self.serial and count >= 2
-                                    and work >= self.options.parallel_min):
+                                    and work >= least):
             self.blocks = count
             return "lo", "hi"
         if self.blocks is None:

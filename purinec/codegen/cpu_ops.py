@@ -77,10 +77,11 @@ def row_slice(array: str, start: str, count: int, total: int) -> str:
 
 
 @contextmanager
-def split_loop(m: KernelModule, var: str, count: int, work: int) -> Iterator[str]:
+def split_loop(m: KernelModule, var: str, count: int, work: int,
+               products: bool = False) -> Iterator[str]:
     """``for var in range(lo, hi)`` over ``count`` independent items, the kernel's
     blocked loop when ``work`` is big (see `KernelModule.split`)."""
-    lo, hi = m.split(count, work)
+    lo, hi = m.split(count, work, products)
     name = m.fresh(var)
     with m.body.block(f"for {name} in range({span_of(lo, hi)}):"):
         yield name

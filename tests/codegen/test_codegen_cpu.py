@@ -3,8 +3,8 @@
 Numba compiles one kernel per distinct node (shapes and attributes are baked in), so
 the strategies draw from few small sizes: examples repeat nodes and reuse kernels that
 are already compiled, which keeps this file to a few hundred compilations. Kernels are
-also checked *blocked* (`CpuOptions(parallel_min=0)` splits every splittable loop) on
-three threads, the way big kernels run.
+also checked *blocked* (`BLOCKED`: both thresholds 0 split every splittable loop) on three
+threads, the way big kernels run.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ SETTINGS = settings(max_examples=6, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow,
                                            HealthCheck.function_scoped_fixture])
 FEW = settings(SETTINGS, max_examples=4)
-BLOCKED = CpuOptions(parallel_min=0)
+BLOCKED = CpuOptions(parallel_min=0, parallel_min_products=0)
 OPTIONS = [CpuOptions(), BLOCKED]
-GEMMS = CpuOptions(parallel_min=0, direct_max_channels=0)  # no direct convolutions
+GEMMS = CpuOptions(parallel_min=0, parallel_min_products=0,
+                   direct_max_channels=0)  # no direct convolutions
 FLOATS = [DType.f32, DType.f64]
 
 
