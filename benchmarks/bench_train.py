@@ -472,6 +472,29 @@ def machine() -> dict:
     return info
 
 
+SGEMM_SIZE = 2048
+
+
+def sgemm_rate(threads: int, repeats: int = 5) -> float | None:
+    """The machine's float32 matrix-product rate in GFLOP/s: the best of ``repeats``
+    2048-cube products by NumPy's BLAS on ``threads`` threads, the yardstick issue 27
+    measures a training step's FLOP rate against."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return None
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((SGEMM_SIZE, SGEMM_SIZE), dtype=np.float32) for _ in "ab")
+    best = float("inf")
+    with threadpool_limits(threads):
+        a @ b  # BLAS's threads started, buffers allocated
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - start)
+    return 2 * SGEMM_SIZE ** 3 / best / 1e9
+
+
 def summarize(times_ms: list[float]) -> dict:
     t = np.array(times_ms)
     return {"median_ms": float(np.median(t)), "p10_ms": float(np.percentile(t, 10)),
@@ -671,6 +694,22 @@ def train_table(rows: list[dict], threads: int) -> str:
     return "\n".join(lines)
 
 
+def sgemm_shares(rows: list[dict], sgemm_gflops: float | None) -> list[str]:
+    """Each model's fastest purinec target's FLOP rate as a share of the machine's
+    sgemm rate (also kept in its row)."""
+    lines = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        ours = [r for r in rows if r["model"] == model and r["contender"].startswith(PURINEC)
+                and r.get("gflops_per_s")]
+        if not ours or not sgemm_gflops:
+            continue
+        best = max(ours, key=lambda r: r["gflops_per_s"])
+        best["share_of_sgemm"] = best["gflops_per_s"] / sgemm_gflops
+        lines.append(f"{model}: {best['contender']} at {best['share_of_sgemm']:.0%} of the "
+                     f"machine's sgemm rate")
+    return [""] + lines if lines else []
+
+
 def startup_table(rows: list[dict]) -> str:
     lines = ["Startup, fresh processes (medians): cold = compile with an empty kernel cache "
              "+ first step (a peer: build + first step, its compiler caches empty); warm = "
@@ -730,7 +769,9 @@ def machine_text(info: dict, threads: int) -> str:
     return "\n".join([
         f"machine: {info['cpu']}, {info['cpus']} CPUs{load_text}; {threads} threads per "
         f"contender (a shared machine: expect noise)",
-        f"BLAS: {'; '.join(info.get('blas', [])) or '?'}",
+        f"BLAS: {'; '.join(info.get('blas', [])) or '?'}" + (
+            f"; sgemm {SGEMM_SIZE}^3 on {threads} threads: {info['sgemm_gflops']:.0f} GFLOP/s"
+            if info.get("sgemm_gflops") else ""),
         f"versions: Python {info['python']}, {versions}"])
 
 
@@ -832,6 +873,7 @@ def main(argv: list[str] | None = None) -> int:
         notes.append("purinec's cpu target is not registered in this build; only "
                      f"{', '.join(TARGETS)} measured")
     info = machine()
+    info["sgemm_gflops"] = sgemm_rate(args.threads)
     contenders = [PURINEC + t for t in args.targets] + peers
     train_rows, startup_rows = [], []
     with tempfile.TemporaryDirectory(prefix="purinec-bench-") as workdir:
@@ -846,7 +888,8 @@ def main(argv: list[str] | None = None) -> int:
                     startup_rows.append(bench_peer_startup(model, MODELS[model], peer, args,
                                                            workdir))
     info["load_1m_end"] = load_average()
-    report = [machine_text(info, args.threads), "", train_table(train_rows, args.threads)]
+    report = [machine_text(info, args.threads), "", train_table(train_rows, args.threads),
+              *sgemm_shares(train_rows, info["sgemm_gflops"])]
     if startup_rows:
         report += ["", startup_table(startup_rows)]
     report += [f"note: {n}" for n in notes]

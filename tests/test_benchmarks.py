@@ -140,6 +140,11 @@ def test_quick_mode_runs_end_to_end_on_the_reference_target(tmp_path, monkeypatc
     assert row["n"] == 2 and row["median_ms"] > 0
     assert row["flops"] == flops(build_graph(load_source("mlp", 64), purinec.SGD(**SOLVER)))
     assert row["gflops_per_s"] == pytest.approx(row["flops"] / row["median_ms"] / 1e6)
+    sgemm = report["machine"]["sgemm_gflops"]
+    assert sgemm > 0 and f"sgemm 2048^3 on 2 threads: {sgemm:.0f} GFLOP/s" in printed
+    assert row["share_of_sgemm"] == pytest.approx(row["gflops_per_s"] / sgemm)
+    assert f"mlp: purinec:reference at {row['share_of_sgemm']:.0%} of the machine's sgemm " \
+           f"rate" in printed
     # The reference target against itself, in another process: equal up to the order of
     # BLAS's sums, which depends on its thread count (compiling a cpu kernel earlier in
     # this process makes it single-threaded here).
