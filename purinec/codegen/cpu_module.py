@@ -19,9 +19,10 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from purinec.codegen.kernel import ArgumentCheck, CodegenError, renderer_registry
+from purinec.codegen.kernel import ArgumentCheck, CodegenError
 from purinec.codegen.source import SourceBuilder, ir_header
 from purinec.ir.graph import Node, Value
+from purinec.ir.ops import by_name
 from purinec.ir.types import DType
 
 
@@ -230,4 +231,4 @@ def _roles(nodes: Sequence[Node], inputs: Sequence[Value], outputs: Sequence[Val
 
 
 # op name -> the function writing that op's kernel into a module (``@renders(op)``).
-RENDERERS, renders = renderer_registry()
+RENDERERS, renders = by_name("renderers")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -15,21 +15,6 @@ from purinec.ir.graph import Node
 
 class CodegenError(PurinecError):
     """A node or group that a code generator cannot render."""
-
-
-def renderer_registry() -> tuple[dict[str, Callable], Callable]:
-    """A code generator's renderers by op name, and the decorator ``@renders(*ops)``
-    that registers one: adding an op to a target is adding one entry."""
-    registry: dict[str, Callable] = {}
-
-    def renders(*ops: str) -> Callable[[Callable], Callable]:
-        def register(fn: Callable) -> Callable:
-            for op in ops:
-                assert op not in registry, op
-                registry[op] = fn
-            return fn
-        return register
-    return registry, renders
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from purinec.errors import ExportError
 from purinec.fileio import replacing
 from purinec.ir.graph import Graph, Node, Value
 from purinec.ir.nnref import pad_edges, window_extent
-from purinec.ir.ops import Trait, op_has
+from purinec.ir.ops import Trait, by_name, op_has
 from purinec.ir.types import DType
 from purinec.onnxio.proto import onnx_package
 from purinec.version import __version__
@@ -233,15 +233,7 @@ class Writer:
 # -- the writers --------------------------------------------------------------------------
 
 WriterFn = Callable[[Writer, Node], Any]
-WRITERS: dict[str, WriterFn] = {}
-
-
-def writes(*ops: str):
-    def register(fn: WriterFn) -> WriterFn:
-        for op in ops:
-            WRITERS[op] = fn
-        return fn
-    return register
+WRITERS, writes = by_name("writers")  # IR op -> WriterFn
 
 
 SAME = {"relu": "Relu", "sigmoid": "Sigmoid", "tanh": "Tanh", "neg": "Neg", "exp": "Exp",

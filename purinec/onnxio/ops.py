@@ -16,21 +16,14 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from purinec.ir.graph import Value
+from purinec.ir.ops import by_name
 from purinec.onnxio.proto import array_dtype, ir_dtype
 
 if TYPE_CHECKING:
     from purinec.onnxio.lowering import Lowering
 
 Converter = Callable[["Lowering", object, dict], list]
-CONVERTERS: dict[str, Converter] = {}
-
-
-def converts(*op_types: str):
-    def register(fn: Converter) -> Converter:
-        for op_type in op_types:
-            CONVERTERS[op_type] = fn
-        return fn
-    return register
+CONVERTERS, converts = by_name("converters")  # ONNX op type -> Converter
 
 
 # -- shared pieces ------------------------------------------------------------------------

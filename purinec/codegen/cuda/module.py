@@ -24,9 +24,10 @@ from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 from purinec.codegen.cpu_module import _roles, identifier, literal, numpy_name
-from purinec.codegen.kernel import CodegenError, renderer_registry
+from purinec.codegen.kernel import CodegenError
 from purinec.codegen.source import SourceBuilder, ir_header
 from purinec.ir.graph import Node, Value
+from purinec.ir.ops import by_name
 
 __all__ = ["CudaModule", "RENDERERS", "renders", "literal", "numpy_name", "THREADS",
            "MAX_BLOCKS", "blocks_for"]
@@ -207,4 +208,4 @@ class CudaModule:
 
 
 # op name -> the function writing that op's kernel into a module (``@renders(op)``).
-RENDERERS, renders = renderer_registry()
+RENDERERS, renders = by_name("renderers")

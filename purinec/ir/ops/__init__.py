@@ -9,10 +9,10 @@ from purinec.ir.ops import (communication, elementwise, fused, linalg, losses,  
                             normalization, pooling, shape, solvers)
 from purinec.ir.ops.communication import broadcast_types, spans_ranks
 from purinec.ir.ops.registry import (REGISTRY, Attr, FusionKind, OpDef, SplitSignature, Trait,
-                                     coerce_attr, get_op, missing_facets, op_has, ops_with,
-                                     register, unknown_op_message)
+                                     by_name, coerce_attr, get_op, missing_facets, op_has,
+                                     ops_with, register, unknown_op_message)
 
 __all__ = ["REGISTRY", "Attr", "FusionKind", "OpDef", "SplitSignature", "Trait",
-           "broadcast_types", "coerce_attr", "conv_output_size", "get_op", "missing_facets",
+           "broadcast_types", "by_name", "coerce_attr", "conv_output_size", "get_op", "missing_facets",
            "op_has", "ops_with", "pool_output_size", "register", "spans_ranks",
            "unknown_op_message"]

@@ -28,6 +28,25 @@ if TYPE_CHECKING:
     from purinec.ir.graph import Graph, Node, Value
 
 
+def by_name(what: str) -> tuple[dict[str, Callable], Callable]:
+    """A table of functions keyed by op name, and the decorator ``@entry(*names)`` that
+    fills it; a name given twice is a bug. Whatever keeps one function per op (a code
+    generator's renderers, the ONNX importer's converters and exporter's writers) is
+    such a table: supporting an op there is adding one entry. ``what`` names the
+    functions, for that bug's message."""
+    table: dict[str, Callable] = {}
+
+    def entry(*names: str) -> Callable[[Callable], Callable]:
+        def register(fn: Callable) -> Callable:
+            for name in names:
+                if name in table:
+                    raise AssertionError(f"two {what} for {name!r}: {table[name]} and {fn}")
+                table[name] = fn
+            return fn
+        return register
+    return table, entry
+
+
 class FusionKind(enum.IntEnum):
     """TVM's pattern kinds, ordered: a group fuses into a consumer of a higher kind."""
 
