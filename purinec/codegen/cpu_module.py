@@ -199,7 +199,9 @@ class KernelModule:
         fastmath = f", fastmath={{{flags}}}" if self.fastmath else ""
         out.line(f'@njit(nogil=True, cache=True, error_model="numpy"{fastmath})')
         params = (["lo", "hi"] if self.blocks is not None else []) + [p for p, _ in self.params]
-        with out.block(f"def {self.function}({', '.join(params)}):"):
+        with out.origin(*self.nodes):  # the kernel's own IR line heads it
+            out.line(f"def {self.function}({', '.join(params)}):")
+        with out.indent():
             out.extend(self.body)
         return out
 

@@ -17,6 +17,7 @@ import purinec as purinec_api
 from purinec.cli import build_parser, main
 from purinec.cli.dump import FUSION_KINDS_LEGEND
 from purinec.ir import parse
+from purinec.runtime.memory import is_view
 from purinec.train import Checkpoint, resume_training, train_model
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -153,7 +154,8 @@ def test_dump_cpu_pipeline_fuses_and_writes_kernels(tmp_path):
     assert explained.startswith(FUSION_KINDS_LEGEND + "\n# %")  # what the kinds mean
     kernels = sorted((tmp_path / "mlp.train.kernels").iterdir())
     graph = parse(fused)
-    assert len(kernels) == len(graph.nodes)  # one kernel per node, fused ones included
+    # one kernel per node, fused ones included, but views (the flatten), which run none
+    assert len(kernels) == len([node for node in graph.nodes if not is_view(node)])
     source = (tmp_path / "mlp.train.kernels" /
               "fused_matmul_bias_add_relu.ip1.py").read_text()
     assert "@njit" in source or "njit(" in source
@@ -541,7 +543,10 @@ def test_a_pipeline_longer_than_the_model_warns_in_one_line(tmp_path, capsys):
     warning = (f"purinec: warning: pipeline parallelism puts mlp.train on {used[1]} of the "
                f"6 devices given; {', '.join(idle)} get no work: its layers' work cuts into "
                f"fewer stages of about equal work (a layer is never split)\n")
-    assert result.stderr == warning
+    # (a compile that takes a while says so on lines of its own, not the warning's)
+    said = [line for line in result.stderr.splitlines(keepends=True)
+            if not line.startswith(("purinec: compiling", "purinec: compiled"))]
+    assert "".join(said) == warning
     dumped = purinec_here(capsys, "dump", "mlp", "--train", "--batch", "8", "--devices", "6",
                           "--parallel", "pipeline", "--stage", "parallel")
     assert dumped.returncode == 0 and dumped.stderr == warning  # dump says it too

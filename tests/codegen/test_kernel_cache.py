@@ -244,7 +244,7 @@ def test_nodes_with_the_same_code_share_one_file_and_one_compile(cache_dir):
     assert len(list((cache_dir / "cpu").glob("k_*.py"))) == 3
     for first, second in by_op(graph).values():
         a, b = kernels[first], kernels[second]
-        assert a is not b and a.fn is b.fn and a.dispatcher is b.dispatcher
+        assert a is not b and a.run is b.run and a.dispatcher is b.dispatcher
         assert a.path == b.path and cache.code_of(a.source) == cache.code_of(b.source)
         # each kernel's source quotes its own node; the file, the node it was made for
         assert node_comment(first) in a.source and node_comment(second) in b.source
