@@ -10,9 +10,9 @@ shapes and attributes, which the kernel cache (`purinec.codegen.cache`) stores b
 hash of its code (its text without the comments that quote the IR) and imports; the
 kernel is compiled for its exact argument types right away, or loaded from Numba's disk
 cache when a previous process compiled it (`kernel_calls`, the runtime's view, defers
-loading each kernel of a warm cache to its first call). Nodes rendering to the same code share the
-compiled function: in one `compile_kernels` call each gets its own `Kernel` (its own
-source, comments included) around the same ``run``.
+loading each kernel of a warm cache to its first call). Nodes rendering to the same code
+share the compiled function: in one `compile_kernels` call each gets its own `Kernel`
+(its own source, comments included) around the same ``run``.
 
 Renderers live in `purinec.codegen.cpu_ops`, `cpu_conv`, `cpu_pool` and `cpu_fused`, and
 are found through `RENDERERS` (op name -> function, ``fused`` included). Elementwise ops
@@ -120,7 +120,8 @@ def compile_kernels(graph: Graph, options: CpuOptions = DEFAULT_OPTIONS
     """A compiled kernel for every node of ``graph``; nodes whose code is the same
     share its ``run``. Kernels that other processes are compiling (compile helpers,
     other ranks) are taken last, loaded from Numba's cache once they are done."""
-    return _compile_all(graph, *_rendered(graph, options))
+    modules, sources, jobs = _rendered(graph, options)
+    return _compile_all(graph, modules, sources, jobs, uncompiled(jobs))
 
 
 def kernel_calls(graph: Graph, options: CpuOptions = DEFAULT_OPTIONS
@@ -131,8 +132,9 @@ def kernel_calls(graph: Graph, options: CpuOptions = DEFAULT_OPTIONS
     Otherwise all are compiled now, as `compile_kernels` does, so that a cold compile
     uses its helper processes and reports a kernel that fails before anything runs."""
     modules, sources, jobs = _rendered(graph, options)
-    if uncompiled(jobs):
-        kernels = _compile_all(graph, modules, sources, jobs)
+    todo = uncompiled(jobs)
+    if todo:
+        kernels = _compile_all(graph, modules, sources, jobs, todo)
         return {node: kernel.run for node, kernel in kernels.items()}
     limit_blas_threads()
     shared = _SharedLoads()
@@ -176,8 +178,9 @@ class LoadOnFirstCall:
 
 
 def _compile_all(graph: Graph, modules: dict[Node, KernelModule], sources: dict[Node, str],
-                 jobs: list[Job]) -> dict[Node, Kernel]:
-    todo = uncompiled(jobs)
+                 jobs: list[Job], todo: list[Job]) -> dict[Node, Kernel]:
+    """Compile (or load) every node's kernel; ``todo``: the ``jobs`` Numba's disk cache
+    does not hold, which helper processes start on."""
     cached = len(jobs) - len(todo)
     compiled: dict[tuple, Kernel] = {}
     kernels: dict[Node, Kernel] = {}

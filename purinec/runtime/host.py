@@ -23,7 +23,7 @@ def host_kernels(graph: Graph) -> dict:
     return kernels
 
 
-def without_host_nodes(graph: Graph) -> Graph:
+def kernel_nodes(graph: Graph) -> Graph:
     """``graph`` with only the nodes a target's own kernels compute: no host tasks, and
     no views (a reshape on one device runs nothing, so compiling a kernel for it would
     only lengthen a cold compile)."""

@@ -3,9 +3,10 @@
 A task is one unit of work on one queue: a kernel launch now; copies and collectives
 later. It carries the callable, the arrays in the callable's argument slots (inputs then
 outputs; ``Kernel.run(*inputs, *outputs)``, unchecked: every array bound is of its
-value's declared type, as `Plan.bind` checks of what the caller passes), the
-tasks it releases and how many tasks it waits for. Dependencies are the data dependencies plus the write-after-read hazards the
-memory planner reports, so any execution order the counts allow is correct.
+value's declared type, as `Plan.bind` checks of what the caller passes), the tasks it
+releases and how many tasks it waits for. Dependencies are the data dependencies plus
+the write-after-read hazards the memory planner reports, so any execution order the
+counts allow is correct.
 
 Everything is computed once: views into the arenas sit in the argument lists, and only
 the arrays the caller passes (and fresh arrays for updates that cannot be done in place)

@@ -8,7 +8,7 @@ from typing import Callable
 from purinec.ir.graph import Graph
 from purinec.passes.fuse import fuse
 from purinec.passes.pipeline import Pass
-from purinec.runtime.host import without_host_nodes
+from purinec.runtime.host import kernel_nodes
 from purinec.targets.base import Target
 
 
@@ -24,12 +24,12 @@ class CpuTarget(Target):
     def generated(self, graph: Graph) -> dict:
         from purinec.codegen.cpu import compile_kernels  # Numba: only when compiling
 
-        return compile_kernels(without_host_nodes(graph))
+        return compile_kernels(kernel_nodes(graph))
 
     def kernels(self, graph: Graph) -> dict:
         from purinec.codegen.cpu import kernel_calls
 
-        return kernel_calls(without_host_nodes(graph))
+        return kernel_calls(kernel_nodes(graph))
 
     def worker_setup(self, graph: Graph) -> Callable:
         """Each device's compute threads get an equal share of the cores this process

@@ -22,7 +22,7 @@ from purinec.ir.types import Device
 from purinec.passes.parallel import Parallel
 from purinec.passes.fuse import fuse
 from purinec.passes.pipeline import Pass
-from purinec.runtime.host import host_kernels, without_host_nodes
+from purinec.runtime.host import host_kernels, kernel_nodes
 from purinec.runtime.plan import arena_source
 from purinec.targets.base import Runnable, Target
 from purinec.targets.cpu import CpuTarget
@@ -104,7 +104,7 @@ class CudaTarget(Target):
     def generated(self, graph: Graph) -> dict:
         from purinec.codegen.cuda import compile_kernels
 
-        compute = without_host_nodes(graph)
+        compute = kernel_nodes(graph)
         on_gpu, on_cpu = _split_by_kind(compute)
         kernels = compile_kernels(on_gpu)
         if on_cpu.nodes:

@@ -13,6 +13,6 @@ from purinec.ir.ops.registry import (REGISTRY, Attr, FusionKind, OpDef, SplitSig
                                      ops_with, register, unknown_op_message)
 
 __all__ = ["REGISTRY", "Attr", "FusionKind", "OpDef", "SplitSignature", "Trait",
-           "broadcast_types", "by_name", "coerce_attr", "conv_output_size", "get_op", "missing_facets",
-           "op_has", "ops_with", "pool_output_size", "register", "spans_ranks",
-           "unknown_op_message"]
+           "broadcast_types", "by_name", "coerce_attr", "conv_output_size", "get_op",
+           "missing_facets", "op_has", "ops_with", "pool_output_size", "register",
+           "spans_ranks", "unknown_op_message"]
