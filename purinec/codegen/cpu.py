@@ -33,6 +33,10 @@ import threading
 from dataclasses import replace
 from typing import Callable
 
+from numba.core.compiler_lock import global_compiler_lock
+from numba.core.dispatcher import Dispatcher
+from numba.core.runtime import rtsys
+
 from purinec.codegen import cache
 from purinec.codegen.compile_helpers import Job, helping, uncompiled
 from purinec.codegen import cpu_conv, cpu_fused, cpu_ops, cpu_pool  # noqa: F401  (renderers)
@@ -63,13 +67,14 @@ class _HideSciPyLinalg(importlib.abc.MetaPathFinder):
 def _start_numba_without_scipy() -> None:
     """Import Numba's array-math implementations now, with SciPy's linear algebra hidden.
 
-    Numba imports them before it compiles or loads its first function, and with them
-    SciPy's BLAS, only to tell whether ``np.correlate`` may use it: a third of a second,
-    a third of a warm start. Kernels call BLAS through `cpu_runtime` instead, and
-    ``np.dot`` and ``np.linalg`` keep working (Numba imports SciPy when it compiles
-    them). Nothing is hidden when SciPy's BLAS is needed anyway (``NUMPY_BLAS`` is None)
-    or was imported already."""
-    if NUMPY_BLAS is None or "scipy.linalg" in sys.modules:
+    Numba imports them before it compiles its first function, and with them SciPy's
+    BLAS, only to tell whether ``np.correlate`` may use it: a third of a second. Kernels
+    call BLAS through `cpu_runtime` instead, and ``np.dot`` and ``np.linalg`` keep
+    working (Numba imports SciPy when it compiles them). Nothing is hidden when SciPy's
+    BLAS is needed anyway (``NUMPY_BLAS`` is None) or was imported already. Loading
+    cached kernels (`_load_from_disk`) needs none of this."""
+    started = "numba.np.arraymath" in sys.modules
+    if started or NUMPY_BLAS is None or "scipy.linalg" in sys.modules:
         return
     finder = _HideSciPyLinalg()
     sys.meta_path.insert(0, finder)
@@ -77,9 +82,6 @@ def _start_numba_without_scipy() -> None:
         import numba.np.arraymath  # noqa: F401
     finally:
         sys.meta_path.remove(finder)
-
-
-_start_numba_without_scipy()
 
 
 def render_module(node: Node, options: CpuOptions = DEFAULT_OPTIONS) -> KernelModule:
@@ -221,11 +223,15 @@ def compile_module(module: KernelModule, compiled: dict[tuple, Kernel] | None = 
     try:
         dispatcher = getattr(cache.load_module(source), module.function)
         if signature not in dispatcher.overloads:
-            with cache.one_compiler(source, wait=wait) as mine:
-                if not mine:
-                    return None
-                dispatcher.compile(signature)
-            if dispatcher.stats.cache_hits.get(signature):
+            loaded = _load_from_disk(dispatcher, signature)
+            if not loaded:
+                _start_numba_without_scipy()
+                with cache.one_compiler(source, wait=wait) as mine:
+                    if not mine:
+                        return None
+                    dispatcher.compile(signature)  # loads what another process just saved
+                loaded = bool(dispatcher.stats.cache_hits.get(signature))
+            if loaded:
                 cache.STATS.loads += 1
                 log.debug("kernel %s: loaded from Numba's cache", module.name)
             else:
@@ -243,6 +249,29 @@ def compile_module(module: KernelModule, compiled: dict[tuple, Kernel] | None = 
     if compiled is not None:
         compiled[key] = kernel
     return kernel
+
+
+def _load_from_disk(dispatcher: Dispatcher, signature: tuple) -> bool:
+    """Load ``dispatcher``'s machine code for ``signature`` from Numba's disk cache into
+    it; False if the cache does not hold it or is off (``NUMBA_DISABLE_CACHE``).
+
+    ``dispatcher.compile`` would load it too, but first readies Numba's target context
+    for compiling (``refresh``: every typing and lowering registry, 0.1-0.15 s once a
+    process, a fifth of a warm start), of which running cached code needs only the
+    runtime's (NRT) symbols. The rest is what ``Dispatcher.compile`` does on a hit."""
+    load = getattr(dispatcher._cache, "_load_overload", None)  # NullCache has none
+    if load is None:
+        return False
+    context = dispatcher.targetctx
+    with global_compiler_lock:
+        rtsys.initialize(context)
+        result = load(signature, context)
+        if result is None:
+            return False
+        dispatcher._cache_hits[signature] += 1
+        context.insert_user_function(result.entry_point, result.fndesc, [result.library])
+        dispatcher.add_overload(result)
+    return True
 
 
 def _job(module: KernelModule, source: str | None = None) -> Job:
