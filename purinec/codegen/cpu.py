@@ -120,7 +120,7 @@ def _rendered(graph: Graph, options: CpuOptions
 def compile_kernels(graph: Graph, options: CpuOptions = DEFAULT_OPTIONS
                     ) -> dict[Node, Kernel]:
     """A compiled kernel for every node of ``graph``; nodes whose code is the same
-    share its ``run``. Kernels that other processes are compiling (compile helpers,
+    share its compiled function. Kernels that other processes are compiling (compile helpers,
     other ranks) are taken last, loaded from Numba's cache once they are done."""
     modules, sources, jobs = _rendered(graph, options)
     return _compile_all(graph, modules, sources, jobs, uncompiled(jobs))
@@ -217,7 +217,11 @@ def compile_module(module: KernelModule, compiled: dict[tuple, Kernel] | None = 
     nodes = tuple(member for node in module.nodes for member in (node.body or [node]))
     key = (cache.code_of(source), signature)
     if compiled is not None and key in compiled:
-        return replace(compiled[key], name=module.name, source=source, nodes=nodes)
+        # The same function; the block count and the shapes are this node's own (a
+        # flat loop's code fits any size).
+        dispatcher = compiled[key].dispatcher
+        return replace(compiled[key], name=module.name, source=source, nodes=nodes,
+                       run=_runner(dispatcher, module), check=module.argument_check())
     limit_blas_threads()
     where = ", ".join(repr(n) for n in module.nodes)
     try:
@@ -243,12 +247,17 @@ def compile_module(module: KernelModule, compiled: dict[tuple, Kernel] | None = 
         path = cache.kernel_path(source)
         raise CodegenError(f"compiling the cpu kernel for {where} failed ({path}): "
                            f"{type(err).__name__}: {err}") from err
-    run = dispatcher if module.blocks is None else Blocked(dispatcher, module.blocks)
-    kernel = Kernel(module.name, source, cache.kernel_path(source), nodes, run,
-                    module.argument_check(), dispatcher, signature)
+    kernel = Kernel(module.name, source, cache.kernel_path(source), nodes,
+                    _runner(dispatcher, module), module.argument_check(), dispatcher,
+                    signature)
     if compiled is not None:
         compiled[key] = kernel
     return kernel
+
+
+def _runner(dispatcher: Dispatcher, module: KernelModule) -> Callable:
+    """What runs ``module``'s kernel: its function, or its blocks on threads."""
+    return dispatcher if module.blocks is None else Blocked(dispatcher, module.blocks)
 
 
 def _load_from_disk(dispatcher: Dispatcher, signature: tuple) -> bool:
@@ -276,5 +285,5 @@ def _load_from_disk(dispatcher: Dispatcher, signature: tuple) -> bool:
 
 def _job(module: KernelModule, source: str | None = None) -> Job:
     """What compiling ``module``'s entry function takes, in a form a helper can read."""
-    arrays = tuple((value.type.dtype.numpy.name, value.type.rank) for _, value in module.params)
-    return Job(source or module.text(), module.function, arrays, module.blocks is not None)
+    return Job(source or module.text(), module.function, module.argument_types(),
+               module.blocks is not None)

@@ -187,6 +187,9 @@ class KernelModule:
         out.line("import numpy as np")
         out.line("from numba import njit")
         out.lines(self._imports)
+        # Code, not a comment: a file's code then fits one signature, though a flat
+        # loop (`elementwise.emit_loop`) reads any rank, so a file is compiled once.
+        out.line(f"ARGUMENTS = {self.argument_types()!r}  # (dtype, rank) of each array")
         out.lines(self._constants)
         for name in self._helpers:
             out.line()
@@ -207,6 +210,10 @@ class KernelModule:
 
     def text(self) -> str:
         return self.builder().text()
+
+    def argument_types(self) -> tuple[tuple[str, int], ...]:
+        """The entry function's arrays (all C-contiguous) as (NumPy dtype name, rank)."""
+        return tuple((value.type.dtype.numpy.name, value.type.rank) for _, value in self.params)
 
     def argument_check(self) -> ArgumentCheck:
         """What the entry function's arrays must be (checked in Python by direct

@@ -163,9 +163,15 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
     # Numba's negative-index wraparound then keeps LLVM from vectorizing (4-8x slower
     # on a flat loop).
     blocked = 0
-    bounds = ("0", str(extents[0])) if extents else None
+    # A flat loop over whole arrays reads its length from them, so nodes differing in
+    # size only (one layer's gradient and another's, at any batch) share its code and
+    # compile it once, in a process and in the kernel cache.
+    length = _length_of(module, groups, first, block, list(loads.values()) + stores)
+    bounds = ("0", length or str(extents[0])) if extents else None
     if extents and not first:
         bounds = module.split(extents[0], _prod(shape))
+        if length and bounds[0] == "0":
+            bounds = ("0", length)
     restricted = [k for k, group in enumerate(groups) if block and group[0] >= cut]
     if restricted:  # the block's indices times the size of the axes merged after it
         blocked = restricted[0]
@@ -203,9 +209,11 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
     operands = list(loads.values()) + stores
     rows: list[str] = []  # views of rows sliced to the block, made in the loops around it
     with body.origin(*members):
+        if length:
+            body.line(f"{length} = {stores[0].array}.size")
         for op in operands:
             op.view = module.fresh(op.hint + "_v")
-            dims = [str(extents[k]) for k in op.merged] or ["1"]
+            dims = [length or str(extents[k]) for k in op.merged] or ["1"]
             sliced = block_start is not None and blocked in op.merged
             outside = [loop_vars[k] for k in op.merged if k < blocked]
             block_slice = f"{block_start}:{bounds[1]}" if sliced else ""
@@ -251,6 +259,16 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
         nest({k: load.view for k, _, load in pairs})
     with body.origin(*members), body.block("else:"):
         nest({})
+
+
+def _length_of(module: KernelModule, groups: list[list[int]], first: int, block,
+               operands: list[_Operand]) -> str | None:
+    """A local for the loop's length (read from its first output's size), if the loop
+    is one flat loop over whole arrays: every operand varies along all of its axes, and
+    it is no epilogue inside a producer's loop. Else None: lengths are literals."""
+    if first or block or len(groups) != 1 or any(op.merged != (0,) for op in operands):
+        return None
+    return module.fresh("n")
 
 
 # Outputs of fewer elements than this take a few microseconds unvectorized: not worth

@@ -20,8 +20,8 @@ class CodegenError(PurinecError):
 @dataclass(frozen=True)
 class ArgumentCheck:
     """What a kernel's arguments must be, in order: C-contiguous arrays of these shapes
-    and dtypes. Shapes are baked into a kernel's body, so an array of another shape must
-    never reach it (it would read or write out of bounds). The runtime's plan binds only
+    and dtypes. Most kernels bake shapes into their body, so an array of another shape
+    must never reach them (they would read or write out of bounds). The runtime's plan binds only
     arrays of the declared types (`purinec.runtime.plan`), so it calls kernels unchecked;
     a direct call (`Kernel.fn`) is checked here, in Python: the same test inside the
     kernel cost Numba a tenth to a third of each kernel's compile."""
@@ -48,7 +48,7 @@ class Kernel:
     module text generated for ``nodes``, the IR nodes it computes (one, or a fused
     node's members); the file at ``path`` in the kernel cache holds the same code, with
     the comments of whichever node wrote it first (nodes with the same code share the
-    file, and in one `compile_kernels` call, ``run``). ``dispatcher`` is the Numba
+    file, and in one `compile_kernels` call, ``dispatcher``). ``dispatcher`` is the Numba
     function ``run`` calls (directly, or once per block of a blocked kernel), compiled
     for ``signature``, the code `llvm` and `asm` show.
     """

@@ -286,6 +286,41 @@ def test_shared_kernels_compute_each_node(cache_dir):
         np.testing.assert_allclose(t, want, rtol=1e-5, atol=1e-6)
 
 
+def sized_graph(sizes) -> Graph:
+    """The same elementwise op (relu_grad) on arrays of several shapes and ranks."""
+    g = Graph("sized")
+    outputs = []
+    for k, shape in enumerate(sizes):
+        x = g.add_input(f"x{k}", TensorType(shape, DType.f32))
+        dy = g.add_input(f"dy{k}", TensorType(shape, DType.f32))
+        dx = g.add_node("relu_grad", [x, dy], names=[f"dx{k}"]).outputs[0]
+        outputs.append((f"dx{k}", dx))
+    g.set_outputs(outputs)
+    return g
+
+
+@pytest.mark.parametrize("options", [cpu.CpuOptions(), cpu.CpuOptions(parallel_min=0)],
+                         ids=["whole", "blocked"])
+def test_elementwise_nodes_differing_in_size_only_share_their_compiled_code(cache_dir,
+                                                                            options):
+    """A flat elementwise loop reads its length from its arrays: relu_grad at any size
+    is one file and one compile per rank (the code names its arguments' ranks), each
+    node run over its own size and, blocked, in its own blocks."""
+    sizes = [(3, 7), (64, 50), (2, 3, 4, 5), (6, 5, 4, 3)]
+    graph = sized_graph(sizes)
+    kernels = cpu.compile_kernels(graph, options)
+    assert cache.STATS.compiles == 2  # rank 2 and rank 4
+    assert len({k.path for k in kernels.values()}) == 2
+    rng = np.random.default_rng(3)
+    for node, shape in zip(graph.nodes, sizes):
+        x, dy = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+        dx = np.full(shape, np.nan, np.float32)
+        kernels[node].fn(x, dy, dx)
+        np.testing.assert_array_equal(dx, np.where(x > 0, dy, np.float32(0)))
+    with pytest.raises(ValueError, match="must be"):  # each checks its own node's shapes
+        kernels[graph.nodes[0]].fn(*(np.zeros((64, 50), np.float32) for _ in range(3)))
+
+
 def test_a_file_another_node_wrote_is_shared_and_kept(cache_dir):
     first, second = by_op(twin_graph(batch=5))["relu"]
     kernel = cpu.compile_node(first)
