@@ -303,36 +303,41 @@ def render_reduce_sum(node: Node, m: KernelModule) -> None:
     """Loops over the kept axes outside (each output element written once, so blocks of
     the outermost are independent) and the summed axes inside, accumulating in a
     scalar; a sum down columns (the innermost axis kept) adds whole rows instead
-    (`_sum_rows`)."""
+    (`_sum_rows`). Extents are read from the input's shape: every bias gradient of a
+    network (NCHW summed to C, at any size) shares one kernel."""
     x, out, b = m.inputs[0], m.outputs[0], m.body
     x_type, out_type = node.inputs[0].type, node.outputs[0].type
     summed = set(node.attrs["axes"])
-    groups: list[tuple[bool, int]] = []  # (summed?, extent) after merging like neighbours
+    groups: list[tuple[bool, list[int]]] = []  # (summed?, axes) after merging like neighbours
     for a, size in enumerate(x_type.shape):
         if size == 1:
             continue
         if groups and groups[-1][0] == (a in summed):
-            groups[-1] = (groups[-1][0], groups[-1][1] * size)
+            groups[-1][1].append(a)
         else:
-            groups.append((a in summed, size))
+            groups.append((a in summed, [a]))
+    sizes = [_prod(x_type.shape[a] for a in axes) for _, axes in groups]
+    extents = [m.fresh("e") for _ in groups]
+    for extent, (_, axes) in zip(extents, groups):
+        b.line(f"{extent} = {' * '.join(f'{x}.shape[{a}]' for a in axes)}")
     loop_vars = [m.fresh(f"i{k}") for k in range(len(groups))]
     view = m.fresh(x + "_v")
-    b.line(f"{view} = {x}.reshape({tuple(e for _, e in groups) or (1,)!r})")
+    b.line(f"{view} = {x}.reshape(({', '.join(extents or ['1'])},))")
     out_flat = m.fresh(out + "_flat")
-    b.line(f"{out_flat} = {out}.reshape(({max(out_type.size, 1)},))")
+    b.line(f"{out_flat} = {out}.reshape(({out}.size,))")
     if [s for s, _ in groups] in ([True, False], [False, True, False]):
-        _sum_rows(node, m, view, out_flat, [e for _, e in groups])
+        _sum_rows(node, m, view, out_flat, extents, sizes)
         return
     kept = [k for k, (s, _) in enumerate(groups) if not s]
     sums = [k for k, (s, _) in enumerate(groups) if s]
     out_index = " + ".join(
-        affine(loop_vars[k], _prod(groups[j][1] for j in kept if j > k), 0) for k in kept
+        " * ".join([loop_vars[k]] + [extents[j] for j in kept if j > k]) for k in kept
     ) or "0"
     depth = 0
     for n, k in enumerate(kept):
-        lo, hi = m.split(groups[k][1], x_type.size) if n == 0 else ("0", str(groups[k][1]))
+        lo, hi = m.split(sizes[k], x_type.size) if n == 0 else ("0", extents[k])
         with b.indent(depth):
-            b.line(f"for {loop_vars[k]} in range({span_of(lo, hi)}):")
+            b.line(f"for {loop_vars[k]} in range({span_of(lo, extents[k] if lo == '0' else hi)}):")
         depth += 1
     acc = m.fresh("acc")
     with b.indent(depth):
@@ -342,38 +347,38 @@ def render_reduce_sum(node: Node, m: KernelModule) -> None:
         if k == inner:
             break
         with b.indent(depth):
-            b.line(f"for {loop_vars[k]} in range({groups[k][1]}):")
+            b.line(f"for {loop_vars[k]} in range({extents[k]}):")
         depth += 1
     if inner is None:
         with b.indent(depth):
             b.line(f"{acc} += {view}[{', '.join(loop_vars) or '0'}]")
     else:
         with b.indent(depth):
-            _sum_innermost(m, node, view, loop_vars, groups[inner][1], acc)
+            _sum_innermost(m, node, view, loop_vars, extents[inner], acc)
     with b.indent(len(kept)):
         b.line(f"{out_flat}[{out_index}] = {_cast(acc, out_type.dtype)}")
 
 
 def _sum_rows(node: Node, m: KernelModule, view: str, out_flat: str,
-              extents: list[int]) -> None:
+              extents: list[str], sizes: list[int]) -> None:
     """A sum over the rows of ``view`` (``[rows, width]``, or ``[outer, rows, width]``
     with a sum for each outer index): the rows are added into a float64 row in order,
     a loop along the row that vectorises, where a loop down each column would read one
     element per cache line. The outer axis is the blocked one; without one, blocks of
-    columns."""
+    columns. ``extents``: the names of the view's extents; ``sizes``: their values."""
     b, dtype = m.body, node.inputs[0].type.dtype
     *outer, rows, width = extents
     r, j, total = m.fresh("r"), m.fresh("j"), m.fresh("total")
     at = ""  # the outer index, then ", " (or nothing)
     if outer:
         o = m.fresh("o")
-        lo, hi = m.split(outer[0], _prod(extents))
+        lo, hi = m.split(sizes[0], _prod(sizes))
         b.line(f"{total} = np.empty({width}, {_accumulator(dtype)})")
-        b.line(f"for {o} in range({span_of(lo, hi)}):")
-        at, count, part, out_row = f"{o}, ", str(width), view, m.fresh("out_row")
+        b.line(f"for {o} in range({span_of(lo, outer[0] if lo == '0' else hi)}):")
+        at, count, part, out_row = f"{o}, ", width, view, m.fresh("out_row")
         b.line(f"    {out_row} = {out_flat}[{o} * {width}:{o} * {width} + {width}]")
     else:
-        lo, hi = m.split(width, _prod(extents))
+        lo, hi = m.split(sizes[-1], _prod(sizes))
         count = width if lo == "0" else f"{hi} - {lo}"
         part, out_row = m.fresh("part"), m.fresh("out_row")
         b.line(f"{part} = {view}[:, {lo}:{hi}]" if lo != "0" else f"{part} = {view}")
@@ -388,7 +393,7 @@ def _sum_rows(node: Node, m: KernelModule, view: str, out_flat: str,
             b.line(f"{out_row}[{j}] = {_cast(f'{total}[{j}]', node.outputs[0].type.dtype)}")
 
 
-def _sum_innermost(m: KernelModule, node: Node, view: str, loop_vars: list[str], extent: int,
+def _sum_innermost(m: KernelModule, node: Node, view: str, loop_vars: list[str], extent: str,
                    acc: str) -> None:
     """``acc += sum of view[..., k]`` over the innermost axis, through a partial sum per
     row. The kernel may reassociate float additions (`KernelModule.fastmath`), so LLVM
