@@ -25,10 +25,8 @@ them for the calling thread.
 
 from __future__ import annotations
 
-import importlib.abc
 import logging
 import re
-import sys
 import threading
 from dataclasses import replace
 from typing import Callable
@@ -38,9 +36,10 @@ from numba.core.dispatcher import Dispatcher
 from numba.core.runtime import rtsys
 
 from purinec.codegen import cache
-from purinec.codegen.compile_helpers import Job, helping, uncompiled
+from purinec.codegen.compile_helpers import (Job, helping, start_numba_without_scipy,
+                                              uncompiled)
 from purinec.codegen import cpu_conv, cpu_fused, cpu_ops, cpu_pool  # noqa: F401  (renderers)
-from purinec.codegen.cpu_runtime import NUMPY_BLAS, Blocked, limit_blas_threads, set_threads
+from purinec.codegen.cpu_runtime import Blocked, limit_blas_threads, set_threads
 from purinec.codegen.cpu_module import DEFAULT_OPTIONS, RENDERERS, CpuOptions, KernelModule
 from purinec.codegen.kernel import CodegenError, Kernel
 from purinec.codegen.progress import kernel_counter
@@ -50,38 +49,6 @@ __all__ = ["compile_kernels", "kernel_calls", "compile_node", "render", "RENDERE
            "CpuOptions", "set_threads"]
 
 log = logging.getLogger(__name__)
-
-
-class _HideSciPyLinalg(importlib.abc.MetaPathFinder):
-    """Makes ``scipy.linalg`` unimportable for one thread, while it is on sys.meta_path."""
-
-    def __init__(self) -> None:
-        self.thread = threading.get_ident()
-
-    def find_spec(self, name, path, target=None):
-        if name.startswith("scipy.linalg") and threading.get_ident() == self.thread:
-            raise ModuleNotFoundError(f"{name} is hidden while Numba starts", name=name)
-        return None
-
-
-def _start_numba_without_scipy() -> None:
-    """Import Numba's array-math implementations now, with SciPy's linear algebra hidden.
-
-    Numba imports them before it compiles its first function, and with them SciPy's
-    BLAS, only to tell whether ``np.correlate`` may use it: a third of a second. Kernels
-    call BLAS through `cpu_runtime` instead, and ``np.dot`` and ``np.linalg`` keep
-    working (Numba imports SciPy when it compiles them). Nothing is hidden when SciPy's
-    BLAS is needed anyway (``NUMPY_BLAS`` is None) or was imported already. Loading
-    cached kernels (`_load_from_disk`) needs none of this."""
-    started = "numba.np.arraymath" in sys.modules
-    if started or NUMPY_BLAS is None or "scipy.linalg" in sys.modules:
-        return
-    finder = _HideSciPyLinalg()
-    sys.meta_path.insert(0, finder)
-    try:
-        import numba.np.arraymath  # noqa: F401
-    finally:
-        sys.meta_path.remove(finder)
 
 
 def render_module(node: Node, options: CpuOptions = DEFAULT_OPTIONS) -> KernelModule:
@@ -229,7 +196,7 @@ def compile_module(module: KernelModule, compiled: dict[tuple, Kernel] | None = 
         if signature not in dispatcher.overloads:
             loaded = _load_from_disk(dispatcher, signature)
             if not loaded:
-                _start_numba_without_scipy()
+                start_numba_without_scipy()
                 with cache.one_compiler(source, wait=wait) as mine:
                     if not mine:
                         return None
