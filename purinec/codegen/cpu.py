@@ -155,9 +155,10 @@ def _compile_all(graph: Graph, modules: dict[Node, KernelModule], sources: dict[
     kernels: dict[Node, Kernel] = {}
     # Longest first, in every process: a long kernel taken last would be compiled alone
     # while the other processes wait (lenet's SGD group, 1.3 s). Code length is a fair
-    # guess of Numba's time.
-    todo = sorted(todo, key=lambda job: -len(job.source))
-    order = sorted(modules, key=lambda node: -len(sources[node]))
+    # guess of Numba's time; among equals, graph order (the first node writes the file).
+    length = {source: len(cache.code_of(source)) for source in sources.values()}
+    todo = sorted(todo, key=lambda job: -length[job.source])
+    order = sorted(modules, key=lambda node: -length[sources[node]])
     with kernel_counter(len(graph.nodes), graph.name, len(jobs), cached) as bar, helping(todo):
         for wait in (False, True):
             for node in order:
