@@ -87,8 +87,8 @@ def _rendered(graph: Graph, options: CpuOptions
 def compile_kernels(graph: Graph, options: CpuOptions = DEFAULT_OPTIONS
                     ) -> dict[Node, Kernel]:
     """A compiled kernel for every node of ``graph``; nodes whose code is the same
-    share its compiled function. Kernels that other processes are compiling (compile helpers,
-    other ranks) are taken last, loaded from Numba's cache once they are done."""
+    share its compiled function. Kernels that other processes are compiling (compile
+    helpers, other ranks) are taken last, loaded from Numba's cache once they are done."""
     modules, sources, jobs = _rendered(graph, options)
     return _compile_all(graph, modules, sources, jobs, uncompiled(jobs))
 

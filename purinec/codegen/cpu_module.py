@@ -213,7 +213,8 @@ class KernelModule:
 
     def argument_types(self) -> tuple[tuple[str, int], ...]:
         """The entry function's arrays (all C-contiguous) as (NumPy dtype name, rank)."""
-        return tuple((value.type.dtype.numpy.name, value.type.rank) for _, value in self.params)
+        return tuple((value.type.dtype.numpy.name, value.type.rank)
+                     for _, value in self.params)
 
     def argument_check(self) -> ArgumentCheck:
         """What the entry function's arrays must be (checked in Python by direct

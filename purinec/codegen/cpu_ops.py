@@ -1,10 +1,11 @@
 """CPU renderers (see `purinec.codegen.cpu_module.renders`): the helpers they share, and
 the elementwise, data movement, reduction, softmax and loss ops.
 
-Every shape and attribute is baked in as a constant. The heavy ops have modules of
-their own: `purinec.codegen.cpu_conv` (matrix products and convolutions, through
-BLAS), `purinec.codegen.cpu_pool` (pooling and LRN) and `purinec.codegen.cpu_fused`
-(fused nodes). Here:
+Shapes and attributes are baked in as constants, except that flat elementwise loops and
+``reduce_sum`` read their extents from their arrays, so one compile serves every size.
+The heavy ops have modules of their own: `purinec.codegen.cpu_conv` (matrix products
+and convolutions, through BLAS), `purinec.codegen.cpu_pool` (pooling and LRN) and
+`purinec.codegen.cpu_fused` (fused nodes). Here:
 
 * elementwise and broadcast ops: one loop nest from their element expressions
   (`purinec.codegen.elementwise`), the same emitter fused nodes use;
@@ -308,7 +309,7 @@ def render_reduce_sum(node: Node, m: KernelModule) -> None:
     x, out, b = m.inputs[0], m.outputs[0], m.body
     x_type, out_type = node.inputs[0].type, node.outputs[0].type
     summed = set(node.attrs["axes"])
-    groups: list[tuple[bool, list[int]]] = []  # (summed?, axes) after merging like neighbours
+    groups: list[tuple[bool, list[int]]] = []  # (summed?, axes), like neighbours merged
     for a, size in enumerate(x_type.shape):
         if size == 1:
             continue
@@ -336,8 +337,9 @@ def render_reduce_sum(node: Node, m: KernelModule) -> None:
     depth = 0
     for n, k in enumerate(kept):
         lo, hi = m.split(sizes[k], x_type.size) if n == 0 else ("0", extents[k])
+        hi = hi if lo != "0" else extents[k]  # unsplit: the whole extent, read at run time
         with b.indent(depth):
-            b.line(f"for {loop_vars[k]} in range({span_of(lo, extents[k] if lo == '0' else hi)}):")
+            b.line(f"for {loop_vars[k]} in range({span_of(lo, hi)}):")
         depth += 1
     acc = m.fresh("acc")
     with b.indent(depth):
@@ -393,8 +395,8 @@ def _sum_rows(node: Node, m: KernelModule, view: str, out_flat: str,
             b.line(f"{out_row}[{j}] = {_cast(f'{total}[{j}]', node.outputs[0].type.dtype)}")
 
 
-def _sum_innermost(m: KernelModule, node: Node, view: str, loop_vars: list[str], extent: str,
-                   acc: str) -> None:
+def _sum_innermost(m: KernelModule, node: Node, view: str, loop_vars: list[str],
+                   extent: str, acc: str) -> None:
     """``acc += sum of view[..., k]`` over the innermost axis, through a partial sum per
     row. The kernel may reassociate float additions (`KernelModule.fastmath`), so LLVM
     sums each row in vector lanes: 6x faster than four scalar partial sums, and as

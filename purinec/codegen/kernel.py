@@ -21,10 +21,10 @@ class CodegenError(PurinecError):
 class ArgumentCheck:
     """What a kernel's arguments must be, in order: C-contiguous arrays of these shapes
     and dtypes. Most kernels bake shapes into their body, so an array of another shape
-    must never reach them (they would read or write out of bounds). The runtime's plan binds only
-    arrays of the declared types (`purinec.runtime.plan`), so it calls kernels unchecked;
-    a direct call (`Kernel.fn`) is checked here, in Python: the same test inside the
-    kernel cost Numba a tenth to a third of each kernel's compile."""
+    must never reach them (they would read or write out of bounds). The runtime's plan
+    binds only arrays of the declared types (`purinec.runtime.plan`), so it calls
+    kernels unchecked; a direct call (`Kernel.fn`) is checked here, in Python: the same
+    test inside the kernel cost Numba a tenth to a third of each kernel's compile."""
 
     function: str
     arrays: tuple[tuple[tuple[int, ...], np.dtype], ...]
