@@ -174,7 +174,7 @@ def start_numba_without_scipy() -> None:
     call BLAS through `cpu_runtime` instead, and ``np.dot`` and ``np.linalg`` keep
     working (Numba imports SciPy when it compiles them). Nothing is hidden when SciPy's
     BLAS is needed anyway (``NUMPY_BLAS`` is None) or was imported already. Loading
-    cached kernels (`_load_from_disk`) needs none of this."""
+    cached kernels (`purinec.jitcache`) needs none of this."""
     started = "numba.np.arraymath" in sys.modules
     if started or NUMPY_BLAS is None or "scipy.linalg" in sys.modules:
         return

@@ -31,10 +31,9 @@ import threading
 from dataclasses import replace
 from typing import Callable
 
-from numba.core.compiler_lock import global_compiler_lock
 from numba.core.dispatcher import Dispatcher
-from numba.core.runtime import rtsys
 
+from purinec import jitcache
 from purinec.codegen import cache
 from purinec.codegen.compile_helpers import (Job, helping, start_numba_without_scipy,
                                               uncompiled)
@@ -200,7 +199,7 @@ def compile_module(module: KernelModule, compiled: dict[tuple, Kernel] | None = 
     try:
         dispatcher = getattr(cache.load_module(source), module.function)
         if signature not in dispatcher.overloads:
-            loaded = _load_from_disk(dispatcher, signature)
+            loaded = jitcache.load(dispatcher, signature)
             if not loaded:
                 start_numba_without_scipy()
                 with cache.one_compiler(source, wait=wait) as mine:
@@ -231,29 +230,6 @@ def compile_module(module: KernelModule, compiled: dict[tuple, Kernel] | None = 
 def _runner(dispatcher: Dispatcher, module: KernelModule) -> Callable:
     """What runs ``module``'s kernel: its function, or its blocks on threads."""
     return dispatcher if module.blocks is None else Blocked(dispatcher, module.blocks)
-
-
-def _load_from_disk(dispatcher: Dispatcher, signature: tuple) -> bool:
-    """Load ``dispatcher``'s machine code for ``signature`` from Numba's disk cache into
-    it; False if the cache does not hold it or is off (``NUMBA_DISABLE_CACHE``).
-
-    ``dispatcher.compile`` would load it too, but first readies Numba's target context
-    for compiling (``refresh``: every typing and lowering registry, 0.1-0.15 s once a
-    process, a fifth of a warm start), of which running cached code needs only the
-    runtime's (NRT) symbols. The rest is what ``Dispatcher.compile`` does on a hit."""
-    load = getattr(dispatcher._cache, "_load_overload", None)  # NullCache has none
-    if load is None:
-        return False
-    context = dispatcher.targetctx
-    with global_compiler_lock:
-        rtsys.initialize(context)
-        result = load(signature, context)
-        if result is None:
-            return False
-        dispatcher._cache_hits[signature] += 1
-        context.insert_user_function(result.entry_point, result.fndesc, [result.library])
-        dispatcher.add_overload(result)
-    return True
 
 
 def _job(module: KernelModule, source: str | None = None) -> Job:

@@ -18,6 +18,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from purinec import jitcache
+
 ORDER = "seq_cst"
 
 
@@ -76,3 +78,19 @@ def fetch_add(words, index, value):
 def fence():
     """A full memory fence: no load or store moves across it."""
     _fence()
+
+
+_WORDS = types.Array(types.int64, 1, "C")
+# What the runtime calls them with: an int64 array and Python ints.
+_SIGNATURES = ((compare_and_swap, (_WORDS, types.int64, types.int64, types.int64)),
+               (fetch_add, (_WORDS, types.int64, types.int64)),
+               (fence, ()))
+
+
+def ready() -> None:
+    """Load the atomics from Numba's disk cache before their first call, without
+    readying Numba to compile (`purinec.jitcache`: a third of a second of every rank
+    that shares memory); compile them where the cache does not hold them."""
+    for function, signature in _SIGNATURES:
+        if signature not in function.overloads and not jitcache.load(function, signature):
+            function.compile(signature)

@@ -3,6 +3,9 @@ checked under contention from several processes on one shared mapping."""
 
 import mmap
 import multiprocessing
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -53,3 +56,28 @@ def test_contention_across_processes_is_exact():
     # Every item was claimed by exactly one process, the one its word names.
     assert (won.sum(axis=0) == 1).all()
     assert (claims == won.argmax(axis=0) + 1).all()
+
+
+# A process that readies the atomics, uses them, and says whether Numba got ready to
+# compile (its array-math implementations are imported only for that).
+READY_CHILD = """
+import sys
+import numpy as np
+from purinec.runtime import atomics
+atomics.ready()
+words = np.array([4, 9], np.int64)
+assert atomics.compare_and_swap(words, 0, 4, 5) == 4 and atomics.fetch_add(words, 1, 3) == 9
+atomics.fence()
+print(words.tolist(), "numba.np.arraymath" in sys.modules)
+"""
+
+
+def test_a_later_process_loads_the_atomics_without_readying_numba_to_compile(tmp_path):
+    """The first process compiles them into Numba's cache (here a fresh one); a later
+    one loads them (`purinec.jitcache`), a third of a second sooner."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    runs = [subprocess.run([sys.executable, "-c", READY_CHILD], env=env, text=True,
+                           capture_output=True, timeout=300) for _ in range(2)]
+    assert [run.returncode for run in runs] == [0, 0], runs[-1].stderr
+    assert [run.stdout.split(maxsplit=2)[-1].strip() for run in runs] == ["True", "False"]
+    assert all(run.stdout.startswith("[5, 12]") for run in runs)
