@@ -12,7 +12,8 @@ kernel is compiled for its exact argument types right away, or loaded from Numba
 cache when a previous process compiled it (`kernel_calls`, the runtime's view, defers
 loading each kernel of a warm cache to its first call). Nodes rendering to the same code
 share the compiled function: in one `compile_kernels` call each gets its own `Kernel`
-(its own source, comments included) around the same ``run``.
+(its own source, comments included, and its own block count) around the same Numba
+function.
 
 Renderers live in `purinec.codegen.cpu_ops`, `cpu_conv`, `cpu_pool` and `cpu_fused`, and
 are found through `RENDERERS` (op name -> function, ``fused`` included). Elementwise ops

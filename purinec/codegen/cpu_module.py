@@ -157,13 +157,16 @@ class KernelModule:
             self._helpers.append(name)
         return name
 
-    def split(self, count: int, work: int, products: bool = False) -> tuple[str, str]:
+    def split(self, count: int, work: int, products: bool = False,
+              extent: str | None = None) -> tuple[str, str]:
         """Bounds of the loop over ``count`` independent items (images, planes, rows)
         that carries the kernel's ``work`` (multiply-adds when ``products``, else
         elements: see `CpuOptions`). If the work is big enough, the kernel
         becomes *blocked*: its function takes ``lo, hi`` first and computes items
         ``lo:hi`` only, and `purinec.codegen.cpu_runtime.run_blocked` runs blocks on
-        several threads; otherwise the bounds are the constants ``0, count``.
+        several threads; otherwise the bounds are ``0`` and ``extent`` (a local holding
+        the count, in a kernel that reads its extents from its arrays) or the constant
+        ``count``.
 
         A kernel splits one loop count at most (several loops over the same count may
         share it), and only if no loop before was left whole: every block runs the
@@ -176,7 +179,7 @@ class KernelModule:
             return "lo", "hi"
         if self.blocks is None:
             self.serial = True
-        return "0", str(count)
+        return "0", extent or str(count)
 
     # -- the module text ------------------------------------------------------------
 

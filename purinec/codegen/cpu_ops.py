@@ -336,8 +336,8 @@ def render_reduce_sum(node: Node, m: KernelModule) -> None:
     ) or "0"
     depth = 0
     for n, k in enumerate(kept):
-        lo, hi = m.split(sizes[k], x_type.size) if n == 0 else ("0", extents[k])
-        hi = hi if lo != "0" else extents[k]  # unsplit: the whole extent, read at run time
+        lo, hi = (m.split(sizes[k], x_type.size, extent=extents[k]) if n == 0
+                  else ("0", extents[k]))
         with b.indent(depth):
             b.line(f"for {loop_vars[k]} in range({span_of(lo, hi)}):")
         depth += 1
@@ -374,14 +374,14 @@ def _sum_rows(node: Node, m: KernelModule, view: str, out_flat: str,
     at = ""  # the outer index, then ", " (or nothing)
     if outer:
         o = m.fresh("o")
-        lo, hi = m.split(sizes[0], _prod(sizes))
+        lo, hi = m.split(sizes[0], _prod(sizes), extent=outer[0])
         b.line(f"{total} = np.empty({width}, {_accumulator(dtype)})")
-        b.line(f"for {o} in range({span_of(lo, outer[0] if lo == '0' else hi)}):")
+        b.line(f"for {o} in range({span_of(lo, hi)}):")
         at, count, part, out_row = f"{o}, ", width, view, m.fresh("out_row")
         b.line(f"    {out_row} = {out_flat}[{o} * {width}:{o} * {width} + {width}]")
     else:
-        lo, hi = m.split(sizes[-1], _prod(sizes))
-        count = width if lo == "0" else f"{hi} - {lo}"
+        lo, hi = m.split(sizes[-1], _prod(sizes), extent=width)
+        count = hi if lo == "0" else f"{hi} - {lo}"
         part, out_row = m.fresh("part"), m.fresh("out_row")
         b.line(f"{part} = {view}[:, {lo}:{hi}]" if lo != "0" else f"{part} = {view}")
         b.line(f"{out_row} = {out_flat}[{lo}:{hi}]" if lo != "0" else f"{out_row} = {out_flat}")

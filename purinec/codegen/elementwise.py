@@ -167,11 +167,9 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
     # size only (one layer's gradient and another's, at any batch) share its code and
     # compile it once, in a process and in the kernel cache.
     length = _length_of(module, groups, first, block, list(loads.values()) + stores)
-    bounds = ("0", length or str(extents[0])) if extents else None
+    bounds = ("0", str(extents[0])) if extents else None
     if extents and not first:
-        bounds = module.split(extents[0], _prod(shape))
-        if length and bounds[0] == "0":
-            bounds = ("0", length)
+        bounds = module.split(extents[0], _prod(shape), extent=length)
     restricted = [k for k, group in enumerate(groups) if block and group[0] >= cut]
     if restricted:  # the block's indices times the size of the axes merged after it
         blocked = restricted[0]

@@ -59,8 +59,7 @@ from purinec.errors import PurinecError
 from purinec.ir.graph import Node
 from purinec.ir.ops import broadcast_types
 from purinec.ir.types import Device
-from purinec.runtime import atomics
-from purinec.runtime.atomics import compare_and_swap, fence, fetch_add
+from purinec.runtime.atomics import compare_and_swap, fence, fetch_add, ready as ready_atomics
 from purinec.runtime.collectives import (Packing, PerArrays, broadcast_copies, sum_in_order,
                                          summand_types)
 from purinec.runtime.memory import ALIGNMENT, aligned
@@ -125,7 +124,7 @@ class SharedGroup:
         self.comm, self.order = comm, ranks
         self.kernels: list[_SharedCollective] = []
         self.shared: bool | None = None  # not known until `allocate`
-        atomics.ready()
+        ready_atomics()
 
     def allocate(self, arena_bytes: dict[Device, int]) -> dict[Device, np.ndarray]:
         """Each device's arena of ``arena_bytes`` bytes: in a shared window (collective
