@@ -320,4 +320,6 @@ def _dump_kernels(graph, args, emit) -> None:
                                    f"--asm show cpu kernels, --ptx cuda kernels")
             emit(f"{stem}{suffix}", _text_of(getattr(kernel, show)()))
         else:
-            emit(f"{stem}.py", f"# cached as {kernel.path}\n{kernel.source}")
+            # (a kernel of several modules says where each is cached in its source)
+            cached = f"# cached as {kernel.path}\n" if kernel.path is not None else ""
+            emit(f"{stem}.py", cached + kernel.source)

@@ -6,7 +6,7 @@
     print(render(node))                     # the generated module for one node
 
 Each node becomes one module of Python source for Numba (`render`), specialised to its
-shapes and attributes, which the kernel cache (`purinec.codegen.cache`) stores by the
+shapes and attributes (a horizontal group, one module per member: `render_parts`), which the kernel cache (`purinec.codegen.cache`) stores by the
 hash of its code (its text without the comments that quote the IR) and imports; the
 kernel is compiled for its exact argument types right away, or loaded from Numba's disk
 cache when a previous process compiled it (`kernel_calls`, the runtime's view, defers
@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from numba.core.dispatcher import Dispatcher
@@ -41,9 +41,9 @@ from purinec.codegen.compile_helpers import (Job, helping, start_numba_without_s
 from purinec.codegen import cpu_conv, cpu_fused, cpu_ops, cpu_pool  # noqa: F401  (renderers)
 from purinec.codegen.cpu_runtime import Blocked, limit_blas_threads, set_threads
 from purinec.codegen.cpu_module import DEFAULT_OPTIONS, RENDERERS, CpuOptions, KernelModule
-from purinec.codegen.kernel import CodegenError, Kernel
+from purinec.codegen.kernel import ArgumentCheck, CodegenError, Kernel
 from purinec.codegen.progress import kernel_counter
-from purinec.ir.graph import Graph, Node
+from purinec.ir.graph import Graph, Node, Value
 
 __all__ = ["compile_kernels", "kernel_calls", "compile_node", "render", "RENDERERS",
            "CpuOptions", "set_threads"]
@@ -69,19 +69,70 @@ def render_module(node: Node, options: CpuOptions = DEFAULT_OPTIONS) -> KernelMo
     return module
 
 
+@dataclass(frozen=True)
+class Part:
+    """One module of a node's kernel and what it is called with: ``takes``, the indices
+    of the node's arrays (its inputs, then its outputs) it reads and writes, each viewed
+    as 1-D when ``flat``. A node is one part taking all its arrays as they are, except a
+    horizontal group (`cpu_fused.members_apart`): a part per member."""
+
+    module: KernelModule
+    source: str
+    takes: tuple[int, ...]
+    flat: bool = False
+
+
+def render_parts(node: Node, options: CpuOptions = DEFAULT_OPTIONS) -> list[Part]:
+    """The modules computing ``node``, in the order they run."""
+    if not cpu_fused.members_apart(node):
+        module = render_module(node, options)
+        return [Part(module, module.text(), tuple(range(len(module.params))))]
+    arrays = [*node.inputs, *node.outputs]
+    parts = []
+    for member in node.body:
+        values = [*dict.fromkeys(member.inputs), *member.outputs]
+        flat = len({v.type.shape for v in values}) == 1
+        if flat:  # the member over 1-D views, so that it shares code with any size
+            member = replace(member, inputs=[_flattened(v) for v in member.inputs],
+                             outputs=[_flattened(v) for v in member.outputs])
+        module = render_module(member, options)
+        parts.append(Part(module, module.text(), tuple(arrays.index(v) for v in values), flat))
+    return parts
+
+
+def _flattened(value: Value) -> Value:
+    return replace(value, type=value.type.with_shape((value.type.size,)), producer=None)
+
+
 def render(node: Node, options: CpuOptions = DEFAULT_OPTIONS) -> str:
-    """The source of the kernel module for ``node``."""
-    return render_module(node, options).text()
+    """The source of the kernel module for ``node``; for a horizontal group, of each
+    member's module, in turn."""
+    return _joined(node, render_parts(node, options))
+
+
+def _joined(node: Node, parts: list[Part], paths: list | None = None) -> str:
+    """One text for the parts of ``node``: the part's own for a single part."""
+    if len(parts) == 1:
+        return parts[0].source
+    names = [*node.inputs, *node.outputs]
+    lines = [f"# Kernel `{node.attrs['kernel']}` for %{node.name}: {len(parts)} modules, run "
+             f"one after another, each with some of the node's arrays"]
+    for k, part in enumerate(parts):
+        taken = ", ".join(f"%{names[i].name}" for i in part.takes)
+        lines.append(f"\n# ---- module {k + 1} of {len(parts)}: called with ({taken})"
+                     + (", each viewed as 1-D" if part.flat else "")
+                     + (f", cached as {paths[k]}" if paths else ""))
+        lines.append(part.source)
+    return "\n".join(lines)
 
 
 def _rendered(graph: Graph, options: CpuOptions
-              ) -> tuple[dict[Node, KernelModule], dict[Node, str], list[Job]]:
-    """Every node's module and its text, and the distinct compile jobs among them."""
-    modules = {node: render_module(node, options) for node in graph.nodes}
-    sources = {node: module.text() for node, module in modules.items()}
-    jobs = {cache.code_of(source): _job(modules[node], source)
-            for node, source in sources.items()}
-    return modules, sources, list(jobs.values())
+              ) -> tuple[dict[Node, list[Part]], list[Job]]:
+    """Every node's parts, and the distinct compile jobs among them."""
+    parts = {node: render_parts(node, options) for node in graph.nodes}
+    jobs = {cache.code_of(part.source): _job(part.module, part.source)
+            for node_parts in parts.values() for part in node_parts}
+    return parts, list(jobs.values())
 
 
 def compile_kernels(graph: Graph, options: CpuOptions = DEFAULT_OPTIONS
@@ -89,8 +140,8 @@ def compile_kernels(graph: Graph, options: CpuOptions = DEFAULT_OPTIONS
     """A compiled kernel for every node of ``graph``; nodes whose code is the same
     share its compiled function. Kernels that other processes are compiling (compile
     helpers, other ranks) are taken last, loaded from Numba's cache once they are done."""
-    modules, sources, jobs = _rendered(graph, options)
-    return _compile_all(graph, modules, sources, jobs, uncompiled(jobs))
+    parts, jobs = _rendered(graph, options)
+    return _compile_all(graph, parts, jobs, uncompiled(jobs))
 
 
 def kernel_calls(graph: Graph, options: CpuOptions = DEFAULT_OPTIONS
@@ -100,15 +151,16 @@ def kernel_calls(graph: Graph, options: CpuOptions = DEFAULT_OPTIONS
     to run inference never loads its training step's kernels, each a few milliseconds.
     Otherwise all are compiled now, as `compile_kernels` does, so that a cold compile
     uses its helper processes and reports a kernel that fails before anything runs."""
-    modules, sources, jobs = _rendered(graph, options)
+    parts, jobs = _rendered(graph, options)
     todo = uncompiled(jobs)
     if todo:
-        kernels = _compile_all(graph, modules, sources, jobs, todo)
+        kernels = _compile_all(graph, parts, jobs, todo)
         return {node: kernel.run for node, kernel in kernels.items()}
     limit_blas_threads()
     shared = _SharedLoads()
-    return {node: LoadOnFirstCall(modules[node], sources[node], shared)
-            for node in graph.nodes}
+    return {node: _in_turn([(LoadOnFirstCall(p.module, p.source, shared), p)
+                            for p in node_parts])
+            for node, node_parts in parts.items()}
 
 
 class _SharedLoads:
@@ -146,35 +198,81 @@ class LoadOnFirstCall:
         return f"<kernel {self.module.name}, {state}>"
 
 
-def _compile_all(graph: Graph, modules: dict[Node, KernelModule], sources: dict[Node, str],
-                 jobs: list[Job], todo: list[Job]) -> dict[Node, Kernel]:
+def _compile_all(graph: Graph, parts: dict[Node, list[Part]], jobs: list[Job],
+                 todo: list[Job]) -> dict[Node, Kernel]:
     """Compile (or load) every node's kernel; ``todo``: the ``jobs`` Numba's disk cache
     does not hold, which helper processes start on."""
     cached = len(jobs) - len(todo)
     compiled: dict[tuple, Kernel] = {}
-    kernels: dict[Node, Kernel] = {}
+    kernels: dict[Part, Kernel] = {}
     # Longest first, in every process: a long kernel taken last would be compiled alone
-    # while the other processes wait (lenet's SGD group, 1.3 s). Code length is a fair
-    # guess of Numba's time; among equals, graph order (the first node writes the file).
-    length = {source: len(cache.code_of(source)) for source in sources.values()}
+    # while the other processes wait. Code length is a fair guess of Numba's time; among
+    # equals, graph order (the first node writes the file).
+    length = {part.source: len(cache.code_of(part.source))
+              for node_parts in parts.values() for part in node_parts}
     todo = sorted(todo, key=lambda job: -length[job.source])
-    order = sorted(modules, key=lambda node: -length[sources[node]])
-    with kernel_counter(len(graph.nodes), graph.name, len(jobs), cached) as bar, helping(todo):
+    order = sorted((part for node_parts in parts.values() for part in node_parts),
+                   key=lambda part: -length[part.source])
+    with kernel_counter(len(order), graph.name, len(jobs), cached) as bar, helping(todo):
         for wait in (False, True):
-            for node in order:
-                if node not in kernels:
-                    kernel = compile_module(modules[node], compiled, wait, sources[node])
+            for part in order:
+                if part not in kernels:
+                    kernel = compile_module(part.module, compiled, wait, part.source)
                     if kernel is not None:
-                        kernels[node] = kernel
+                        kernels[part] = kernel
                         bar.update()
-    return {node: kernels[node] for node in graph.nodes}
+    return {node: _combined(node, node_parts, [kernels[p] for p in node_parts])
+            for node, node_parts in parts.items()}
 
 
 def compile_node(node: Node, options: CpuOptions = DEFAULT_OPTIONS,
                  compiled: dict[tuple, Kernel] | None = None) -> Kernel:
     """The compiled kernel of one node (a fused node included). ``compiled`` (code and
     signature -> kernel) collects the kernels made so far, whose ``run`` it reuses."""
-    return compile_module(render_module(node, options), compiled)
+    compiled = {} if compiled is None else compiled
+    parts = render_parts(node, options)
+    return _combined(node, parts, [compile_module(p.module, compiled, source=p.source)
+                                   for p in parts])
+
+
+def _combined(node: Node, parts: list[Part], kernels: list[Kernel]) -> Kernel:
+    """The kernel of ``node`` from its parts' kernels: the one part's own, or one that
+    runs each in turn."""
+    if len(parts) == 1:
+        return kernels[0]
+    arrays = [*node.inputs, *node.outputs]
+    check = ArgumentCheck(node.attrs["kernel"],
+                          tuple((tuple(v.type.shape), v.type.dtype.numpy) for v in arrays),
+                          ", ".join(f"%{v.name} {v.type}" for v in arrays))
+    return Kernel(node.attrs["kernel"], _joined(node, parts, [k.path for k in kernels]),
+                  None, tuple(node.body),
+                  _in_turn([(kernel.run, part) for kernel, part in zip(kernels, parts)]),
+                  check, None, None, tuple(kernels))
+
+
+def _in_turn(calls: list[tuple[Callable, Part]]) -> Callable:
+    """What runs a node's parts: the one part's own call, or `InTurn`."""
+    if len(calls) == 1:
+        return calls[0][0]
+    return InTurn(tuple((run, part.takes, part.flat) for run, part in calls))
+
+
+class InTurn:
+    """Runs a horizontal group's members one after another, each called with its own
+    arrays of the node's (1-D views of them where its code is flat)."""
+
+    __slots__ = ("calls",)
+
+    def __init__(self, calls: tuple[tuple[Callable, tuple[int, ...], bool], ...]):
+        self.calls = calls
+
+    def __call__(self, *arrays) -> None:
+        for run, takes, flat in self.calls:
+            # The runtime's arrays are C-contiguous, so reshape makes views, never copies.
+            run(*[arrays[i].reshape(-1) if flat else arrays[i] for i in takes])
+
+    def __repr__(self) -> str:
+        return f"InTurn({', '.join(repr(run) for run, _, _ in self.calls)})"
 
 
 def compile_module(module: KernelModule, compiled: dict[tuple, Kernel] | None = None,

@@ -244,7 +244,8 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
                     body.line(f"{view}[{_index(op, loop_vars)}] = {results[value]}")
 
     pairs = _in_place_pairs(loads, stores, outputs, local)
-    if not pairs or _prod(shape) < IN_PLACE_MIN:
+    # (a loop reading its length from its arrays serves every size: it has both copies)
+    if not pairs or (length is None and _prod(shape) < IN_PLACE_MIN):
         nest({})
         return
     # The memory planner often puts an output over an input of its shape (an SGD step
@@ -270,7 +271,7 @@ def _length_of(module: KernelModule, groups: list[list[int]], first: int, block,
 
 
 # Outputs of fewer elements than this take a few microseconds unvectorized: not worth
-# compiling a second copy of their loop for.
+# compiling a second copy of their loop for, where the loop is for their size only.
 IN_PLACE_MIN = 4096
 
 

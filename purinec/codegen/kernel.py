@@ -51,16 +51,21 @@ class Kernel:
     file, and in one `compile_kernels` call, ``dispatcher``). ``dispatcher`` is the Numba
     function ``run`` calls (directly, or once per block of a blocked kernel), compiled
     for ``signature``, the code `llvm` and `asm` show.
+
+    A kernel of several ``parts`` (a horizontal group: one kernel per member) runs them
+    in turn; its ``source`` is theirs, joined, and it has no file, dispatcher or
+    signature of its own.
     """
 
     name: str
     source: str
-    path: Path
+    path: Path | None
     nodes: tuple[Node, ...]
     run: Any
     check: ArgumentCheck
     dispatcher: Any
-    signature: tuple
+    signature: tuple | None
+    parts: tuple["Kernel", ...] = ()
 
     def fn(self, *arrays):
         self.check(arrays)
@@ -71,10 +76,14 @@ class Kernel:
 
     def llvm(self) -> str:
         """The optimised LLVM IR Numba produced for this kernel."""
+        if self.parts:
+            return "\n".join(part.llvm() for part in self.parts)
         return self._inspectable().inspect_llvm(self.signature)
 
     def asm(self) -> str:
         """The machine code Numba produced for this kernel, as assembly text."""
+        if self.parts:
+            return "\n".join(part.asm() for part in self.parts)
         return self._inspectable().inspect_asm(self.signature)
 
     def _inspectable(self):

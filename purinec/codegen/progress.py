@@ -31,8 +31,8 @@ def kernel_progress(style: str | None = BAR) -> Iterator[None]:
 
 
 def kernel_counter(total: int, name: str, kernels: int, cached: int):
-    """What counts (``update()``) the ``total`` nodes of graph ``name`` as their kernels
-    are ready, shown as a `kernel_progress` block asks: ``kernels`` distinct kernels,
+    """What counts (``update()``) the ``total`` kernel modules of graph ``name`` (one a
+    node, or one a member of a horizontal group) as they are ready, shown as a `kernel_progress` block asks: ``kernels`` distinct kernels,
     ``cached`` of which are in Numba's disk cache (loaded, not compiled)."""
     if _style.get() == LINES:
         return _LogLines(name, kernels, cached)

@@ -321,6 +321,52 @@ def test_elementwise_nodes_differing_in_size_only_share_their_compiled_code(cach
         kernels[graph.nodes[0]].fn(*(np.zeros((64, 50), np.float32) for _ in range(3)))
 
 
+def updates_graph(shapes) -> Graph:
+    """One horizontal group: an sgd update of a parameter of each shape."""
+    g = Graph("updates")
+    members, inputs = [], []
+    for k, shape in enumerate(shapes):
+        w, h, grad = (g.add_input(f"{name}{k}", TensorType(shape, DType.f32))
+                      for name in ("w", "h", "g"))
+        members.append(g.make_node("sgd", [w, h, grad],
+                                   {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
+                                   names=[f"w{k}.next", f"h{k}.next"]))
+        inputs += [w, h, grad]
+    outputs = [v for member in members for v in member.outputs]
+    g.add_fused(members, inputs, outputs, f"fused_sgd_x{len(shapes)}")
+    g.set_outputs([(v.name, v) for v in outputs])
+    return g
+
+
+def test_a_horizontal_groups_members_share_one_kernel_at_every_size(cache_dir):
+    """Each member of a horizontal group is a kernel of its own over 1-D views of its
+    arrays, so updates of every size and rank compile once (but a 1-element one, whose
+    code has no loop); on a warm cache each part loads at its first call."""
+    shapes = [(3, 4), (5,), (), (70, 8, 3, 3)]
+    graph = updates_graph(shapes)
+    (node,) = graph.nodes
+    kernel = cpu.compile_kernels(graph)[node]
+    assert cache.STATS.compiles == 2
+    assert len(kernel.parts) == len(shapes) and len({k.path for k in kernel.parts}) == 2
+    assert kernel.parts[0].path == kernel.parts[1].path == kernel.parts[3].path
+    assert kernel.source.count("def sgd(") == len(shapes)
+    rng = np.random.default_rng(5)
+    arrays = [rng.standard_normal(shape).astype(np.float32)
+              for shape in shapes for _ in range(3)]
+    want = []
+    for w, h, grad in zip(*[iter(arrays)] * 3):
+        history = 0.9 * h.astype(np.float64) + 0.1 * (grad + 0.01 * w.astype(np.float64))
+        want += [w - history, history]
+    for run in (kernel.fn, cpu.kernel_calls(graph)[node]):  # compiled; loaded when warm
+        outputs = [np.full(w.shape, np.nan, np.float32) for w in want]
+        run(*arrays, *outputs)
+        for got, expected in zip(outputs, want):
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert cache.STATS.compiles == 2
+    with pytest.raises(ValueError, match="must be"):  # the node's own shapes, checked
+        kernel.fn(*arrays[3:], *arrays[:3], *outputs)
+
+
 def test_a_file_another_node_wrote_is_shared_and_kept(cache_dir):
     first, second = by_op(twin_graph(batch=5))["relu"]
     kernel = cpu.compile_node(first)
