@@ -39,7 +39,7 @@ from purinec.codegen import cache
 from purinec.codegen.compile_helpers import (Job, helping, start_numba_without_scipy,
                                               uncompiled)
 from purinec.codegen import cpu_conv, cpu_fused, cpu_ops, cpu_pool  # noqa: F401  (renderers)
-from purinec.codegen.cpu_runtime import Blocked, limit_blas_threads, set_threads
+from purinec.codegen.cpu_runtime import Blocked, Whole, limit_blas_threads, set_threads
 from purinec.codegen.cpu_module import DEFAULT_OPTIONS, RENDERERS, CpuOptions, KernelModule
 from purinec.codegen.kernel import ArgumentCheck, CodegenError, Kernel
 from purinec.codegen.progress import kernel_counter
@@ -327,8 +327,11 @@ def compile_module(module: KernelModule, compiled: dict[tuple, Kernel] | None = 
 
 
 def _runner(dispatcher: Dispatcher, module: KernelModule) -> Callable:
-    """What runs ``module``'s kernel: its function, or its blocks on threads."""
-    return dispatcher if module.blocks is None else Blocked(dispatcher, module.blocks)
+    """What runs ``module``'s kernel: its function, its blocks on threads, or all its
+    items as one block."""
+    if module.blocks is None:
+        return dispatcher
+    return (Blocked if module.parallel else Whole)(dispatcher, module.blocks)
 
 
 def _job(module: KernelModule, source: str | None = None) -> Job:

@@ -103,6 +103,7 @@ class KernelModule:
         self.options = options
         self.body = SourceBuilder()
         self.blocks: int | None = None  # the split loop's item count, once split
+        self.parallel = False  # whether its blocks are worth running on several threads
         self.serial = False  # set by renderers whose loops must not be split
         # Numba fastmath flags for the whole kernel: only a kernel whose float
         # arithmetic is all sums may ask for "reassoc" (LLVM then vectorizes them).
@@ -162,20 +163,23 @@ class KernelModule:
         """Bounds of the loop over ``count`` independent items (images, planes, rows)
         that carries the kernel's ``work`` (multiply-adds when ``products``, else
         elements: see `CpuOptions`). If the work is big enough, the kernel
-        becomes *blocked*: its function takes ``lo, hi`` first and computes items
-        ``lo:hi`` only, and `purinec.codegen.cpu_runtime.run_blocked` runs blocks on
-        several threads; otherwise the bounds are ``0`` and ``extent`` (a local holding
-        the count, in a kernel that reads its extents from its arrays) or the constant
-        ``count``.
+        becomes *blocked* and ``parallel``: its function takes ``lo, hi`` first and
+        computes items ``lo:hi`` only, and `purinec.codegen.cpu_runtime.run_blocked`
+        runs blocks on several threads. A loop whose count the kernel reads from its
+        arrays (``extent``, the local holding it) is blocked whatever its work, so that
+        its code serves every size; it runs as one block when the work is small.
+        Otherwise the bounds are ``0`` and the constant ``count``.
 
         A kernel splits one loop count at most (several loops over the same count may
         share it), and only if no loop before was left whole: every block runs the
         whole function, so a whole loop would run once per block.
         """
         least = self.options.parallel_min_products if products else self.options.parallel_min
-        if self.blocks == count or (self.blocks is None and not self.serial and count >= 2
-                                    and work >= least):
+        worth = count >= 2 and work >= least
+        if self.blocks == count or (self.blocks is None and not self.serial
+                                    and (worth or extent is not None)):
             self.blocks = count
+            self.parallel = self.parallel or worth
             return "lo", "hi"
         if self.blocks is None:
             self.serial = True

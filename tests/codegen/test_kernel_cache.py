@@ -17,6 +17,7 @@ import pytest
 from purinec.codegen import cache, compile_helpers, cpu, progress
 from purinec.codegen.source import node_comment
 from purinec.codegen.cpu_module import HEADER
+from purinec.ir import nnref
 from purinec.ir.graph import Graph
 from purinec.ir.types import Device, DType, TensorType
 
@@ -259,7 +260,7 @@ def test_nodes_with_the_same_code_share_one_file_and_one_compile(cache_dir):
     assert len(list((cache_dir / "cpu").glob("k_*.py"))) == 3
     for first, second in by_op(graph).values():
         a, b = kernels[first], kernels[second]
-        assert a is not b and a.run is b.run and a.dispatcher is b.dispatcher
+        assert a is not b and a.dispatcher is b.dispatcher  # each runs its own size
         assert a.path == b.path and cache.code_of(a.source) == cache.code_of(b.source)
         # each kernel's source quotes its own node; the file, the node it was made for
         assert node_comment(first) in a.source and node_comment(second) in b.source
@@ -319,6 +320,48 @@ def test_elementwise_nodes_differing_in_size_only_share_their_compiled_code(cach
         np.testing.assert_array_equal(dx, np.where(x > 0, dy, np.float32(0)))
     with pytest.raises(ValueError, match="must be"):  # each checks its own node's shapes
         kernels[graph.nodes[0]].fn(*(np.zeros((64, 50), np.float32) for _ in range(3)))
+
+
+def pooling_graph(shapes) -> Graph:
+    """2x2 max pooling of several sizes, and its gradient (ceil mode: the last window
+    of an odd size hangs out)."""
+    g = Graph("pooled")
+    outputs = []
+    attrs = {"kernel": [2, 2], "stride": [2, 2]}
+    for k, shape in enumerate(shapes):
+        x = g.add_input(f"x{k}", TensorType(shape, DType.f32))
+        y = g.add_node("max_pool2d", [x], attrs, names=[f"y{k}"]).outputs[0]
+        gy = g.add_input(f"gy{k}", y.type)
+        gx = g.add_node("max_pool2d_grad", [x, y, gy], attrs, names=[f"gx{k}"]).outputs[0]
+        outputs += [(f"y{k}", y), (f"gx{k}", gx)]
+    g.set_outputs(outputs)
+    return g
+
+
+@pytest.mark.parametrize("options", [cpu.CpuOptions(), cpu.CpuOptions(parallel_min=0)],
+                         ids=["whole", "blocked"])
+def test_pooling_at_every_batch_shares_its_compiled_code(cache_dir, options):
+    """Pooling reads how many planes it has from its arrays: a layer's code serves
+    every batch size and channel count, each node run over its own planes; a plane's
+    size is in the code."""
+    shapes = [(2, 3, 7, 7), (4, 2, 7, 7), (1, 1, 7, 7), (2, 2, 6, 8)]
+    graph = pooling_graph(shapes)
+    kernels = cpu.compile_kernels(graph, options)
+    assert cache.STATS.compiles == 4  # max_pool2d and its gradient for 7x7, for 6x8
+    rng = np.random.default_rng(7)
+    attrs = {"kernel": [2, 2], "stride": [2, 2], "pad": [0, 0], "dilation": [1, 1],
+             "ceil_mode": True}
+    for pool, grad in zip(graph.nodes[::2], graph.nodes[1::2]):
+        x = rng.standard_normal(pool.inputs[0].type.shape).astype(np.float32)
+        (want,) = nnref.max_pool2d(x, **attrs)
+        y = np.full(want.shape, np.nan, np.float32)
+        kernels[pool].fn(x, y)
+        np.testing.assert_array_equal(y, want)
+        gy = rng.standard_normal(y.shape).astype(np.float32)
+        (want_gx,) = nnref.max_pool2d_grad(x, y, gy, **attrs)
+        gx = np.full(x.shape, np.nan, np.float32)
+        kernels[grad].fn(x, y, gy, gx)
+        np.testing.assert_allclose(gx, want_gx, rtol=1e-6, atol=1e-6)
 
 
 def updates_graph(shapes) -> Graph:
