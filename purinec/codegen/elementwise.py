@@ -110,6 +110,7 @@ class _Operand:
     hint: str  # what to name its locals after
     axes: frozenset[int]  # loop axes (before merging) it varies along
     merged: tuple[int, ...] = ()  # merged loop axes it varies along
+    shape: tuple[int, ...] | None = None  # the shape of ``array``, where known
     view: str = ""  # the array reshaped to its merged axes
     element: str = ""  # the local holding the current element (inputs only)
 
@@ -137,10 +138,11 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
     first = 1 if outer is not None else 0  # loops run over shape[first:]
 
     def operand(value: Value, axes: frozenset[int]) -> _Operand:
-        array = arrays[value]
+        array, shape = arrays[value], value.type.shape
         if first and 0 in axes and value not in local:
-            array = f"{array}[{outer}]"
-        return _Operand(array, value.name, frozenset(a - first for a in axes if a >= first))
+            array, shape = f"{array}[{outer}]", shape[1:]
+        return _Operand(array, value.name, frozenset(a - first for a in axes if a >= first),
+                        shape=None if value in local else shape)
 
     produced = {v for n in members for v in n.outputs}
     loads: dict[tuple[Value, frozenset[int]], _Operand] = {}
@@ -207,7 +209,8 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
     operands = list(loads.values()) + stores
     rows: list[str] = []  # views of rows sliced to the block, made in the loops around it
     with body.origin(*members):
-        if length:
+        if length and (count == length or not all(_has_shape(op, [length], length)
+                                                   for op in operands)):
             body.line(f"{length} = {stores[0].array}.size")
         for op in operands:
             op.view = module.fresh(op.hint + "_v")
@@ -215,7 +218,9 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
             sliced = block_start is not None and blocked in op.merged
             outside = [loop_vars[k] for k in op.merged if k < blocked]
             block_slice = f"{block_start}:{bounds[1]}" if sliced else ""
-            whole = f"{op.array}.reshape(({', '.join(dims)},))"
+            # (a reshape to the shape it has costs Numba 20 ms of compiling, for nothing)
+            whole = (op.array if _has_shape(op, dims, length)
+                     else f"{op.array}.reshape(({', '.join(dims)},))")
             body.line(f"{op.view} = {whole}[{block_slice}]" if sliced and not outside
                       else f"{op.view} = {whole}")
             if sliced and outside:  # ``v[:, a:b]`` is not contiguous: Numba would not
@@ -258,6 +263,16 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
         nest({k: load.view for k, _, load in pairs})
     with body.origin(*members), body.block("else:"):
         nest({})
+
+
+def _has_shape(op: _Operand, dims: list[str], length: str | None) -> bool:
+    """Whether ``op``'s array has the shape ``dims`` already (``length``: the flat
+    loop's length, read from an array of the shape of every operand)."""
+    if op.shape is None:
+        return False
+    if length is not None:
+        return dims == [length] and len(op.shape) == 1
+    return tuple(map(str, op.shape)) == tuple(dims)
 
 
 def _length_of(module: KernelModule, groups: list[list[int]], first: int, block,
