@@ -302,6 +302,21 @@ def test_sums_down_columns_add_whole_rows(shape, axes, dtype, options):
 
 
 @pytest.mark.parametrize("options", OPTIONS)
+def test_loops_reshape_only_operands_not_of_their_shape(options):
+    """A reshape costs Numba some 20 ms to compile: a bias (1-D) and a 1-D flat loop's
+    arrays are used as they are; an image's last two axes become one loop, over a
+    view of them as one axis."""
+    rng = np.random.default_rng(4)
+    x, b = random_array(rng, (4, 6, 5, 3), DType.f32), random_array(rng, (6,), DType.f32)
+    biased = cpu.render(one_node("bias_add", [x, b], {"axis": 1}), options)
+    assert "in1.reshape" not in biased and "in0.reshape" in biased
+    flat = cpu.render(one_node("relu", [b]), options)
+    assert ".reshape" not in flat and ".size" not in flat
+    check("bias_add", [x, b], {"axis": 1}, options)
+    check("relu", [b], {}, options)
+
+
+@pytest.mark.parametrize("options", OPTIONS)
 def test_a_long_sum_is_vectorized_yet_as_exact_and_keeps_nan_and_inf(options):
     """reduce_sum lets LLVM reassociate its float64 sums (vector lanes): the result must
     stay within float32 rounding of the exact sum, and NaN and infinities must still
