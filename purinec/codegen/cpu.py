@@ -5,12 +5,13 @@
     calls = kernel_calls(graph)            # {node: callable}, what the runtime runs
     print(render(node))                     # the generated module for one node
 
-Each node becomes one module of Python source for Numba (`render`), specialised to its
-shapes and attributes (a horizontal group, one module per member: `render_parts`), which the kernel cache (`purinec.codegen.cache`) stores by the
-hash of its code (its text without the comments that quote the IR) and imports; the
-kernel is compiled for its exact argument types right away, or loaded from Numba's disk
-cache when a previous process compiled it (`kernel_calls`, the runtime's view, defers
-loading each kernel of a warm cache to its first call). Nodes rendering to the same code
+Each node becomes one module of Python source for Numba (`render`; a horizontal group,
+one module per member: `render_parts`), specialised to its shapes and attributes, which
+the kernel cache (`purinec.codegen.cache`) stores by the hash of its code (its text
+without the comments that quote the IR) and imports; the kernel is compiled for its
+exact argument types right away, or loaded from Numba's disk cache when a previous
+process compiled it (`kernel_calls`, the runtime's view, defers loading each kernel of a
+warm cache to its first call). Nodes rendering to the same code
 share the compiled function: in one `compile_kernels` call each gets its own `Kernel`
 (its own source, comments included, and its own block count) around the same Numba
 function.

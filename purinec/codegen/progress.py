@@ -32,8 +32,9 @@ def kernel_progress(style: str | None = BAR) -> Iterator[None]:
 
 def kernel_counter(total: int, name: str, kernels: int, cached: int):
     """What counts (``update()``) the ``total`` kernel modules of graph ``name`` (one a
-    node, or one a member of a horizontal group) as they are ready, shown as a `kernel_progress` block asks: ``kernels`` distinct kernels,
-    ``cached`` of which are in Numba's disk cache (loaded, not compiled)."""
+    node, or one a member of a horizontal group) as they are ready, shown as a
+    `kernel_progress` block asks: ``kernels`` distinct kernels, ``cached`` of which are
+    in Numba's disk cache (loaded, not compiled)."""
     if _style.get() == LINES:
         return _LogLines(name, kernels, cached)
     from tqdm import tqdm
