@@ -379,12 +379,12 @@ def _sum_rows(node: Node, m: KernelModule, view: str, out_flat: str,
         b.line(f"for {o} in range({span_of(lo, hi)}):")
         at, count, part, out_row = f"{o}, ", width, view, m.fresh("out_row")
         b.line(f"    {out_row} = {out_flat}[{o} * {width}:{o} * {width} + {width}]")
-    else:
+    else:  # (the kernel's first split, of a count read at run time: always lo, hi)
         lo, hi = m.split(sizes[-1], _prod(sizes), extent=width)
-        count = hi if lo == "0" else f"{hi} - {lo}"
+        count = f"{hi} - {lo}"
         part, out_row = m.fresh("part"), m.fresh("out_row")
-        b.line(f"{part} = {view}[:, {lo}:{hi}]" if lo != "0" else f"{part} = {view}")
-        b.line(f"{out_row} = {out_flat}[{lo}:{hi}]" if lo != "0" else f"{out_row} = {out_flat}")
+        b.line(f"{part} = {view}[:, {lo}:{hi}]")
+        b.line(f"{out_row} = {out_flat}[{lo}:{hi}]")
         b.line(f"{total} = np.empty({count}, {_accumulator(dtype)})")
     with b.indent(1 if outer else 0):
         with b.block(f"for {j} in range({count}):"):
