@@ -27,6 +27,7 @@ them for the calling thread.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import threading
@@ -40,7 +41,7 @@ from purinec.codegen import cache
 from purinec.codegen.compile_helpers import (Job, helping, start_numba_without_scipy,
                                               uncompiled)
 from purinec.codegen import cpu_conv, cpu_fused, cpu_ops, cpu_pool  # noqa: F401  (renderers)
-from purinec.codegen.cpu_runtime import Blocked, Whole, limit_blas_threads, set_threads
+from purinec.codegen.cpu_runtime import Blocked, limit_blas_threads, set_threads
 from purinec.codegen.cpu_module import DEFAULT_OPTIONS, RENDERERS, CpuOptions, KernelModule
 from purinec.codegen.kernel import ArgumentCheck, CodegenError, Kernel
 from purinec.codegen.progress import kernel_counter
@@ -329,10 +330,12 @@ def compile_module(module: KernelModule, compiled: dict[tuple, Kernel] | None = 
 
 def _runner(dispatcher: Dispatcher, module: KernelModule) -> Callable:
     """What runs ``module``'s kernel: its function, its blocks on threads, or all its
-    items as one block."""
+    items as one block (a `functools.partial`: a third cheaper a call than a class)."""
     if module.blocks is None:
         return dispatcher
-    return (Blocked if module.parallel else Whole)(dispatcher, module.blocks)
+    if module.parallel:
+        return Blocked(dispatcher, module.blocks)
+    return functools.partial(dispatcher, 0, module.blocks)
 
 
 def _job(module: KernelModule, source: str | None = None) -> Job:

@@ -196,23 +196,6 @@ class Blocked:
         return f"Blocked({self.fn!r}, {self.count})"
 
 
-class Whole:
-    """A blocked kernel whose work is too small for threads, as a plain kernel:
-    ``Whole(fn, count)(*arrays)`` runs ``fn(0, count, *arrays)`` on the calling thread."""
-
-    __slots__ = ("fn", "count")
-
-    def __init__(self, fn: Callable, count: int):
-        self.fn = fn
-        self.count = count
-
-    def __call__(self, *arrays) -> None:
-        self.fn(0, self.count, *arrays)
-
-    def __repr__(self) -> str:
-        return f"Whole({self.fn!r}, {self.count})"
-
-
 class _Helper:
     """A thread of the block pool. Handing it a block and hearing back are one lock
     each: a call of two blocks costs about 22 us on two cores, where a

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from purinec.codegen import CodegenError, cpu
 from purinec.codegen.cpu_module import RENDERERS, CpuOptions
-from purinec.codegen.cpu_runtime import Blocked, Whole, run_blocked, set_threads
+from purinec.codegen.cpu_runtime import Blocked, run_blocked, set_threads
 from purinec.errors import ShapeError
 from purinec.ir import nnref
 from purinec.ir.graph import Graph, Node, external_inputs
@@ -883,7 +883,10 @@ def test_a_kernel_refuses_arrays_of_another_shape(options):
     node = one_node("relu", [np.zeros((2, 3), np.float32)])
     kernel = cpu.compile_node(node, options)
     # a loop reading its length from its arrays takes lo, hi; threads only when big
-    assert isinstance(kernel.run, Blocked if options is BLOCKED else Whole)
+    if options is BLOCKED:
+        assert isinstance(kernel.run, Blocked)
+    else:  # all 6 elements as one block, on the calling thread
+        assert (kernel.run.func, kernel.run.args) == (kernel.dispatcher, (0, 6))
     message = r"relu: arguments must be in0 f32\[2,3\], out0 f32\[2,3\]"
     with pytest.raises(ValueError, match=message):
         kernel.fn(np.zeros((3, 2), np.float32), np.zeros((2, 3), np.float32))
