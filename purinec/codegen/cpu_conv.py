@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from purinec.codegen.cpu_module import KernelModule, literal, renders
+from purinec.codegen.cpu_module import KernelModule, filled_scratch, literal, renders
 from purinec.codegen.cpu_ops import affine, dtype_name, row_slice, span_of, split_loop
 from purinec.ir.graph import Node
 from purinec.ir.nnref import pad_edges
@@ -176,8 +176,8 @@ def _padded_scratch(m: KernelModule, node: Node, g: _Conv) -> None:
     """``xpad``: one group of one image with its zero border, for convolutions with
     padding. The border is zeroed once here and never written again."""
     if g.padded:
-        m.body.line(f"xpad = np.zeros(({g.cg}, {g.h + g.pt + g.pb}, {g.w + g.pl + g.pr}), "
-                    f"{dtype_name(node)})")
+        shape = f"({g.cg}, {g.h + g.pt + g.pb}, {g.w + g.pl + g.pr})"
+        m.body.lines(filled_scratch("xpad", shape, dtype_name(node), "0"))
 
 
 def _pad_image(m: KernelModule, g: _Conv, x: str, n: str, c0: str,
@@ -550,7 +550,7 @@ def render_conv2d_grad_weight(node: Node, m: KernelModule) -> None:
     lo, hi = m.split(count, g.macs, products=True)
     width = count if lo == "0" else f"{hi} - {lo}"
     shifts = g.kh if by_rows else 1  # kernel rows done by separate GEMMs
-    b.line(f"gw_t = np.zeros(({shifts}, {width}, {g.cout}), {dtype_name(node)})")
+    b.lines(filled_scratch("gw_t", f"({shifts}, {width}, {g.cout})", dtype_name(node), "0"))
     if not g.pointwise:
         columns = g.rows_read * g.ow if by_rows else g.P
         b.line(f"col = np.empty(({width}, {columns}), {dtype_name(node)})")

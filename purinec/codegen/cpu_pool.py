@@ -22,7 +22,8 @@ from typing import Iterator
 
 import numpy as np
 
-from purinec.codegen.cpu_module import KernelModule, literal, numpy_name, renders
+from purinec.codegen.cpu_module import (KernelModule, filled_scratch, literal, numpy_name,
+                                        renders)
 from purinec.codegen.cpu_ops import affine, dtype_name, span_of, split_loop
 from purinec.ir.graph import Node
 from purinec.ir.nnref import pad_edges, pool_divisors, pool_output_size
@@ -127,7 +128,8 @@ def _plane_scratch(m: KernelModule, node: Node, g: _Pool, name: str, fill) -> No
     """A plane the windows fit in, its border set to ``fill``: a value that never wins
     a max, or adds nothing to a sum."""
     if g.needs_scratch:
-        m.body.line(f"{name} = np.full({g.span!r}, {literal(fill, node.outputs[0].type.dtype)})")
+        dtype = node.outputs[0].type.dtype
+        m.body.lines(filled_scratch(name, repr(g.span), numpy_name(dtype), literal(fill, dtype)))
 
 
 def pool_divisor(m, node: Node, shape, p: str, q: str) -> str:
@@ -152,8 +154,9 @@ def _phase_scratch(m: KernelModule, node: Node, g: _Pool) -> None:
     neighbouring windows read neighbouring entries and the loop over them
     vectorises. The border is filled once here and never written again."""
     rows, cols = g.span
-    m.body.line(f"plane = np.full(({g.sw}, {rows}, {-(-cols // g.sw)}), "
-                f"{literal(-np.inf, node.outputs[0].type.dtype)})")
+    dtype = node.outputs[0].type.dtype
+    m.body.lines(filled_scratch("plane", f"({g.sw}, {rows}, {-(-cols // g.sw)})",
+                                numpy_name(dtype), literal(-np.inf, dtype)))
 
 
 def _fill_phases(m: KernelModule, g: _Pool, x: str, nc: str) -> None:
