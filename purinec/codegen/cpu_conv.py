@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from purinec.codegen.cpu_module import KernelModule, filled_scratch, literal, renders
+from purinec.codegen.cpu_module import KernelModule, literal, renders
 from purinec.codegen.cpu_ops import affine, dtype_name, row_slice, span_of, split_loop
 from purinec.ir.graph import Node
 from purinec.ir.nnref import pad_edges
@@ -81,8 +81,7 @@ def emit_matmul(node: Node, m: KernelModule, a: str, bm: str,
               else ("0", "0"))
     count = (cols if by_columns else rows) if lo == "0" else f"{hi} - {lo}"
     if out is None:
-        m.body.line(f"product = np.empty(({rows if by_columns else count}, {cols}), "
-                    f"{dtype_name(node)})")
+        m.body.line(f"product = {m.empty((rows if by_columns else count, cols), dtype_name(node))}")
         out = f"product[:, {lo}:{hi}]" if by_columns and lo != "0" else "product"
     elif lo != "0":
         out = f"{out}[:, {lo}:{hi}]" if by_columns else f"{out}[{lo}:{hi}]"
@@ -176,8 +175,8 @@ def _padded_scratch(m: KernelModule, node: Node, g: _Conv) -> None:
     """``xpad``: one group of one image with its zero border, for convolutions with
     padding. The border is zeroed once here and never written again."""
     if g.padded:
-        shape = f"({g.cg}, {g.h + g.pt + g.pb}, {g.w + g.pl + g.pr})"
-        m.body.lines(filled_scratch("xpad", shape, dtype_name(node), "0"))
+        shape = (g.cg, g.h + g.pt + g.pb, g.w + g.pl + g.pr)
+        m.body.lines(m.filled("xpad", shape, dtype_name(node), "0"))
 
 
 def _pad_image(m: KernelModule, g: _Conv, x: str, n: str, c0: str,
@@ -247,7 +246,7 @@ def emit_conv2d(node: Node, m: KernelModule, x: str, w: str, y: str | None,
                 ) -> None:
     g = _conv(node.inputs[0].type.shape, node.inputs[1].type.shape,
               node.outputs[0].type.shape, node.attrs)
-    m.body.line(f"w_mat = {w}.reshape(({g.cout}, {g.K}))")
+    m.body.line(f"w_mat = {m.view(w, (g.cout, g.K))}")
     _conv_forward(node, m, g, x, "w_mat", y, epilogue)
 
 
@@ -261,19 +260,19 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
     with ``y`` None the output lives only in the per-image ``scratch`` it is given."""
     b, direct, by_rows = m.body, _direct(m, g), _by_kernel_rows(g)
     if y is None:
-        b.line(f"y_img = np.empty(({g.cout}, {g.P}), {dtype_name(node)})")
+        b.line(f"y_img = {m.empty((g.cout, g.P), dtype_name(node))}")
     else:
-        b.line(f"y_mat = {y}.reshape(({g.n}, {g.cout}, {g.P}))")
+        b.line(f"y_mat = {m.view(y, (g.n, g.cout, g.P))}")
     if direct:
         _padded_scratch(m, node, g)
     elif g.pointwise:
-        b.line(f"x_mat = {x}.reshape(({g.n}, {g.c}, {g.P}))")
+        b.line(f"x_mat = {m.view(x, (g.n, g.c, g.P))}")
     elif by_rows:
         _kernel_row_weights(m, node, g, w_mat)
-        b.line(f"col = np.empty(({g.cg * g.kw}, {g.rows_read * g.ow}), {dtype_name(node)})")
+        b.line(f"col = {m.empty((g.cg * g.kw, g.rows_read * g.ow), dtype_name(node))}")
         _padded_scratch(m, node, g)
     else:
-        b.line(f"col = np.empty(({g.K}, {g.P}), {dtype_name(node)})")
+        b.line(f"col = {m.empty((g.K, g.P), dtype_name(node))}")
         _padded_scratch(m, node, g)
     with _image_rows(m, g) as (n, rows):
         image = "y_img" if y is None else f"y_mat[{n}]"
@@ -394,7 +393,7 @@ def _kernel_row_weights(m: KernelModule, node: Node, g: _Conv, w_mat: str) -> No
     """``w_rows[i, o, c*kw + j] = w[o, c, i, j]``: kernel row ``i``'s weights, a matrix
     per row."""
     b, o, c, i, j = m.body, m.fresh("o"), m.fresh("c"), m.fresh("i"), m.fresh("j")
-    b.line(f"w_rows = np.empty(({g.kh}, {g.cout}, {g.cg * g.kw}), {dtype_name(node)})")
+    b.line(f"w_rows = {m.empty((g.kh, g.cout, g.cg * g.kw), dtype_name(node))}")
     with b.block(f"for {i} in range({g.kh}):"), b.block(f"for {o} in range({g.cout}):"), \
             b.block(f"for {c} in range({g.cg}):"), b.block(f"for {j} in range({g.kw}):"):
         b.line(f"w_rows[{i}, {o}, {affine(c, g.kw, j)}] = "
@@ -462,7 +461,7 @@ def _conv2d_grad_input_as_conv(node: Node, m: KernelModule, g: _Conv, pad) -> No
     flipped = _Conv(g.n, g.cout, g.oh, g.ow, g.c, g.groups, g.kh, g.kw, 1, 1, *pad, g.dh,
                     g.dw, g.h, g.w)
     o, c, i, j = (m.fresh(s) for s in ("o", "c", "i", "j"))
-    b.line(f"w_flip = np.empty(({g.c}, {flipped.K}), {dtype_name(node)})")
+    b.line(f"w_flip = {m.empty((g.c, flipped.K), dtype_name(node))}")
     with b.block(f"for {o} in range({g.cout}):"), b.block(f"for {c} in range({g.cg}):"), \
             b.block(f"for {i} in range({g.kh}):"), b.block(f"for {j} in range({g.kw}):"):
         row = c if g.groups == 1 else f"{o} // {g.og} * {g.cg} + {c}"
@@ -478,14 +477,14 @@ def _conv2d_grad_input_col2im(node: Node, m: KernelModule, g: _Conv) -> None:
     adds ``w_rows[i]^T @ gy`` into the columns from ``i*ow`` on of a smaller matrix."""
     (gy, w), (gx,), b = m.inputs, m.outputs, m.body
     padded, by_rows = g.padded, _by_kernel_rows(g)
-    b.line(f"w_mat = {w}.reshape(({g.cout}, {g.K}))")
-    b.line(f"gy_mat = {gy}.reshape(({g.n}, {g.cout}, {g.P}))")
-    b.line(f"gx_mat = {gx}.reshape(({g.n}, {g.c}, {g.h * g.w}))")
+    b.line(f"w_mat = {m.view(w, (g.cout, g.K))}")
+    b.line(f"gy_mat = {m.view(gy, (g.n, g.cout, g.P))}")
+    b.line(f"gx_mat = {m.view(gx, (g.n, g.c, g.h * g.w))}")
     if by_rows:
         _kernel_row_weights(m, node, g, "w_mat")
-        b.line(f"col = np.empty(({g.cg * g.kw}, {g.rows_read * g.ow}), {dtype_name(node)})")
+        b.line(f"col = {m.empty((g.cg * g.kw, g.rows_read * g.ow), dtype_name(node))}")
     else:
-        b.line(f"col = np.empty(({g.K}, {g.P}), {dtype_name(node)})")
+        b.line(f"col = {m.empty((g.K, g.P), dtype_name(node))}")
     _padded_scratch(m, node, g)
     with split_loop(m, "n", g.n, g.macs, products=True) as n:
         if not padded:  # col2im adds into gx: start from zero
@@ -542,18 +541,18 @@ def render_conv2d_grad_weight(node: Node, m: KernelModule) -> None:
     g = _conv(node.inputs[0].type.shape, node.outputs[0].type.shape,
               node.inputs[1].type.shape, node.attrs)
     by_rows = _by_kernel_rows(g)
-    b.line(f"gy_mat = {gy}.reshape(({g.n}, {g.cout}, {g.P}))")
-    b.line(f"gw_mat = {gw}.reshape(({g.cout}, {g.K}))")
+    b.line(f"gy_mat = {m.view(gy, (g.n, g.cout, g.P))}")
+    b.line(f"gw_mat = {m.view(gw, (g.cout, g.K))}")
     if g.pointwise:
-        b.line(f"x_mat = {x}.reshape(({g.n}, {g.c}, {g.P}))")
+        b.line(f"x_mat = {m.view(x, (g.n, g.c, g.P))}")
     count = g.cg * g.kw if by_rows else g.K
     lo, hi = m.split(count, g.macs, products=True)
     width = count if lo == "0" else f"{hi} - {lo}"
     shifts = g.kh if by_rows else 1  # kernel rows done by separate GEMMs
-    b.lines(filled_scratch("gw_t", f"({shifts}, {width}, {g.cout})", dtype_name(node), "0"))
+    b.lines(m.filled("gw_t", (shifts, width, g.cout), dtype_name(node), "0"))
     if not g.pointwise:
         columns = g.rows_read * g.ow if by_rows else g.P
-        b.line(f"col = np.empty(({width}, {columns}), {dtype_name(node)})")
+        b.line(f"col = {m.empty((width, columns), dtype_name(node))}")
         _padded_scratch(m, node, g)
     n = m.fresh("n")
     with b.block(f"for {n} in range({g.n}):"), _groups(m, g) as (c0, o0):

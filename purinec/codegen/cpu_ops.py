@@ -114,8 +114,8 @@ def render_reshape(node: Node, m: KernelModule) -> None:
     if not size:
         return
     src, dst = m.fresh("src"), m.fresh("dst")
-    b.line(f"{src} = {m.inputs[0]}.reshape(({size},))")
-    b.line(f"{dst} = {m.outputs[0]}.reshape(({size},))")
+    b.line(f"{src} = {m.view(m.inputs[0], (size,))}")
+    b.line(f"{dst} = {m.view(m.outputs[0], (size,))}")
     with split_loop(m, "k", size, size) as k:
         b.line(f"{dst}[{k}] = {src}[{k}]")
 
@@ -125,7 +125,7 @@ def _concat_views(m: KernelModule, arrays, types, axis: int, outer: int, inner: 
     views = []
     for name, ty in zip(arrays, types):
         view = m.fresh(name + "_rows")
-        m.body.line(f"{view} = {name}.reshape(({outer}, {ty.shape[axis] * inner}))")
+        m.body.line(f"{view} = {m.view(name, (outer, ty.shape[axis] * inner))}")
         views.append(view)
     return views
 
@@ -323,9 +323,9 @@ def render_reduce_sum(node: Node, m: KernelModule) -> None:
         b.line(f"{extent} = {' * '.join(f'{x}.shape[{a}]' for a in axes)}")
     loop_vars = [m.fresh(f"i{k}") for k in range(len(groups))]
     view = m.fresh(x + "_v")
-    b.line(f"{view} = {x}.reshape(({', '.join(extents or ['1'])},))")
+    b.line(f"{view} = {m.view(x, extents or [1])}")
     out_flat = m.fresh(out + "_flat")
-    b.line(f"{out_flat} = {out}.reshape(({out}.size,))")
+    b.line(f"{out_flat} = {m.view(out, [f'{out}.size'])}")
     if [s for s, _ in groups] in ([True, False], [False, True, False]):
         _sum_rows(node, m, view, out_flat, extents, sizes)
         return
@@ -375,7 +375,7 @@ def _sum_rows(node: Node, m: KernelModule, view: str, out_flat: str,
     if outer:
         o = m.fresh("o")
         lo, hi = m.split(sizes[0], _prod(sizes), extent=outer[0])
-        b.line(f"{total} = np.empty({width}, {_accumulator(dtype)})")
+        b.line(f"{total} = {m.empty([width], _accumulator(dtype))}")
         b.line(f"for {o} in range({span_of(lo, hi)}):")
         at, count, part, out_row = f"{o}, ", width, view, m.fresh("out_row")
         b.line(f"    {out_row} = {out_flat}[{o} * {width}:{o} * {width} + {width}]")
@@ -385,7 +385,7 @@ def _sum_rows(node: Node, m: KernelModule, view: str, out_flat: str,
         part, out_row = m.fresh("part"), m.fresh("out_row")
         b.line(f"{part} = {view}[:, {lo}:{hi}]")
         b.line(f"{out_row} = {out_flat}[{lo}:{hi}]")
-        b.line(f"{total} = np.empty({count}, {_accumulator(dtype)})")
+        b.line(f"{total} = {m.empty([count], _accumulator(dtype))}")
     with b.indent(1 if outer else 0):
         with b.block(f"for {j} in range({count}):"):
             b.line(f"{total}[{j}] = 0")
@@ -425,7 +425,7 @@ def _softmax_views(node: Node, m: KernelModule, arrays: list[str]) -> tuple[int,
     shape, axis = node.inputs[0].type.shape, node.attrs["axis"]
     outer, inner = _around_axis(shape, axis)
     for name in arrays:
-        m.body.line(f"{name}_v = {name}.reshape(({outer}, {shape[axis]}, {inner}))")
+        m.body.line(f"{name}_v = {m.view(name, (outer, shape[axis], inner))}")
     return outer, shape[axis], inner
 
 

@@ -22,8 +22,7 @@ from typing import Iterator
 
 import numpy as np
 
-from purinec.codegen.cpu_module import (KernelModule, filled_scratch, literal, numpy_name,
-                                        renders)
+from purinec.codegen.cpu_module import KernelModule, literal, numpy_name, renders
 from purinec.codegen.cpu_ops import affine, dtype_name, span_of, split_loop
 from purinec.ir.graph import Node
 from purinec.ir.nnref import pad_edges, pool_divisors, pool_output_size
@@ -98,7 +97,7 @@ def _plane_views(m: KernelModule, g: _Pool, inputs: list[tuple[str, bool]]
     for name, pooled in inputs:
         view = m.fresh(name + "_p")
         rows, cols = (g.oh, g.ow) if pooled else (g.h, g.w)
-        m.body.line(f"{view} = {name}.reshape(({counted}, {rows}, {cols}))")
+        m.body.line(f"{view} = {m.view(name, (counted, rows, cols))}")
         views.append(view)
     return replace(g, counted=counted), views
 
@@ -129,7 +128,7 @@ def _plane_scratch(m: KernelModule, node: Node, g: _Pool, name: str, fill) -> No
     a max, or adds nothing to a sum."""
     if g.needs_scratch:
         dtype = node.outputs[0].type.dtype
-        m.body.lines(filled_scratch(name, repr(g.span), numpy_name(dtype), literal(fill, dtype)))
+        m.body.lines(m.filled(name, g.span, numpy_name(dtype), literal(fill, dtype)))
 
 
 def pool_divisor(m, node: Node, shape, p: str, q: str) -> str:
@@ -155,8 +154,8 @@ def _phase_scratch(m: KernelModule, node: Node, g: _Pool) -> None:
     vectorises. The border is filled once here and never written again."""
     rows, cols = g.span
     dtype = node.outputs[0].type.dtype
-    m.body.lines(filled_scratch("plane", f"({g.sw}, {rows}, {-(-cols // g.sw)})",
-                                numpy_name(dtype), literal(-np.inf, dtype)))
+    m.body.lines(m.filled("plane", (g.sw, rows, -(-cols // g.sw)), numpy_name(dtype),
+                          literal(-np.inf, dtype)))
 
 
 def _fill_phases(m: KernelModule, g: _Pool, x: str, nc: str) -> None:
@@ -229,7 +228,7 @@ def render_max_pool2d_grad(node: Node, m: KernelModule) -> None:
     b = m.body
     p, q, v, best, at, better = (m.fresh(s) for s in ("p", "q", "v", "best", "at", "better"))
     _phase_scratch(m, node, g)
-    b.line(f"where = np.empty({g.ow}, np.int32)")
+    b.line(f"where = {m.empty([g.ow], 'np.int32')}")
     # Where each element of a window lies from its corner (padding taken off), from
     # constant tables: computing k // kw and k % kw took a quarter of the kernel's time.
     size = range(g.kh * g.kw)
@@ -309,8 +308,8 @@ def render_global_avg_pool(node: Node, m: KernelModule) -> None:
     n, c, h, w = node.inputs[0].type.shape
     b, x, y = m.body, m.inputs[0], m.outputs[0]
     nc, k, acc = m.fresh("nc"), m.fresh("k"), m.fresh("acc")
-    b.line(f"x_v = {x}.reshape(({n * c}, {h * w}))")
-    b.line(f"y_v = {y}.reshape(({n * c},))")
+    b.line(f"x_v = {m.view(x, (n * c, h * w))}")
+    b.line(f"y_v = {m.view(y, (n * c,))}")
     lo, hi = m.split(n * c, n * c * h * w)
     with b.block(f"for {nc} in range({span_of(lo, hi)}):"):
         b.line(f"{acc} = 0.0")
@@ -338,7 +337,7 @@ def _window_sum(m: KernelModule, src: str, dst: str, channels: int, pixels: int,
 def _lrn_setup(node: Node, m: KernelModule, arrays: list[str]) -> tuple[int, int, int, int]:
     n, c, h, w = node.inputs[0].type.shape
     for name in arrays:
-        m.body.line(f"{name}_v = {name}.reshape(({n}, {c}, {h * w}))")
+        m.body.line(f"{name}_v = {m.view(name, (n, c, h * w))}")
     return n, c, h * w, (node.attrs["size"] - 1) // 2
 
 
@@ -356,11 +355,11 @@ def _lrn_scale(m: KernelModule, node: Node, x: str, n: str, channels: int, pixel
             b.line(f"scale[{c}, {s}] = {k} + {alpha} * acc[{s}]")
 
 
-def _lrn_scratch(node: Node, channels: int, pixels: int) -> list[str]:
+def _lrn_scratch(node: Node, m: KernelModule, channels: int, pixels: int) -> list[str]:
     dt = dtype_name(node)
-    return [f"sq = np.empty(({channels}, {pixels}), {dt})",
-            f"scale = np.empty(({channels}, {pixels}), {dt})",
-            f"acc = np.empty({pixels}, {dt})"]
+    return [f"sq = {m.empty((channels, pixels), dt)}",
+            f"scale = {m.empty((channels, pixels), dt)}",
+            f"acc = {m.empty([pixels], dt)}"]
 
 
 @renders("lrn")
@@ -370,7 +369,7 @@ def render_lrn(node: Node, m: KernelModule) -> None:
     n, channels, pixels, half = _lrn_setup(node, m, [x, y])
     work = n * channels * pixels * node.attrs["size"]
     power = literal(-node.attrs["beta"], node.outputs[0].type.dtype)
-    m.body.lines(_lrn_scratch(node, channels, pixels))
+    m.body.lines(_lrn_scratch(node, m, channels, pixels))
     with split_loop(m, "n", n, work) as i:
         _lrn_scale(m, node, x, i, channels, pixels, half)
         c, s, b = m.fresh("c"), m.fresh("s"), m.body
@@ -388,8 +387,8 @@ def render_lrn_grad(node: Node, m: KernelModule) -> None:
     beta, alpha, size = node.attrs["beta"], node.attrs["alpha"], node.attrs["size"]
     power, power1 = literal(-beta, dt), literal(-beta - 1, dt)
     factor = literal(2 * alpha * beta / size, dt)
-    scratch = _lrn_scratch(node, channels, pixels) + [
-        f"inner = np.empty(({channels}, {pixels}), {dtype_name(node)})"]
+    scratch = _lrn_scratch(node, m, channels, pixels) + [
+        f"inner = {m.empty((channels, pixels), dtype_name(node))}"]
     work = n * channels * pixels * size
     m.body.lines(scratch)
     with split_loop(m, "n", n, work) as i:

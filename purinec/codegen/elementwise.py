@@ -218,9 +218,8 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
             sliced = block_start is not None and blocked in op.merged
             outside = [loop_vars[k] for k in op.merged if k < blocked]
             block_slice = f"{block_start}:{bounds[1]}" if sliced else ""
-            # (a reshape to the shape it has costs Numba 20 ms of compiling, for nothing)
-            whole = (op.array if _has_shape(op, dims, length)
-                     else f"{op.array}.reshape(({', '.join(dims)},))")
+            # (a view of the shape it has would cost Numba compiling, for nothing)
+            whole = op.array if _has_shape(op, dims, length) else module.view(op.array, dims)
             body.line(f"{op.view} = {whole}[{block_slice}]" if sliced and not outside
                       else f"{op.view} = {whole}")
             if sliced and outside:  # ``v[:, a:b]`` is not contiguous: Numba would not
