@@ -81,7 +81,8 @@ def emit_matmul(node: Node, m: KernelModule, a: str, bm: str,
               else ("0", "0"))
     count = (cols if by_columns else rows) if lo == "0" else f"{hi} - {lo}"
     if out is None:
-        m.body.line(f"product = {m.empty((rows if by_columns else count, cols), dtype_name(node))}")
+        shape = (rows if by_columns else count, cols)
+        m.body.line(f"product = {m.empty(shape, dtype_name(node))}")
         out = f"product[:, {lo}:{hi}]" if by_columns and lo != "0" else "product"
     elif lo != "0":
         out = f"{out}[:, {lo}:{hi}]" if by_columns else f"{out}[{lo}:{hi}]"

@@ -6,8 +6,9 @@ renders any group of such nodes whose outputs share one shape, a single node or 
 chain alike, as one loop nest: it loads each element of each outside input once,
 prints the members' expressions in order (each result bound to a local; through
 `CPU_FUNCTIONS`, the CPU's spelling of each function), and stores the group's outputs.
-Broadcast inputs (a bias along one axis, a 0-d scalar, a size-1 axis) are indexed by the loop variables of the axes they vary along and loaded in the
-outermost loop where they are known, so nothing is recomputed or re-read per element.
+Broadcast inputs (a bias along one axis, a 0-d scalar, a size-1 axis) are indexed by
+the loop variables of the axes they vary along and loaded in the outermost loop where
+they are known, so nothing is recomputed or re-read per element.
 
 Adjacent axes along which every operand behaves alike are merged first, so a plain
 elementwise kernel is one flat loop and a bias over NCHW is three loops (N, C, H*W).
