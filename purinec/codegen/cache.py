@@ -2,8 +2,8 @@
 
 Numba can cache compiled code only for functions defined in a real file (not for
 source that was ``exec``'d), and it keys its cache on that file. So every generated
-kernel module is written to ``<cache dir>/<target>/k_<sha256 of its code, 20 hex
-digits>.py`` and imported from there as a module registered in ``sys.modules``; its
+kernel module is written to ``<cache dir>/<target>/k_<sha256 of its code and of what it
+imports from purinec (`runtime_stamp`), 20 hex digits>.py`` and imported from there as a module registered in ``sys.modules``; its
 functions use ``cache=True``, and Numba keeps their machine code in ``__pycache__``
 beside it, where a later process finds it.
 
@@ -27,6 +27,7 @@ Hits and misses are logged at DEBUG on ``purinec.codegen.cache`` and counted in
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -104,9 +105,23 @@ def code_of(source: str) -> str:
                    if not line.lstrip().startswith("#"))
 
 
+# What a target's kernels import from purinec: Numba's cache checks a kernel's own file
+# only, so the text of these is part of every kernel's key, lest a changed helper leave
+# machine code compiled against the old one in use.
+RUNTIMES = {"cpu": Path(__file__).with_name("cpu_runtime.py")}
+
+
+@functools.cache
+def runtime_stamp(target: str) -> str:
+    """A hash of what ``target``'s kernels import from purinec (empty: nothing)."""
+    path = RUNTIMES.get(target)
+    return source_hash(path.read_text(encoding="utf-8")) if path else ""
+
+
 def kernel_path(source: str, target: str = "cpu") -> Path:
-    """Where the module with this code lives in the cache."""
-    return cache_dir() / target / f"k_{source_hash(code_of(source))}.py"
+    """Where the module with this code lives in the cache: named by the hash of its
+    code and of its target's runtime (`runtime_stamp`)."""
+    return cache_dir() / target / f"k_{source_hash(code_of(source) + runtime_stamp(target))}.py"
 
 
 def load_module(source: str, target: str = "cpu") -> types.ModuleType:

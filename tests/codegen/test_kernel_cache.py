@@ -114,11 +114,28 @@ def test_one_file_per_source_named_by_the_hash_of_its_code(cache_dir):
     code = cache.code_of(source)  # the text without its comment lines
     assert code.splitlines() == [line for line in source.splitlines()
                                  if not line.lstrip().startswith("#")]
-    path = cache_dir / "cpu" / f"k_{cache.source_hash(code)}.py"
+    path = cache_dir / "cpu" / f"k_{cache.source_hash(code + cache.runtime_stamp('cpu'))}.py"
     assert kernel.path == path and path.read_text() == source == kernel.source
     assert len(cache.source_hash(code)) == 20
     again = cpu.compile_node(node)
     assert again.path == path and sorted(p.name for p in path.parent.glob("k_*.py")) == [path.name]
+
+
+def test_a_changed_runtime_moves_every_kernel(cache_dir, tmp_path, monkeypatch, request):
+    """Numba checks only a kernel's own file before it reuses its machine code, so a
+    change to what kernels import from purinec (`cpu_runtime`) must give them new
+    files, compiled afresh."""
+    source = cpu.render(small_graph().nodes[1])
+    before = cache.kernel_path(source)
+    request.addfinalizer(cache.runtime_stamp.cache_clear)  # even if an assert fails
+    original = cache.RUNTIMES["cpu"]
+    changed = tmp_path / "cpu_runtime.py"
+    changed.write_text(original.read_text() + "\n# changed\n")
+    for runtime, moved in ((changed, True), (original, False)):
+        monkeypatch.setitem(cache.RUNTIMES, "cpu", runtime)
+        cache.runtime_stamp.cache_clear()
+        assert (cache.kernel_path(source) != before) == moved
+        assert cache.kernel_path(source).parent == before.parent
 
 
 def test_generated_files_say_which_ir_nodes_they_came_from(cache_dir):
