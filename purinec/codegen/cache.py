@@ -3,9 +3,9 @@
 Numba can cache compiled code only for functions defined in a real file (not for
 source that was ``exec``'d), and it keys its cache on that file. So every generated
 kernel module is written to ``<cache dir>/<target>/k_<sha256 of its code and of what it
-imports from purinec (`runtime_stamp`), 20 hex digits>.py`` and imported from there as a module registered in ``sys.modules``; its
-functions use ``cache=True``, and Numba keeps their machine code in ``__pycache__``
-beside it, where a later process finds it.
+imports from purinec (`runtime_stamp`), 20 hex digits>.py`` and imported from there as a
+module registered in ``sys.modules``; its functions use ``cache=True``, and Numba keeps
+their machine code in ``__pycache__`` beside it, where a later process finds it.
 
 A module's *code* is its text without comment lines (`code_of`). Generated modules
 quote the IR they were made for in comments, so two nodes that render to the same code
