@@ -10,6 +10,13 @@ that NumPy's wheels bundle, about a third faster on the small GEMMs of convoluti
 than SciPy's copy; where there is none, to an adapter over Numba's ``numba_xxgemm``
 (the helper behind ``np.dot`` in Numba, on SciPy's BLAS).
 
+Arrays. Kernels make their scratch arrays with ``empty`` and see arrays with other
+shapes through ``view``: intrinsics, lowered in place, where Numba's ``np.empty``,
+``np.zeros``, ``np.full`` and ``reshape`` are functions it types and compiles in every
+process, with run-time checks (together most of a second of lenet's compile). Numba's
+cache does not see changes to them: the kernel cache keys kernels by this file's text
+too (`purinec.codegen.cache.runtime_stamp`).
+
 Threads. A big kernel is *blocked*: its function takes ``lo, hi`` and computes items
 ``lo:hi`` of one loop over independent items (see `KernelModule.split`), and
 `run_blocked` cuts the items into one block per thread, running one block on the
@@ -44,7 +51,6 @@ def _gemm_type(scalar):
 
 sgemm = types.ExternalFunction("purinec_cblas_sgemm", _gemm_type(types.float32))
 dgemm = types.ExternalFunction("purinec_cblas_dgemm", _gemm_type(types.float64))
-
 
 
 def _c_strides(builder, itemsize, dims: list) -> list:
