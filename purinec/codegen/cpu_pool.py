@@ -127,8 +127,8 @@ def _plane_scratch(m: KernelModule, node: Node, g: _Pool, name: str, fill) -> No
     """A plane the windows fit in, its border set to ``fill``: a value that never wins
     a max, or adds nothing to a sum."""
     if g.needs_scratch:
-        dtype = node.outputs[0].type.dtype
-        m.body.lines(m.filled(name, g.span, numpy_name(dtype), literal(fill, dtype)))
+        fill = literal(fill, node.outputs[0].type.dtype)
+        m.body.lines(m.filled(name, g.span, dtype_name(node), fill))
 
 
 def pool_divisor(m, node: Node, shape, p: str, q: str) -> str:
@@ -153,9 +153,8 @@ def _phase_scratch(m: KernelModule, node: Node, g: _Pool) -> None:
     neighbouring windows read neighbouring entries and the loop over them
     vectorises. The border is filled once here and never written again."""
     rows, cols = g.span
-    dtype = node.outputs[0].type.dtype
-    m.body.lines(m.filled("plane", (g.sw, rows, -(-cols // g.sw)), numpy_name(dtype),
-                          literal(-np.inf, dtype)))
+    border = literal(-np.inf, node.outputs[0].type.dtype)
+    m.body.lines(m.filled("plane", (g.sw, rows, -(-cols // g.sw)), dtype_name(node), border))
 
 
 def _fill_phases(m: KernelModule, g: _Pool, x: str, nc: str) -> None:
