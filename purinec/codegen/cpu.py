@@ -335,7 +335,7 @@ def _runner(dispatcher: Dispatcher, module: KernelModule) -> Callable:
         return dispatcher
     if module.parallel:
         return Blocked(dispatcher, module.blocks)
-    return functools.partial(dispatcher, 0, module.blocks)
+    return functools.partial(dispatcher, 0, module.blocks, 0, 1)  # no team, one thread
 
 
 def _job(module: KernelModule, source: str | None = None) -> Job:

@@ -17,27 +17,35 @@ process, with run-time checks (together most of a second of lenet's compile). Nu
 cache does not see changes to them: the kernel cache keys kernels by this file's text
 too (`purinec.codegen.cache.runtime_stamp`).
 
-Threads. A big kernel is *blocked*: its function takes ``lo, hi`` and computes items
-``lo:hi`` of one loop over independent items (see `KernelModule.split`), and
-`run_blocked` cuts the items into one block per thread, running one block on the
-calling thread and the others on a small pool. Kernels release the GIL, so blocks run
-side by side. The BLAS kernels call is made single-threaded (`limit_blas_threads`), so
-`set_threads` alone bounds the threads a kernel uses. Thread pools that spin (OpenMP,
-Numba's ``prange``) were avoided on purpose: on a machine with 2 cores they fight the
-runtime's own threads, and ``parallel=True`` doubles a kernel's compile time.
+Threads. A big kernel is *blocked*: its function takes ``start, stop, team, threads``
+and computes items ``start:stop`` of one loop over independent items (see
+`KernelModule.split`) in up to ``threads`` blocks: it hands blocks to the helper
+threads of a *team* (`share`), computes the first itself, then the blocks no helper
+was free to take, and waits for the helpers (`join`). Helpers run blocks by calling
+the kernel's own C entry (`block_entry`), so no block needs Python or the GIL; a
+helper spins for a fifth of a millisecond after its block before it sleeps, so that
+the next kernel's blocks start at once (Numba's ``parallel=True`` was avoided: it
+doubles a kernel's compile time). `set_threads` bounds a caller's blocks, and the
+runtime gives each device's threads a share of the cores (one each for two devices
+on two cores, which then never wake a helper). The BLAS kernels call is made
+single-threaded (`limit_blas_threads`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import platform
+import sys
 import threading
+import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 import llvmlite.binding as llvm
 import numpy as np
-from numba import cfunc, types
+from llvmlite import ir
+from numba import cfunc, njit, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 from numba.core.imputils import impl_ret_borrowed, impl_ret_new_ref
@@ -190,9 +198,9 @@ NUMPY_BLAS = _bind_gemm()
 
 _settings = threading.local()
 _lock = threading.Lock()
-_pool: _BlockPool | None = None  # see _get_pool
 _holders = 0  # see hold_block_pool
 _blas_limited = False
+_default_threads: int | None = None  # see get_threads
 
 
 def available_cpus() -> int:
@@ -223,48 +231,24 @@ def process_cpus() -> int:
 def set_threads(n: int) -> None:
     """Run the kernels this thread calls on at most ``n`` threads (this one included).
     The setting belongs to the calling thread; threads that never set it use every
-    available CPU."""
+    CPU the process could run on when it first asked."""
     if n < 1:
         raise ValueError(f"thread count must be at least 1, got {n}")
     _settings.threads = int(n)
 
 
 def get_threads() -> int:
-    return getattr(_settings, "threads", None) or available_cpus()
-
-
-def run_blocked(fn: Callable, count: int, arrays: Sequence) -> None:
-    """Run ``fn(lo, hi, *arrays)`` over ``0:count`` in one block per thread: the first
-    on the calling thread, the others on the pool's free helpers (and on the calling
-    thread too, after its own, where several callers share the pool at once)."""
-    blocks = min(get_threads(), count)
-    if blocks <= 1:
-        fn(0, count, *arrays)
-        return
-    bounds = [count * i // blocks for i in range(blocks + 1)]
-    pool = _get_pool()
-    helpers = pool.claim(blocks - 1)
-    own = [0, *range(len(helpers) + 1, blocks)]
-    error = None
-    # Nothing but the calls between waking the helpers and running a block: a helper
-    # woken while this thread holds the GIL waits for it.
-    for i, helper in enumerate(helpers, start=1):
-        helper.start(fn, bounds[i], bounds[i + 1], arrays)
-    try:
-        for i in own:
-            fn(bounds[i], bounds[i + 1], *arrays)
-    except BaseException as err:  # still wait: the other blocks write the same arrays
-        error = err
-    for helper in helpers:
-        error = helper.finish() or error
-    pool.release(helpers)
-    if error is not None:
-        raise error
+    global _default_threads
+    threads = getattr(_settings, "threads", None)
+    if threads is None:  # asking the kernel for the affinity each call costs 1.7 us
+        threads = _default_threads = _default_threads or available_cpus()
+    return threads
 
 
 class Blocked:
     """A blocked kernel as a plain kernel: ``Blocked(fn, count)(*arrays)`` runs
-    ``fn(lo, hi, *arrays)`` over ``0:count`` with `run_blocked`."""
+    ``fn(0, count, team, threads, *arrays)``, which computes items ``0:count`` in up to
+    `get_threads` blocks, handing all but one to the team's helper threads."""
 
     __slots__ = ("fn", "count")
 
@@ -273,103 +257,388 @@ class Blocked:
         self.count = count
 
     def __call__(self, *arrays) -> None:
-        run_blocked(self.fn, self.count, arrays)
+        threads = get_threads()
+        self.fn(0, self.count, team_address() if threads > 1 else 0, threads, *arrays)
 
     def __repr__(self) -> str:
         return f"Blocked({self.fn!r}, {self.count})"
 
 
-class _Helper:
-    """A thread of the block pool. Handing it a block and hearing back are one lock
-    each: a call of two blocks costs about 22 us on two cores, where a
-    ThreadPoolExecutor's submit and result took 42, which a small blocked kernel
-    (mlp's products take 0.3 ms) paid on every call."""
+# -- the team: helper threads that run kernels' blocks without the GIL ---------------
+#
+# A blocked kernel starts with `block_entry` and `share` and ends with `join` (see
+# `purinec.codegen.cpu_module`). Everything the helpers share with the kernels that
+# call on them is int64 words of `_TEAM`: a header line, then one line per helper,
+# read and written only with the atomics below. A helper waits for its STATE to say
+# GO (spinning for about `SPIN_SECONDS`, then asleep on a futex), runs the block its
+# words describe by calling the kernel's C entry, and says DONE. Handing a block over
+# and hearing back cost about a microsecond while the helper spins; through Python
+# threads and locks they cost 22 (each a change of hands of the GIL).
 
-    def __init__(self, name: str):
-        self._go, self._done = threading.Lock(), threading.Lock()
-        self._go.acquire()
-        self._done.acquire()
-        self._block: tuple | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self._thread.start()
-
-    def start(self, fn: Callable, lo: int, hi: int, arrays: Sequence) -> None:
-        self._block = (fn, lo, hi, arrays)
-        self._go.release()
-
-    def finish(self) -> BaseException | None:
-        """Wait for the block started last; what it raised, if anything."""
-        self._done.acquire()
-        error, self._error = self._error, None
-        return error
-
-    def stop(self) -> None:
-        self._block = None
-        self._go.release()
-        self._thread.join()
-
-    def _serve(self) -> None:
-        while True:
-            self._go.acquire()
-            if self._block is None:
-                return
-            fn, lo, hi, arrays = self._block
-            self._block = None
-            try:
-                fn(lo, hi, *arrays)
-            except BaseException as err:  # the caller re-raises it
-                self._error = err
-            self._done.release()
+_FUTEX_SYSCALL = ({"x86_64": 202, "aarch64": 98}.get(platform.machine())
+                  if sys.platform.startswith("linux") else None)
+_FUTEX_WAIT, _FUTEX_WAKE = 128, 129  # FUTEX_PRIVATE_FLAG | FUTEX_WAIT, | FUTEX_WAKE
+SPIN_SECONDS = 2e-4  # how long helpers and callers spin before they sleep
+_WORDS_PER_LINE = 16  # 128 bytes: no two lines share a cache line (or its prefetched pair)
+_LINE = _WORDS_PER_LINE * 8
+_MAX_HELPERS = 63  # `share` notes the helpers it took as bits of an int64
+# Words of the header: helpers running, spins before sleeping, where `_share` and
+# `_join` are (their C entries).
+HELPERS, SPINS, SHARE, JOIN = range(4)
+# A helper's words. Futexes compare 32 bits: STATE's low half, on little-endian CPUs.
+STATE, CLAIM, ASLEEP, CALLER_ASLEEP, ENTRY, ARGS, LO, HI, FAILED = range(9)
+IDLE, GO, DONE, STOP = range(4)  # its STATE
+# Never freed: a kernel may read the address just before the team stops.
+_TEAM = np.zeros(_WORDS_PER_LINE * (1 + min(_MAX_HELPERS, os.cpu_count() or 1)), np.int64)
+_TEAM_ADDRESS = _TEAM.ctypes.data
+_team_threads: list[threading.Thread] = []
+_team_started = False
+I64 = ir.IntType(64)
 
 
-class _BlockPool:
-    """Helper threads that callers of `run_blocked` claim for one call each. Once
-    stopped, it hands out none, and each helper stops as soon as it is free."""
-
-    def __init__(self, size: int):
-        self._free = [_Helper(f"purinec-kernel-{i}") for i in range(size)]
-        self._busy = 0
-        self._stopped = False
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-
-    def claim(self, most: int) -> list[_Helper]:
-        with self._lock:
-            if self._stopped:
-                return []
-            taken, self._free = self._free[:most], self._free[most:]
-            self._busy += len(taken)
-            return taken
-
-    def release(self, helpers: list[_Helper]) -> None:
-        with self._lock:
-            self._free.extend(helpers)
-            self._busy -= len(helpers)
-            self._idle.notify_all()
-
-    def stop(self) -> None:
-        """Stop every helper, once those in use are back."""
-        with self._lock:
-            self._stopped = True
-            self._idle.wait_for(lambda: self._busy == 0)
-            helpers, self._free = self._free, []
-        for helper in helpers:
-            helper.stop()
+def _word(builder, address, index):
+    return builder.gep(builder.inttoptr(address, I64.as_pointer()), [index])
 
 
-def _get_pool() -> _BlockPool:
-    global _pool
+@intrinsic
+def _load(typingctx, address, index):
+    """Word ``index`` of the line at ``address``."""
+    def codegen(context, builder, signature, args):
+        return builder.load_atomic(_word(builder, *args), "seq_cst", 8)
+
+    return types.int64(types.int64, types.int64), codegen
+
+
+@intrinsic
+def _store(typingctx, address, index, value):
+    def codegen(context, builder, signature, args):
+        builder.store_atomic(args[2], _word(builder, args[0], args[1]), "seq_cst", 8)
+        return context.get_dummy_value()
+
+    return types.void(types.int64, types.int64, types.int64), codegen
+
+
+@intrinsic
+def _claim(typingctx, address, index):
+    """Make word ``index`` 1 if it is 0; whether it was."""
+    def codegen(context, builder, signature, args):
+        swapped = builder.cmpxchg(_word(builder, *args), ir.Constant(I64, 0),
+                                  ir.Constant(I64, 1), "seq_cst", "seq_cst")
+        return builder.extract_value(swapped, 1)
+
+    return types.boolean(types.int64, types.int64), codegen
+
+
+@intrinsic
+def _pause(typingctx):
+    """A spinning thread's hint to the core (x86's ``pause``; nothing elsewhere)."""
+    def codegen(context, builder, signature, args):
+        if platform.machine() == "x86_64":
+            hint = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause")
+            builder.call(hint, [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@intrinsic
+def _futex(typingctx, address, index, operation, value):
+    """Sleep while word ``index`` holds ``value`` (`_FUTEX_WAIT`), or wake ``value``
+    threads sleeping on it (`_FUTEX_WAKE`)."""
+    def codegen(context, builder, signature, args):
+        syscall = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(I64, [I64], var_arg=True), "syscall")
+        word = builder.ptrtoint(_word(builder, args[0], args[1]), I64)
+        null = ir.Constant(I64, 0)
+        return builder.call(syscall, [ir.Constant(I64, _FUTEX_SYSCALL), word, args[2],
+                                      args[3], null, null, null])
+
+    return types.int64(types.int64, types.int64, types.int64, types.int64), codegen
+
+
+@intrinsic
+def _run_block(typingctx, entry, arrays, lo, hi):
+    """Call a kernel's C entry (see `block_entry`) on items ``lo:hi``; 1 if it raised."""
+    def codegen(context, builder, signature, args):
+        entry_type = ir.FunctionType(I64, [I64, I64, I64])
+        return builder.call(builder.inttoptr(args[0], entry_type.as_pointer()), args[1:])
+
+    return types.int64(types.int64, types.int64, types.int64, types.int64), codegen
+
+
+@intrinsic
+def block_entry(typingctx, arrays):
+    """For the blocked kernel calling it with its arrays (a tuple), which takes ``start,
+    stop, team, threads`` before them and returns nothing: the address of a C
+    function ``(arrays, lo, hi) -> failed`` that runs the kernel over items ``lo:hi``
+    alone (team 0), and the address of ``arrays``, kept until the kernel returns. Both
+    lie in the kernel's own code, so it stays cacheable."""
+    if not (isinstance(arrays, types.BaseTuple)
+            and all(isinstance(a, types.Array) for a in arrays)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        kernel = builder.function
+        tuple_type = context.get_value_type(arrays)
+        try:
+            entry = builder.module.get_global(kernel.name + "__block")
+        except KeyError:
+            entry = ir.Function(builder.module, ir.FunctionType(I64, [I64, I64, I64]),
+                                kernel.name + "__block")
+            body = ir.IRBuilder(entry.append_basic_block())
+            packed = body.load(body.inttoptr(entry.args[0], tuple_type.as_pointer()))
+            values = [entry.args[1], entry.args[2], ir.Constant(I64, 0), ir.Constant(I64, 1)]
+            values += [body.extract_value(packed, i) for i in range(len(arrays))]
+            # not inlined: the kernel's body would be there twice
+            status, _ = context.call_conv.call_function(
+                body, kernel, types.none, [types.int64] * 4 + list(arrays), values,
+                attrs=("noinline",))
+            body.ret(body.zext(status.is_error, I64))
+        slot = cgutils.alloca_once(builder, tuple_type)
+        builder.store(args[0], slot)
+        return context.make_tuple(builder, signature.return_type,
+                                  [builder.ptrtoint(entry, I64), builder.ptrtoint(slot, I64)])
+
+    return types.UniTuple(types.int64, 2)(arrays), codegen
+
+
+def _call_team(builder, team, word, arguments):
+    """Call the team's native function whose address header word ``word`` holds."""
+    function_type = ir.FunctionType(I64, [I64] * len(arguments))
+    address = builder.load(_word(builder, team, ir.Constant(I64, word)))
+    return builder.call(builder.inttoptr(address, function_type.as_pointer()), arguments)
+
+
+@intrinsic
+def share(typingctx, team, threads, start, stop, entry, arrays):
+    """Cut ``start:stop`` into up to ``threads`` blocks and hand blocks 1, 2, ... to
+    free helpers of ``team`` (0: none; see `_share`); the bounds of block 0, for the
+    caller, and the helpers taken, as bits. Kernels call the team's functions through
+    addresses in its header rather than compile them in: linked into each kernel, they
+    took 0.15 s of every kernel's compile."""
+    def codegen(context, builder, signature, args):
+        out = cgutils.alloca_once(builder, I64, size=3)
+        for i, value in enumerate((args[2], args[3], ir.Constant(I64, 0))):
+            builder.store(value, builder.gep(out, [ir.Constant(I64, i)]))
+        with builder.if_then(builder.icmp_unsigned("!=", args[0], ir.Constant(I64, 0))):
+            taken = _call_team(builder, args[0], SHARE,
+                               list(args) + [builder.ptrtoint(out, I64)])
+            builder.store(taken, builder.gep(out, [ir.Constant(I64, 2)]))
+        values = [builder.load(builder.gep(out, [ir.Constant(I64, i)])) for i in range(3)]
+        return context.make_tuple(builder, signature.return_type, values)
+
+    return types.UniTuple(types.int64, 3)(*[types.int64] * 6), codegen
+
+
+@intrinsic
+def join(typingctx, team, threads, start, stop, entry, arrays, taken):
+    """After block 0: run the blocks no helper took, wait for the helpers ``taken``
+    and free them (see `_join`); raises RuntimeError if any of those blocks did."""
+    def codegen(context, builder, signature, args):
+        with builder.if_then(builder.icmp_unsigned("!=", args[0], ir.Constant(I64, 0))):
+            failed = _call_team(builder, args[0], JOIN, list(args))
+            with builder.if_then(builder.icmp_unsigned("!=", failed, ir.Constant(I64, 0)),
+                                 likely=False):
+                context.call_conv.return_user_exc(builder, RuntimeError, (
+                    "a block of this kernel failed on another thread (its exception is "
+                    "lost there)",))
+        return context.get_dummy_value()
+
+    return types.void(*[types.int64] * 7), codegen
+
+
+@njit(nogil=True, cache=True)
+def _bound(start, stop, blocks, block):
+    return start + (stop - start) * block // blocks
+
+
+@njit(nogil=True, cache=True)
+def _share(team, threads, start, stop, entry, arrays, out):
+    """`share`: writes the caller's block's bounds to words 0 and 1 at ``out``."""
+    blocks = min(threads, stop - start)
+    if blocks < 2:
+        return 0
+    taken = 0
+    block = 1
+    for helper in range(_load(team, HELPERS)):
+        if block == blocks:
+            break
+        line = team + (helper + 1) * _LINE
+        if _claim(line, CLAIM):
+            taken |= 1 << helper
+            _store(line, ENTRY, entry)
+            _store(line, ARGS, arrays)
+            _store(line, LO, _bound(start, stop, blocks, block))
+            _store(line, HI, _bound(start, stop, blocks, block + 1))
+            _store(line, STATE, GO)
+            if _load(line, ASLEEP):
+                _futex(line, STATE, _FUTEX_WAKE, 1)
+            block += 1
+    _store(out, 1, _bound(start, stop, blocks, 1))
+    return taken
+
+
+@njit(nogil=True, cache=True)
+def _join(team, threads, start, stop, entry, arrays, taken):
+    """`join`."""
+    blocks = min(threads, stop - start)
+    if blocks < 2:
+        return 0
+    failed = 0
+    helpers = 0
+    for helper in range(_MAX_HELPERS):
+        helpers += (taken >> helper) & 1
+    for block in range(helpers + 1, blocks):
+        failed |= _run_block(entry, arrays, _bound(start, stop, blocks, block),
+                             _bound(start, stop, blocks, block + 1))
+    spins = _load(team, SPINS)
+    for helper in range(_MAX_HELPERS):
+        if (taken >> helper) & 1:
+            line = team + (helper + 1) * _LINE
+            _wait(line, DONE, DONE, CALLER_ASLEEP, spins)
+            failed |= _load(line, FAILED)
+            _store(line, STATE, IDLE)
+            _store(line, CLAIM, 0)
+    return failed
+
+
+@njit(nogil=True, cache=True)
+def _wait(line, wanted, other, asleep, spins):
+    """Wait until the line's STATE is ``wanted`` or ``other``; which it is. Spins
+    ``spins`` times, then sleeps, saying so in word ``asleep`` so that whoever
+    changes STATE wakes it."""
+    for _ in range(spins):
+        state = _load(line, STATE)
+        if state == wanted or state == other:
+            return state
+        _pause()
+    while True:
+        state = _load(line, STATE)
+        if state == wanted or state == other:
+            return state
+        _store(line, asleep, 1)
+        if _load(line, STATE) == state:  # else it changed before the store: look again
+            _futex(line, STATE, _FUTEX_WAIT, state)
+        _store(line, asleep, 0)
+
+
+@njit(nogil=True, cache=True)
+def _serve(team, helper):
+    """A helper thread's life: run the blocks it is handed until told to STOP."""
+    line = team + (helper + 1) * _LINE
+    spins = _load(team, SPINS)
+    while _wait(line, GO, STOP, ASLEEP, spins) == GO:
+        failed = _run_block(_load(line, ENTRY), _load(line, ARGS), _load(line, LO),
+                            _load(line, HI))
+        _store(line, FAILED, failed)
+        _store(line, STATE, DONE)
+        if _load(line, CALLER_ASLEEP):
+            _futex(line, STATE, _FUTEX_WAKE, 1)
+
+
+@njit(nogil=True, cache=True)
+def _retire(team, helper):
+    """Take the helper for good (once its caller frees it) and tell it to STOP."""
+    line = team + (helper + 1) * _LINE
+    while not _claim(line, CLAIM):
+        _pause()
+    _store(line, STATE, STOP)
+    if _load(line, ASLEEP):
+        _futex(line, STATE, _FUTEX_WAKE, 1)
+
+
+@njit(nogil=True, cache=True)
+def _pauses(count):
+    for _ in range(count):
+        _pause()
+
+
+# What the team runs, loaded or compiled when it starts.
+_NATIVE = {_serve: (types.int64,) * 2, _retire: (types.int64,) * 2, _pauses: (types.int64,),
+           _share: (types.int64,) * 7, _join: (types.int64,) * 7}
+
+
+def _c_entry(function) -> int:
+    """The address of the C entry Numba compiles beside each function."""
+    overload = function.overloads[_NATIVE[function]]
+    return overload.library.get_pointer_to_function(overload.fndesc.llvm_cfunc_wrapper_name)
+
+
+def _spins() -> int:
+    """How many spins of `_wait` take about `SPIN_SECONDS` on this CPU (a ``pause``
+    takes from a few cycles to 140, by CPU)."""
+    count = 20_000
+    began = time.perf_counter()
+    _pauses(count)
+    return max(1, int(count * SPIN_SECONDS / max(time.perf_counter() - began, 1e-9)))
+
+
+def team_address() -> int:
+    """The address of the team that blocked kernels share their blocks with, started
+    on first use; 0 where there is none (no futexes: each kernel runs on its caller)."""
+    if _team_started:
+        return _TEAM_ADDRESS
+    if _FUTEX_SYSCALL is None:
+        return 0
     with _lock:
-        if _pool is None:
-            _pool = _BlockPool(max(1, available_cpus() - 1))
-        return _pool
+        if not _team_started:
+            _start_team()
+    return _TEAM_ADDRESS
+
+
+def _start_team() -> None:
+    """Start a helper for every CPU but the caller's (none on one CPU: a spinning
+    helper would take the caller's core)."""
+    global _team_started
+    from purinec import jitcache
+
+    for function, signature in _NATIVE.items():
+        if signature not in function.overloads and not jitcache.load(function, signature):
+            function.compile(signature)
+    helpers = min(_MAX_HELPERS, available_cpus() - 1)
+    _TEAM[_WORDS_PER_LINE:] = 0  # the helpers' lines: IDLE, free
+    _TEAM[SPINS] = _spins()
+    # The same addresses at every start: a kernel still running from before may read them.
+    _TEAM[SHARE] = _c_entry(_share)
+    _TEAM[JOIN] = _c_entry(_join)
+    for helper in range(helpers):
+        thread = threading.Thread(target=_serve, args=(_TEAM_ADDRESS, helper),
+                                  name=f"purinec-kernel-{helper}", daemon=True)
+        thread.start()
+        _team_threads.append(thread)
+    _TEAM[HELPERS] = helpers  # the last store: kernels take helpers from here on
+    _team_started = True
+
+
+def _stop_team() -> None:
+    """Stop the helpers, each once the kernel using it (if any) frees it."""
+    global _team_started
+    _team_started = False
+    _TEAM[HELPERS] = 0
+    for helper, thread in enumerate(_team_threads):
+        _retire(_TEAM_ADDRESS, helper)
+        thread.join()
+    _team_threads.clear()
+
+
+def _forget_team() -> None:
+    """In a forked child: the helpers did not come along; a later kernel starts others
+    (posting to the missing ones would wait forever)."""
+    global _team_started
+    _team_started = False
+    _team_threads.clear()
+    _TEAM[HELPERS] = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_team)
 
 
 def hold_block_pool() -> Callable[[], None]:
-    """Count one more user of the block pool (a program's executable); returns how to
-    let go of it. The last user to let go stops the pool's threads (a later blocked
-    kernel starts new ones), so a closed program leaves no thread behind."""
+    """Count one more user of the team (a program's executable); returns how to let go
+    of it. The last user to let go stops the team's threads (a later blocked kernel
+    starts new ones), so a closed program leaves no thread behind."""
     global _holders
     with _lock:
         _holders += 1
@@ -377,14 +646,11 @@ def hold_block_pool() -> Callable[[], None]:
 
 
 def _let_go_of_block_pool() -> None:
-    global _holders, _pool
+    global _holders
     with _lock:
         _holders -= 1
-        if _holders > 0:
-            return
-        pool, _pool = _pool, None
-    if pool is not None:
-        pool.stop()
+        if _holders == 0 and _team_started:
+            _stop_team()
 
 
 def limit_blas_threads() -> None:

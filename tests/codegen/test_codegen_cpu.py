@@ -20,7 +20,7 @@ from numba.core.errors import TypingError
 
 from purinec.codegen import CodegenError, cpu
 from purinec.codegen.cpu_module import RENDERERS, CpuOptions
-from purinec.codegen.cpu_runtime import Blocked, empty, run_blocked, set_threads, view
+from purinec.codegen.cpu_runtime import Blocked, empty, set_threads, view
 from purinec.errors import ShapeError
 from purinec.ir import nnref
 from purinec.ir.graph import Graph, Node, external_inputs
@@ -928,7 +928,7 @@ def test_a_kernel_refuses_arrays_of_another_shape(options):
     if options is BLOCKED:
         assert isinstance(kernel.run, Blocked)
     else:  # all 6 elements as one block, on the calling thread
-        assert (kernel.run.func, kernel.run.args) == (kernel.dispatcher, (0, 6))
+        assert (kernel.run.func, kernel.run.args) == (kernel.dispatcher, (0, 6, 0, 1))
     message = r"relu: arguments must be in0 f32\[2,3\], out0 f32\[2,3\]"
     with pytest.raises(ValueError, match=message):
         kernel.fn(np.zeros((3, 2), np.float32), np.zeros((2, 3), np.float32))
@@ -940,24 +940,6 @@ def test_a_kernel_refuses_arrays_of_another_shape(options):
         kernel.fn(np.zeros((3, 2), np.float32).T, np.zeros((2, 3), np.float32))
     with pytest.raises(ValueError, match=message):
         kernel.fn(np.zeros((2, 3), np.float32))
-
-
-def test_blocks_cover_the_items_once_on_the_threads_allowed():
-    seen = []
-    run_blocked(lambda lo, hi, out: seen.append((lo, hi)), 10, [None])
-    assert sorted(seen) == [(0, 3), (3, 6), (6, 10)]  # three threads (the fixture's)
-    set_threads(1)
-    seen.clear()
-    run_blocked(lambda lo, hi, out: seen.append((lo, hi)), 10, [None])
-    assert seen == [(0, 10)]
-
-
-def test_an_error_in_any_block_reaches_the_caller():
-    def fail_late(lo, hi):
-        if hi == 10:
-            raise ValueError("last block failed")
-    with pytest.raises(ValueError, match="last block"):
-        run_blocked(fail_late, 10, [])
 
 
 def test_kernels_show_their_llvm_and_assembly():

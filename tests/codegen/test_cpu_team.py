@@ -1,0 +1,137 @@
+"""The team of helper threads that run blocked kernels' blocks (`cpu_runtime.share`,
+`join`, `block_entry`), with kernels written the way `KernelModule.builder` writes them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+from numba import njit
+
+from purinec.codegen import cpu_runtime
+from purinec.codegen.cpu_runtime import (Blocked, available_cpus, block_entry, hold_block_pool,
+                                         join, set_threads, share)
+
+pytestmark = pytest.mark.skipif(cpu_runtime.team_address() == 0,
+                                reason="no team here: blocked kernels run on their caller")
+
+
+@njit(nogil=True)
+def _cover(start, stop, team, threads, hits, blocks):
+    entry, packed = block_entry((hits, blocks))
+    lo, hi, taken = share(team, threads, start, stop, entry, packed)
+    for i in range(lo, hi):
+        hits[i] += 1
+        blocks[i, 0], blocks[i, 1] = lo, hi
+    join(team, threads, start, stop, entry, packed, taken)
+
+
+@njit(nogil=True)
+def _fail_after(start, stop, team, threads, first_failing, hits):
+    entry, packed = block_entry((first_failing, hits))
+    lo, hi, taken = share(team, threads, start, stop, entry, packed)
+    if lo >= first_failing[0]:
+        raise ValueError("this block fails")
+    for i in range(lo, hi):
+        hits[i] += 1
+    join(team, threads, start, stop, entry, packed, taken)
+
+
+@njit(nogil=True)
+def _meet(start, stop, team, threads, flags, met):
+    """Each block raises its flag, then waits (a while, not forever) for every other
+    block's: only blocks that run at the same time all meet."""
+    entry, packed = block_entry((flags, met))
+    lo, hi, taken = share(team, threads, start, stop, entry, packed)
+    address = flags.ctypes.data
+    cpu_runtime._store(address, lo, 1)
+    for _ in range(200_000_000):
+        everyone = 1
+        for other in range(flags.size):
+            everyone &= cpu_runtime._load(address, other)
+        if everyone:
+            met[lo] = 1
+            break
+    join(team, threads, start, stop, entry, packed, taken)
+
+
+def _cover_all(count, threads):
+    hits, blocks = np.zeros(count, np.int64), np.zeros((count, 2), np.int64)
+    set_threads(threads)
+    try:
+        Blocked(_cover, count)(hits, blocks)
+    finally:
+        set_threads(available_cpus())
+    return hits, sorted(set(map(tuple, blocks.tolist())))
+
+
+def test_blocks_cover_the_items_once_on_the_threads_allowed():
+    hits, blocks = _cover_all(10, 3)  # more blocks than helpers: the caller runs the rest
+    assert hits.tolist() == [1] * 10 and blocks == [(0, 3), (3, 6), (6, 10)]
+    hits, blocks = _cover_all(10, 1)
+    assert hits.tolist() == [1] * 10 and blocks == [(0, 10)]
+    hits, blocks = _cover_all(2, 5)  # never more blocks than items
+    assert hits.tolist() == [1, 1] and blocks == [(0, 1), (1, 2)]
+
+
+@pytest.mark.skipif(available_cpus() < 2, reason="needs a helper thread beside the caller")
+def test_blocks_run_side_by_side_on_the_helpers():
+    flags, met = np.zeros(2, np.int64), np.zeros(2, np.int64)
+    set_threads(2)
+    try:
+        Blocked(_meet, 2)(flags, met)
+    finally:
+        set_threads(available_cpus())
+    assert met.tolist() == [1, 1]
+
+
+def test_a_failed_block_on_any_thread_reaches_the_caller_and_frees_the_helpers():
+    hits = np.zeros(9, np.int64)
+    set_threads(3)
+    try:
+        with pytest.raises(RuntimeError, match="a block of this kernel failed on another thread"):
+            Blocked(_fail_after, 9)(np.array([3]), hits)
+        assert hits.tolist() == [1, 1, 1] + [0] * 6  # the first block ran; the others failed
+    finally:
+        set_threads(available_cpus())
+    hits, blocks = _cover_all(10, 3)  # the helpers are free again
+    assert hits.tolist() == [1] * 10
+
+
+def test_the_last_holder_stops_the_helpers_and_a_later_kernel_starts_them():
+    def helpers():
+        return {t for t in threading.enumerate() if t.name.startswith("purinec-kernel")}
+
+    let_go = hold_block_pool()
+    _cover_all(4, 2)
+    assert len(helpers()) == min(available_cpus(), 64) - 1
+    let_go()
+    assert not helpers()
+    hits, _ = _cover_all(4, 2)
+    assert hits.tolist() == [1] * 4 and helpers()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_starts_its_own_helpers():
+    _cover_all(4, 2)  # the parent's team is running
+    child = os.fork()
+    if child == 0:  # the helpers did not come along: waiting for them would hang
+        try:
+            hits, blocks = _cover_all(10, 2)
+            os._exit(0 if hits.tolist() == [1] * 10 and len(blocks) == 2 else 1)
+        finally:
+            os._exit(2)
+    for _ in range(600):  # a child left waiting for the parent's helpers would hang
+        done, status = os.waitpid(child, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        pytest.fail("the forked child hung running a blocked kernel")
+    assert os.waitstatus_to_exitcode(status) == 0
