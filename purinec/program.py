@@ -78,7 +78,7 @@ class TensorStore(MutableMapping):
         """Keep a step's new value of ``name`` in the array the views look at (a target
         that updated it in place has put it there already)."""
         current = self._arrays[name]
-        if not np.may_share_memory(value, current):
+        if value is not current and not np.may_share_memory(value, current):
             np.copyto(current, value)
 
     def __delitem__(self, name: str) -> None:
