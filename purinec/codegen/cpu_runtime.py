@@ -450,12 +450,20 @@ def join(typingctx, team, threads, start, stop, entry, arrays, taken):
 
 @njit(nogil=True, cache=True)
 def _bound(start, stop, blocks, block):
+    """Where block ``block`` of ``start:stop`` cut in ``blocks`` begins."""
     return start + (stop - start) * block // blocks
 
 
 @njit(nogil=True, cache=True)
+def _line(team, helper):
+    """The address of helper ``helper``'s words."""
+    return team + (helper + 1) * _LINE
+
+
+@njit(nogil=True, cache=True)
 def _share(team, threads, start, stop, entry, arrays, out):
-    """`share`: writes the caller's block's bounds to words 0 and 1 at ``out``."""
+    """What `share` calls: hands blocks to helpers, writes block 0's end to word 1 at
+    ``out`` (word 0, its start, is ``start`` already); the helpers taken."""
     blocks = min(threads, stop - start)
     if blocks < 2:
         return 0
@@ -464,7 +472,7 @@ def _share(team, threads, start, stop, entry, arrays, out):
     for helper in range(_load(team, HELPERS)):
         if block == blocks:
             break
-        line = team + (helper + 1) * _LINE
+        line = _line(team, helper)
         if _claim(line, CLAIM):
             taken |= 1 << helper
             _store(line, ENTRY, entry)
@@ -481,7 +489,8 @@ def _share(team, threads, start, stop, entry, arrays, out):
 
 @njit(nogil=True, cache=True)
 def _join(team, threads, start, stop, entry, arrays, taken):
-    """`join`."""
+    """What `join` calls: runs the blocks left over, waits for the helpers taken;
+    1 if any of those blocks raised."""
     blocks = min(threads, stop - start)
     if blocks < 2:
         return 0
@@ -495,7 +504,7 @@ def _join(team, threads, start, stop, entry, arrays, taken):
     spins = _load(team, SPINS)
     for helper in range(_MAX_HELPERS):
         if (taken >> helper) & 1:
-            line = team + (helper + 1) * _LINE
+            line = _line(team, helper)
             _wait(line, DONE, DONE, CALLER_ASLEEP, spins)
             failed |= _load(line, FAILED)
             _store(line, STATE, IDLE)
@@ -526,7 +535,7 @@ def _wait(line, wanted, other, asleep, spins):
 @njit(nogil=True, cache=True)
 def _serve(team, helper):
     """A helper thread's life: run the blocks it is handed until told to STOP."""
-    line = team + (helper + 1) * _LINE
+    line = _line(team, helper)
     spins = _load(team, SPINS)
     while _wait(line, GO, STOP, ASLEEP, spins) == GO:
         failed = _run_block(_load(line, ENTRY), _load(line, ARGS), _load(line, LO),
@@ -540,7 +549,7 @@ def _serve(team, helper):
 @njit(nogil=True, cache=True)
 def _retire(team, helper):
     """Take the helper for good (once its caller frees it) and tell it to STOP."""
-    line = team + (helper + 1) * _LINE
+    line = _line(team, helper)
     while not _claim(line, CLAIM):
         _pause()
     _store(line, STATE, STOP)
