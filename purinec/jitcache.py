@@ -7,7 +7,8 @@ process, and with Numba's array math SciPy's linear algebra, 0.3 s more, unless
 `purinec.codegen.compile_helpers.start_numba_without_scipy` came first). Running cached
 code needs only the runtime's (NRT) symbols. `load` does the rest of what
 ``Dispatcher.compile`` does on a cache hit. The CPU target's kernels
-(`purinec.codegen.cpu`) and the runtime's atomics (`purinec.runtime.atomics`) load
+(`purinec.codegen.cpu`), the runtime's atomics (`purinec.runtime.atomics`) and the
+CPU team's functions (`purinec.codegen.cpu_runtime`) load
 through it: a fifth of a warm ``purinec run``, a third of a second of every rank.
 
 It uses Numba's private ``Cache._load_overload``; where a Numba release lacks it,
@@ -37,3 +38,10 @@ def load(dispatcher: Dispatcher, signature: tuple) -> bool:
         context.insert_user_function(result.entry_point, result.fndesc, [result.library])
         dispatcher.add_overload(result)
     return True
+
+
+def ready(dispatcher: Dispatcher, signature: tuple) -> None:
+    """Make ``dispatcher`` callable with ``signature`` at no cost on its first call: from
+    Numba's disk cache where it holds the code, else compiled (and so cached)."""
+    if signature not in dispatcher.overloads and not load(dispatcher, signature):
+        dispatcher.compile(signature)

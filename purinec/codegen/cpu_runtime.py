@@ -606,8 +606,7 @@ def _start_team() -> None:
     from purinec import jitcache
 
     for function, signature in _NATIVE.items():
-        if signature not in function.overloads and not jitcache.load(function, signature):
-            function.compile(signature)
+        jitcache.ready(function, signature)
     helpers = min(_MAX_HELPERS, available_cpus() - 1)
     _TEAM[_WORDS_PER_LINE:] = 0  # the helpers' lines: IDLE, free
     _TEAM[SPINS] = _spins()

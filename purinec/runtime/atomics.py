@@ -92,5 +92,4 @@ def ready() -> None:
     readying Numba to compile (`purinec.jitcache`: a third of a second of every rank
     that shares memory); compile them where the cache does not hold them."""
     for function, signature in _SIGNATURES:
-        if signature not in function.overloads and not jitcache.load(function, signature):
-            function.compile(signature)
+        jitcache.ready(function, signature)
