@@ -273,7 +273,9 @@ class Blocked:
 # GO (spinning for about `SPIN_SECONDS`, then asleep on a futex), runs the block its
 # words describe by calling the kernel's C entry, and says DONE. Handing a block over
 # and hearing back cost about a microsecond while the helper spins; through Python
-# threads and locks they cost 22 (each a change of hands of the GIL).
+# threads and locks they cost 22 (each a change of hands of the GIL). A kernel's block
+# 0 must not raise: it would skip `join` and leave its helpers taken for good (the
+# generated code has no checks that raise).
 
 _FUTEX_SYSCALL = ({"x86_64": 202, "aarch64": 98}.get(platform.machine())
                   if sys.platform.startswith("linux") else None)
