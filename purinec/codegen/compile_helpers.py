@@ -68,7 +68,7 @@ class Job:
     def signature(self) -> tuple:
         arrays = tuple(types.Array(from_dtype(np.dtype(dtype)), rank, "C")
                        for dtype, rank in self.arrays)
-        return (types.intp,) * 4 + arrays if self.blocked else arrays  # start, stop, team, threads
+        return (types.intp,) * 4 + arrays if self.blocked else arrays  # lo, hi, team, threads
 
     def compiled_on_disk(self) -> bool:
         return cache.compiled_on_disk(self.source, self.function)

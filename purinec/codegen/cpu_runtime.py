@@ -17,18 +17,18 @@ process, with run-time checks (together most of a second of lenet's compile). Nu
 cache does not see changes to them: the kernel cache keys kernels by this file's text
 too (`purinec.codegen.cache.runtime_stamp`).
 
-Threads. A big kernel is *blocked*: its function takes ``start, stop, team, threads``
-and computes items ``start:stop`` of one loop over independent items (see
-`KernelModule.split`) in up to ``threads`` blocks: it hands blocks to the helper
-threads of a *team* (`share`), computes the first itself, then the blocks no helper
-was free to take, and waits for the helpers (`join`). Helpers run blocks by calling
-the kernel's own C entry (`block_entry`), so no block needs Python or the GIL; a
-helper spins for a fifth of a millisecond after its block before it sleeps, so that
-the next kernel's blocks start at once (Numba's ``parallel=True`` was avoided: it
-doubles a kernel's compile time). `set_threads` bounds a caller's blocks, and the
-runtime gives each device's threads a share of the cores (one each for two devices
-on two cores, which then never wake a helper). The BLAS kernels call is made
-single-threaded (`limit_blas_threads`).
+Threads. A big kernel is *blocked*: its function takes ``lo, hi, team, threads`` and
+computes items ``lo:hi`` of one loop over independent items (see `KernelModule.split`).
+It begins with `run_blocks`: given a *team* of helper threads, that cuts the items
+into up to ``threads`` blocks, hands them to free helpers, runs the first and those no
+helper was free to take, waits, and the kernel returns; without a team (or on a
+helper) the kernel computes ``lo:hi`` itself. Every block runs through the kernel's
+own C entry, so none needs Python or the GIL; a helper spins for a fifth of a
+millisecond after its block before it sleeps, so that the next kernel's blocks start
+at once (Numba's ``parallel=True`` was avoided: it doubles a kernel's compile time).
+`set_threads` bounds a caller's blocks, and the runtime gives each device's threads a
+share of the cores (one each for two devices on two cores, which then never wake a
+helper). The BLAS kernels call is made single-threaded (`limit_blas_threads`).
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def get_threads() -> int:
 class Blocked:
     """A blocked kernel as a plain kernel: ``Blocked(fn, count)(*arrays)`` runs
     ``fn(0, count, team, threads, *arrays)``, which computes items ``0:count`` in up to
-    `get_threads` blocks, handing all but one to the team's helper threads."""
+    `get_threads` blocks on the team's helper threads and this one."""
 
     __slots__ = ("fn", "count")
 
@@ -266,16 +266,14 @@ class Blocked:
 
 # -- the team: helper threads that run kernels' blocks without the GIL ---------------
 #
-# A blocked kernel starts with `block_entry` and `share` and ends with `join` (see
-# `purinec.codegen.cpu_module`). Everything the helpers share with the kernels that
-# call on them is int64 words of `_TEAM`: a header line, then one line per helper,
-# read and written only with the atomics below. A helper waits for its STATE to say
-# GO (spinning for about `SPIN_SECONDS`, then asleep on a futex), runs the block its
-# words describe by calling the kernel's C entry, and says DONE. Handing a block over
-# and hearing back cost about a microsecond while the helper spins; through Python
-# threads and locks they cost 22 (each a change of hands of the GIL). A kernel's block
-# 0 must not raise: it would skip `join` and leave its helpers taken for good (the
-# generated code has no checks that raise).
+# A blocked kernel starts with `run_blocks` (see `purinec.codegen.cpu_module`).
+# Everything the helpers share with the kernels that call on them is int64 words of
+# `_TEAM`: a header line, then one line per helper, read and written only with the
+# atomics below. A helper waits for its STATE to say GO (spinning for about
+# `SPIN_SECONDS`, then asleep on a futex), runs the block its words describe by calling
+# the kernel's C entry, and says DONE. Handing a block over and hearing back cost about
+# a microsecond while the helper spins; through Python threads and locks they cost 22
+# (each a change of hands of the GIL).
 
 _FUTEX_SYSCALL = ({"x86_64": 202, "aarch64": 98}.get(platform.machine())
                   if sys.platform.startswith("linux") else None)
@@ -283,10 +281,11 @@ _FUTEX_WAIT, _FUTEX_WAKE = 128, 129  # FUTEX_PRIVATE_FLAG | FUTEX_WAIT, | FUTEX_
 SPIN_SECONDS = 2e-4  # how long helpers and callers spin before they sleep
 _WORDS_PER_LINE = 16  # 128 bytes: no two lines share a cache line (or its prefetched pair)
 _LINE = _WORDS_PER_LINE * 8
-_MAX_HELPERS = 63  # `share` notes the helpers it took as bits of an int64
-# Words of the header: helpers running, spins before sleeping, where `_share` and
-# `_join` are (their C entries).
-HELPERS, SPINS, SHARE, JOIN = range(4)
+_MAX_HELPERS = 63  # `_run_blocks` notes the helpers it took as bits of an int64
+# Words of the header: helpers running, spins before sleeping, where `_run_blocks` is
+# (its C entry).
+HELPERS, SPINS, RUN_BLOCKS = range(3)
+NOT_SPLIT, DONE_BLOCKS, FAILED_BLOCK = range(3)  # what `_run_blocks` says
 # A helper's words. Futexes compare 32 bits: STATE's low half, on little-endian CPUs.
 STATE, CLAIM, ASLEEP, CALLER_ASLEEP, ENTRY, ARGS, LO, HI, FAILED = range(9)
 IDLE, GO, DONE, STOP = range(4)  # its STATE
@@ -361,7 +360,7 @@ def _futex(typingctx, address, index, operation, value):
 
 @intrinsic
 def _run_block(typingctx, entry, arrays, lo, hi):
-    """Call a kernel's C entry (see `block_entry`) on items ``lo:hi``; 1 if it raised."""
+    """Call a kernel's C entry (see `_block_entry`) on items ``lo:hi``; 1 if it raised."""
     def codegen(context, builder, signature, args):
         entry_type = ir.FunctionType(I64, [I64, I64, I64])
         return builder.call(builder.inttoptr(args[0], entry_type.as_pointer()), args[1:])
@@ -369,91 +368,72 @@ def _run_block(typingctx, entry, arrays, lo, hi):
     return types.int64(types.int64, types.int64, types.int64, types.int64), codegen
 
 
+def _block_entry(context, builder, arrays):
+    """The C function ``(arrays, lo, hi) -> failed`` that runs the kernel being
+    compiled, which takes ``lo, hi, team, threads`` and then ``arrays`` (their types),
+    over items ``lo:hi`` alone (team 0): added to the kernel's own code, once."""
+    kernel = builder.function
+    try:
+        return builder.module.get_global(kernel.name + "__block")
+    except KeyError:
+        pass
+    entry = ir.Function(builder.module, ir.FunctionType(I64, [I64, I64, I64]),
+                        kernel.name + "__block")
+    body = ir.IRBuilder(entry.append_basic_block())
+    packed = body.load(body.inttoptr(entry.args[0],
+                                     context.get_value_type(arrays).as_pointer()))
+    values = [entry.args[1], entry.args[2], ir.Constant(I64, 0), ir.Constant(I64, 1)]
+    values += [body.extract_value(packed, i) for i in range(len(arrays))]
+    # not inlined: the kernel's body would be there twice
+    status, _ = context.call_conv.call_function(
+        body, kernel, types.none, [types.int64] * 4 + list(arrays), values,
+        attrs=("noinline",))
+    body.ret(body.zext(status.is_error, I64))
+    return entry
+
+
 @intrinsic
-def block_entry(typingctx, arrays):
-    """For the blocked kernel calling it with its arrays (a tuple), which takes ``start,
-    stop, team, threads`` before them and returns nothing: the address of a C
-    function ``(arrays, lo, hi) -> failed`` that runs the kernel over items ``lo:hi``
-    alone (team 0), and the address of ``arrays``, kept until the kernel returns. Both
-    lie in the kernel's own code, so it stays cacheable."""
+def run_blocks(typingctx, team, threads, lo, hi, arrays):
+    """What a blocked kernel does first, with its own ``lo, hi, team, threads`` and its
+    arrays (a tuple): if ``team`` is not 0, cut ``lo:hi`` into up to ``threads`` blocks
+    and run them all (`_run_blocks`: on free helpers and this thread, each through the
+    kernel's C entry, `_block_entry`); true if it did, and the kernel returns. A block
+    that raised makes it raise RuntimeError, once every block is done.
+
+    The kernel reaches `_run_blocks` through an address in the team's header (linked
+    into each kernel, the team's functions took 0.15 s of every kernel's compile), and
+    its C entry lies in its own code: it stays cacheable."""
     if not (isinstance(arrays, types.BaseTuple)
             and all(isinstance(a, types.Array) for a in arrays)):
         return None
 
     def codegen(context, builder, signature, args):
-        kernel = builder.function
-        tuple_type = context.get_value_type(arrays)
-        try:
-            entry = builder.module.get_global(kernel.name + "__block")
-        except KeyError:
-            entry = ir.Function(builder.module, ir.FunctionType(I64, [I64, I64, I64]),
-                                kernel.name + "__block")
-            body = ir.IRBuilder(entry.append_basic_block())
-            packed = body.load(body.inttoptr(entry.args[0], tuple_type.as_pointer()))
-            values = [entry.args[1], entry.args[2], ir.Constant(I64, 0), ir.Constant(I64, 1)]
-            values += [body.extract_value(packed, i) for i in range(len(arrays))]
-            # not inlined: the kernel's body would be there twice
-            status, _ = context.call_conv.call_function(
-                body, kernel, types.none, [types.int64] * 4 + list(arrays), values,
-                attrs=("noinline",))
-            body.ret(body.zext(status.is_error, I64))
-        slot = cgutils.alloca_once(builder, tuple_type)
-        builder.store(args[0], slot)
-        return context.make_tuple(builder, signature.return_type,
-                                  [builder.ptrtoint(entry, I64), builder.ptrtoint(slot, I64)])
-
-    return types.UniTuple(types.int64, 2)(arrays), codegen
-
-
-def _call_team(builder, team, word, arguments):
-    """Call the team's native function whose address header word ``word`` holds."""
-    function_type = ir.FunctionType(I64, [I64] * len(arguments))
-    address = builder.load(_word(builder, team, ir.Constant(I64, word)))
-    return builder.call(builder.inttoptr(address, function_type.as_pointer()), arguments)
-
-
-@intrinsic
-def share(typingctx, team, threads, start, stop, entry, arrays):
-    """Cut ``start:stop`` into up to ``threads`` blocks and hand blocks 1, 2, ... to
-    free helpers of ``team`` (0: none; see `_share`); the bounds of block 0, for the
-    caller, and the helpers taken, as bits. Kernels call the team's functions through
-    addresses in its header rather than compile them in: linked into each kernel, they
-    took 0.15 s of every kernel's compile."""
-    def codegen(context, builder, signature, args):
-        out = cgutils.alloca_once(builder, I64, size=3)
-        for i, value in enumerate((args[2], args[3], ir.Constant(I64, 0))):
-            builder.store(value, builder.gep(out, [ir.Constant(I64, i)]))
-        with builder.if_then(builder.icmp_unsigned("!=", args[0], ir.Constant(I64, 0))):
-            taken = _call_team(builder, args[0], SHARE,
-                               list(args) + [builder.ptrtoint(out, I64)])
-            builder.store(taken, builder.gep(out, [ir.Constant(I64, 2)]))
-        values = [builder.load(builder.gep(out, [ir.Constant(I64, i)])) for i in range(3)]
-        return context.make_tuple(builder, signature.return_type, values)
-
-    return types.UniTuple(types.int64, 3)(*[types.int64] * 6), codegen
-
-
-@intrinsic
-def join(typingctx, team, threads, start, stop, entry, arrays, taken):
-    """After block 0: run the blocks no helper took, wait for the helpers ``taken``
-    and free them (see `_join`); raises RuntimeError if any of those blocks did."""
-    def codegen(context, builder, signature, args):
-        with builder.if_then(builder.icmp_unsigned("!=", args[0], ir.Constant(I64, 0))):
-            failed = _call_team(builder, args[0], JOIN, list(args))
-            with builder.if_then(builder.icmp_unsigned("!=", failed, ir.Constant(I64, 0)),
+        team, threads, lo, hi, packed = args
+        done = cgutils.alloca_once_value(builder, ir.Constant(I64, 0))
+        with builder.if_then(builder.icmp_unsigned("!=", team, ir.Constant(I64, 0))):
+            slot = cgutils.alloca_once(builder, context.get_value_type(arrays))
+            builder.store(packed, slot)
+            entry = _block_entry(context, builder, arrays)
+            function_type = ir.FunctionType(I64, [I64] * 6)
+            address = builder.load(_word(builder, team, ir.Constant(I64, RUN_BLOCKS)))
+            outcome = builder.call(builder.inttoptr(address, function_type.as_pointer()), [
+                team, threads, lo, hi, builder.ptrtoint(entry, I64),
+                builder.ptrtoint(slot, I64)])
+            builder.store(outcome, done)
+            with builder.if_then(builder.icmp_unsigned("==", outcome, ir.Constant(I64, FAILED_BLOCK)),
                                  likely=False):
                 context.call_conv.return_user_exc(builder, RuntimeError, (
                     "a block of this kernel failed on another thread (its exception is "
                     "lost there)",))
-        return context.get_dummy_value()
+        return builder.icmp_unsigned("!=", builder.load(done), ir.Constant(I64, 0))
 
-    return types.void(*[types.int64] * 7), codegen
+    return types.boolean(types.int64, types.int64, types.int64, types.int64, arrays), codegen
 
 
 @njit(nogil=True, cache=True)
-def _bound(start, stop, blocks, block):
-    """Where block ``block`` of ``start:stop`` cut in ``blocks`` begins."""
-    return start + (stop - start) * block // blocks
+def _bound(lo, hi, blocks, block):
+    """Where block ``block`` of ``lo:hi`` cut in ``blocks`` begins."""
+    return lo + (hi - lo) * block // blocks
 
 
 @njit(nogil=True, cache=True)
@@ -463,12 +443,13 @@ def _line(team, helper):
 
 
 @njit(nogil=True, cache=True)
-def _share(team, threads, start, stop, entry, arrays, out):
-    """What `share` calls: hands blocks to helpers, writes block 0's end to word 1 at
-    ``out`` (word 0, its start, is ``start`` already); the helpers taken."""
-    blocks = min(threads, stop - start)
+def _run_blocks(team, threads, lo, hi, entry, arrays):
+    """`run_blocks`: hands blocks 1, 2, ... of ``lo:hi`` to free helpers, runs block 0
+    and the blocks no helper took, waits for the helpers and frees them. NOT_SPLIT (one
+    block: the kernel runs it itself), DONE_BLOCKS, or FAILED_BLOCK if a block raised."""
+    blocks = min(threads, hi - lo)
     if blocks < 2:
-        return 0
+        return NOT_SPLIT
     taken = 0
     block = 1
     for helper in range(_load(team, HELPERS)):
@@ -479,30 +460,16 @@ def _share(team, threads, start, stop, entry, arrays, out):
             taken |= 1 << helper
             _store(line, ENTRY, entry)
             _store(line, ARGS, arrays)
-            _store(line, LO, _bound(start, stop, blocks, block))
-            _store(line, HI, _bound(start, stop, blocks, block + 1))
+            _store(line, LO, _bound(lo, hi, blocks, block))
+            _store(line, HI, _bound(lo, hi, blocks, block + 1))
             _store(line, STATE, GO)
             if _load(line, ASLEEP):
                 _futex(line, STATE, _FUTEX_WAKE, 1)
             block += 1
-    _store(out, 1, _bound(start, stop, blocks, 1))
-    return taken
-
-
-@njit(nogil=True, cache=True)
-def _join(team, threads, start, stop, entry, arrays, taken):
-    """What `join` calls: runs the blocks left over, waits for the helpers taken;
-    1 if any of those blocks raised."""
-    blocks = min(threads, stop - start)
-    if blocks < 2:
-        return 0
-    failed = 0
-    helpers = 0
-    for helper in range(_MAX_HELPERS):
-        helpers += (taken >> helper) & 1
-    for block in range(helpers + 1, blocks):
-        failed |= _run_block(entry, arrays, _bound(start, stop, blocks, block),
-                             _bound(start, stop, blocks, block + 1))
+    failed = _run_block(entry, arrays, lo, _bound(lo, hi, blocks, 1))
+    for rest in range(block, blocks):
+        failed |= _run_block(entry, arrays, _bound(lo, hi, blocks, rest),
+                             _bound(lo, hi, blocks, rest + 1))
     spins = _load(team, SPINS)
     for helper in range(_MAX_HELPERS):
         if (taken >> helper) & 1:
@@ -511,7 +478,7 @@ def _join(team, threads, start, stop, entry, arrays, taken):
             failed |= _load(line, FAILED)
             _store(line, STATE, IDLE)
             _store(line, CLAIM, 0)
-    return failed
+    return FAILED_BLOCK if failed else DONE_BLOCKS
 
 
 @njit(nogil=True, cache=True)
@@ -567,7 +534,7 @@ def _pauses(count):
 
 # What the team runs, loaded or compiled when it starts.
 _NATIVE = {_serve: (types.int64,) * 2, _retire: (types.int64,) * 2, _pauses: (types.int64,),
-           _share: (types.int64,) * 7, _join: (types.int64,) * 7}
+           _run_blocks: (types.int64,) * 6}
 
 
 def _c_entry(function) -> int:
@@ -612,9 +579,8 @@ def _start_team() -> None:
     helpers = min(_MAX_HELPERS, available_cpus() - 1)
     _TEAM[_WORDS_PER_LINE:] = 0  # the helpers' lines: IDLE, free
     _TEAM[SPINS] = _spins()
-    # The same addresses at every start: a kernel still running from before may read them.
-    _TEAM[SHARE] = _c_entry(_share)
-    _TEAM[JOIN] = _c_entry(_join)
+    # The same address at every start: a kernel still running from before may read it.
+    _TEAM[RUN_BLOCKS] = _c_entry(_run_blocks)
     for helper in range(helpers):
         thread = threading.Thread(target=_serve, args=(_TEAM_ADDRESS, helper),
                                   name=f"purinec-kernel-{helper}", daemon=True)

@@ -1,5 +1,5 @@
-"""The team of helper threads that run blocked kernels' blocks (`cpu_runtime.share`,
-`join`, `block_entry`), with kernels written the way `KernelModule.builder` writes them."""
+"""The team of helper threads that run blocked kernels' blocks (`cpu_runtime.run_blocks`),
+with kernels written the way `KernelModule.builder` writes them."""
 
 from __future__ import annotations
 
@@ -13,40 +13,38 @@ import pytest
 from numba import njit
 
 from purinec.codegen import cpu_runtime
-from purinec.codegen.cpu_runtime import (Blocked, available_cpus, block_entry, hold_block_pool,
-                                         join, set_threads, share)
+from purinec.codegen.cpu_runtime import (Blocked, available_cpus, hold_block_pool, run_blocks,
+                                         set_threads)
 
 pytestmark = pytest.mark.skipif(cpu_runtime.team_address() == 0,
                                 reason="no team here: blocked kernels run on their caller")
 
 
 @njit(nogil=True)
-def _cover(start, stop, team, threads, hits, blocks):
-    entry, packed = block_entry((hits, blocks))
-    lo, hi, taken = share(team, threads, start, stop, entry, packed)
+def _cover(lo, hi, team, threads, hits, blocks):
+    if run_blocks(team, threads, lo, hi, (hits, blocks)):
+        return
     for i in range(lo, hi):
         hits[i] += 1
         blocks[i, 0], blocks[i, 1] = lo, hi
-    join(team, threads, start, stop, entry, packed, taken)
 
 
 @njit(nogil=True)
-def _fail_after(start, stop, team, threads, first_failing, hits):
-    entry, packed = block_entry((first_failing, hits))
-    lo, hi, taken = share(team, threads, start, stop, entry, packed)
+def _fail_from(lo, hi, team, threads, first_failing, hits):
+    if run_blocks(team, threads, lo, hi, (first_failing, hits)):
+        return
     if lo >= first_failing[0]:
         raise ValueError("this block fails")
     for i in range(lo, hi):
         hits[i] += 1
-    join(team, threads, start, stop, entry, packed, taken)
 
 
 @njit(nogil=True)
-def _meet(start, stop, team, threads, flags, met):
+def _meet(lo, hi, team, threads, flags, met):
     """Each block raises its flag, then waits (a while, not forever) for every other
     block's: only blocks that run at the same time all meet."""
-    entry, packed = block_entry((flags, met))
-    lo, hi, taken = share(team, threads, start, stop, entry, packed)
+    if run_blocks(team, threads, lo, hi, (flags, met)):
+        return
     address = flags.ctypes.data
     cpu_runtime._store(address, lo, 1)
     for _ in range(200_000_000):
@@ -56,7 +54,6 @@ def _meet(start, stop, team, threads, flags, met):
         if everyone:
             met[lo] = 1
             break
-    join(team, threads, start, stop, entry, packed, taken)
 
 
 def _cover_all(count, threads):
@@ -89,13 +86,14 @@ def test_blocks_run_side_by_side_on_the_helpers():
     assert met.tolist() == [1, 1]
 
 
-def test_a_failed_block_on_any_thread_reaches_the_caller_and_frees_the_helpers():
+@pytest.mark.parametrize("first_failing", [0, 3])  # block 0 (on the caller), block 1
+def test_a_failed_block_on_any_thread_reaches_the_caller_and_frees_the_helpers(first_failing):
     hits = np.zeros(9, np.int64)
     set_threads(3)
     try:
-        with pytest.raises(RuntimeError, match="a block of this kernel failed on another thread"):
-            Blocked(_fail_after, 9)(np.array([3]), hits)
-        assert hits.tolist() == [1, 1, 1] + [0] * 6  # the first block ran; the others failed
+        with pytest.raises(RuntimeError, match="a block of this kernel failed on another"):
+            Blocked(_fail_from, 9)(np.array([first_failing]), hits)
+        assert hits.tolist() == [1] * first_failing + [0] * (9 - first_failing)
     finally:
         set_threads(available_cpus())
     hits, blocks = _cover_all(10, 3)  # the helpers are free again
