@@ -34,6 +34,7 @@ helper). The BLAS kernels call is made single-threaded (`limit_blas_threads`).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 import sys
@@ -200,7 +201,6 @@ _settings = threading.local()
 _lock = threading.Lock()
 _holders = 0  # see hold_block_pool
 _blas_limited = False
-_default_threads: int | None = None  # see get_threads
 
 
 def available_cpus() -> int:
@@ -237,12 +237,14 @@ def set_threads(n: int) -> None:
     _settings.threads = int(n)
 
 
+@functools.cache
+def _default_threads() -> int:
+    """The CPUs the process could run on when first asked (asking costs 1.7 us)."""
+    return available_cpus()
+
+
 def get_threads() -> int:
-    global _default_threads
-    threads = getattr(_settings, "threads", None)
-    if threads is None:  # asking the kernel for the affinity each call costs 1.7 us
-        threads = _default_threads = _default_threads or available_cpus()
-    return threads
+    return getattr(_settings, "threads", None) or _default_threads()
 
 
 class Blocked:
