@@ -190,9 +190,9 @@ class KernelModule:
         elements: see `CpuOptions`). If the work is big enough, the kernel
         becomes *blocked* and ``parallel``: the bounds are ``lo, hi``, those of the
         block of items this call computes, while other threads compute the others
-        (`purinec.codegen.cpu_runtime.run_blocks`). A loop whose count the kernel reads from its
-        arrays (``extent``, the local holding it) is blocked whatever its work, so that
-        its code serves every size; it runs as one block when the work is small.
+        (`purinec.codegen.cpu_runtime.run_blocks`). A loop whose count the kernel reads
+        from its arrays (``extent``, the local holding it) is blocked whatever its work,
+        so that its code serves every size; it runs as one block when the work is small.
         Otherwise the bounds are ``0`` and the constant ``count``.
 
         A kernel splits one loop count at most (several loops over the same count may
@@ -234,7 +234,8 @@ class KernelModule:
         # no_cfunc_wrapper: nothing calls kernels from C (the wrapper cost 12 ms a compile)
         flags = ", ".join(map(repr, sorted(self.fastmath)))
         fastmath = f", fastmath={{{flags}}}" if self.fastmath else ""
-        out.line(f'@njit(nogil=True, cache=True, error_model="numpy", no_cfunc_wrapper=True{fastmath})')
+        out.line('@njit(nogil=True, cache=True, error_model="numpy", no_cfunc_wrapper=True'
+                 f'{fastmath})')
         arrays = [p for p, _ in self.params]
         blocked = self.blocks is not None
         params = (["lo", "hi", "team", "threads"] if blocked else []) + arrays

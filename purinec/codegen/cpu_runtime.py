@@ -422,8 +422,8 @@ def run_blocks(typingctx, team, threads, lo, hi, arrays):
                 team, threads, lo, hi, builder.ptrtoint(entry, I64),
                 builder.ptrtoint(slot, I64)])
             builder.store(outcome, done)
-            with builder.if_then(builder.icmp_unsigned("==", outcome, ir.Constant(I64, FAILED_BLOCK)),
-                                 likely=False):
+            failed = builder.icmp_unsigned("==", outcome, ir.Constant(I64, FAILED_BLOCK))
+            with builder.if_then(failed, likely=False):
                 context.call_conv.return_user_exc(builder, RuntimeError, (
                     "a block of this kernel failed on another thread (its exception is "
                     "lost there)",))
