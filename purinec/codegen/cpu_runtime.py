@@ -51,6 +51,8 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic
 from numba.core.imputils import impl_ret_borrowed, impl_ret_new_ref
 
+from purinec import jitcache
+
 
 def _gemm_type(scalar):
     i32, i64 = types.int32, types.int64
@@ -574,8 +576,6 @@ def _start_team() -> None:
     """Start a helper for every CPU but the caller's (none on one CPU: a spinning
     helper would take the caller's core)."""
     global _team_started
-    from purinec import jitcache
-
     for function, signature in _NATIVE.items():
         jitcache.ready(function, signature)
     helpers = min(_MAX_HELPERS, available_cpus() - 1)
@@ -594,18 +594,16 @@ def _start_team() -> None:
 
 def _stop_team() -> None:
     """Stop the helpers, each once the kernel using it (if any) frees it."""
-    global _team_started
-    _team_started = False
-    _TEAM[HELPERS] = 0
+    _TEAM[HELPERS] = 0  # kernels take no helper from here on
     for helper, thread in enumerate(_team_threads):
         _retire(_TEAM_ADDRESS, helper)
         thread.join()
-    _team_threads.clear()
+    _forget_team()
 
 
 def _forget_team() -> None:
-    """In a forked child: the helpers did not come along; a later kernel starts others
-    (posting to the missing ones would wait forever)."""
+    """Say there is no team: its helpers stopped, or in a forked child did not come
+    along (posting to those would wait forever). A later kernel starts another."""
     global _team_started
     _team_started = False
     _team_threads.clear()

@@ -3,6 +3,7 @@ with kernels written the way `KernelModule.builder` writes them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -13,8 +14,8 @@ import pytest
 from numba import njit
 
 from purinec.codegen import cpu_runtime
-from purinec.codegen.cpu_runtime import (Blocked, available_cpus, hold_block_pool, run_blocks,
-                                         set_threads)
+from purinec.codegen.cpu_runtime import (Blocked, available_cpus, get_threads, hold_block_pool,
+                                         run_blocks, set_threads)
 
 pytestmark = pytest.mark.skipif(cpu_runtime.team_address() == 0,
                                 reason="no team here: blocked kernels run on their caller")
@@ -56,13 +57,21 @@ def _meet(lo, hi, team, threads, flags, met):
             break
 
 
+@contextlib.contextmanager
+def _threads(count):
+    """Kernels called in the block run on ``count`` threads."""
+    before = get_threads()
+    set_threads(count)
+    try:
+        yield
+    finally:
+        set_threads(before)
+
+
 def _cover_all(count, threads):
     hits, blocks = np.zeros(count, np.int64), np.zeros((count, 2), np.int64)
-    set_threads(threads)
-    try:
+    with _threads(threads):
         Blocked(_cover, count)(hits, blocks)
-    finally:
-        set_threads(available_cpus())
     return hits, sorted(set(map(tuple, blocks.tolist())))
 
 
@@ -78,24 +87,18 @@ def test_blocks_cover_the_items_once_on_the_threads_allowed():
 @pytest.mark.skipif(available_cpus() < 2, reason="needs a helper thread beside the caller")
 def test_blocks_run_side_by_side_on_the_helpers():
     flags, met = np.zeros(2, np.int64), np.zeros(2, np.int64)
-    set_threads(2)
-    try:
+    with _threads(2):
         Blocked(_meet, 2)(flags, met)
-    finally:
-        set_threads(available_cpus())
     assert met.tolist() == [1, 1]
 
 
 @pytest.mark.parametrize("first_failing", [0, 3])  # block 0 (on the caller), block 1
 def test_a_failed_block_on_any_thread_reaches_the_caller_and_frees_the_helpers(first_failing):
     hits = np.zeros(9, np.int64)
-    set_threads(3)
-    try:
-        with pytest.raises(RuntimeError, match="a block of this kernel failed on another"):
-            Blocked(_fail_from, 9)(np.array([first_failing]), hits)
-        assert hits.tolist() == [1] * first_failing + [0] * (9 - first_failing)
-    finally:
-        set_threads(available_cpus())
+    with _threads(3), pytest.raises(RuntimeError,
+                                    match="a block of this kernel failed on another"):
+        Blocked(_fail_from, 9)(np.array([first_failing]), hits)
+    assert hits.tolist() == [1] * first_failing + [0] * (9 - first_failing)
     hits, blocks = _cover_all(10, 3)  # the helpers are free again
     assert hits.tolist() == [1] * 10
 
