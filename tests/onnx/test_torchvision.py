@@ -45,13 +45,15 @@ STEPS = 2  # the second step is the first that momentum changes
 
 
 @functools.cache
-def pytorch_steps() -> dict[str, np.ndarray]:
-    """resnet18's weights and running statistics after `STEPS` of PyTorch's SGD."""
-    pytest.importorskip("torch", reason="PyTorch is the reference of training")
+def pytorch_steps(dtype: str = "float32") -> dict[str, np.ndarray]:
+    """resnet18's weights and running statistics after `STEPS` of PyTorch's SGD, computed
+    in ``dtype``."""
+    torch = pytest.importorskip("torch", reason="PyTorch is the reference of training")
     from tests.onnx.torch_step import sgd_step
 
     x, labels = batch()
-    _, weights = sgd_step(load("resnet18"), x, labels, steps=STEPS, **SOLVER)
+    _, weights = sgd_step(load("resnet18"), x, labels, steps=STEPS,
+                          dtype=getattr(torch, dtype), **SOLVER)
     return weights
 
 
@@ -66,26 +68,38 @@ def purinec_steps(**compile_options) -> dict[str, np.ndarray]:
         return {**program.params, **program.state}
 
 
-def assert_same_steps(got: dict, want: dict) -> None:
-    """Each of the file's tensors moved as PyTorch moved it, within 2% of the largest
-    change (both in float32, whose rounding at batch 2 through twenty batch
-    normalizations differs by about 0.5%; each differs from a float64 step by 5%).
-    ``got`` also holds the momentum (``NAME.history``)."""
+def assert_same_steps(got: dict) -> None:
+    """Each of the file's tensors moved as PyTorch's float64 steps moved it, as closely as
+    PyTorch's own float32 steps do, within a factor of two. Measured as a share of each
+    tensor's largest change, float32 rounding moves PyTorch's running statistics by
+    about 0.02%, but its parameters by 1-6%: their gradients at batch 2 pass through
+    twenty batch normalizations (the most on AVX-512 machines). So the two are held to
+    PyTorch's errors in each (and at least 0.1%), where a mistake moves them by far
+    more. ``got`` also holds the momentum (``NAME.history``)."""
+    from tests.onnx.torch_step import TorchGraph
+
     start = {t.name: numpy_helper.to_array(t) for t in load("resnet18").graph.initializer}
-    assert set(want) == set(start) and set(want) <= set(got)
-    for name in want:
-        change = np.abs(want[name] - start[name]).max()
-        assert change > 0, name
-        np.testing.assert_allclose(got[name], want[name], rtol=0, atol=0.02 * change,
-                                   err_msg=name)
+    exact, rounded = pytorch_steps("float64"), pytorch_steps("float32")
+    assert set(exact) == set(start) and set(exact) <= set(got)
+    change = {name: np.abs(exact[name] - start[name]).max() for name in exact}
+    assert all(change.values())
+    running = set(TorchGraph(load("resnet18")).stats)
+    for group in (running, set(exact) - running):
+        float32_error = max(np.abs(rounded[name] - exact[name]).max() / change[name]
+                            for name in group)
+        for name in group:
+            np.testing.assert_allclose(
+                got[name], exact[name], rtol=0,
+                atol=2 * max(float32_error, 1e-3) * change[name],
+                err_msg=f"{name}: PyTorch's float32 steps are within {float32_error:.2%} "
+                        f"of the largest change of tensors of its kind")
 
 
 @pytest.mark.slow
 def test_resnet18_steps_equal_pytorch():
-    assert_same_steps(purinec_steps(target="cpu"), pytorch_steps())
+    assert_same_steps(purinec_steps(target="cpu"))
 
 
 @pytest.mark.slow
 def test_resnet18_steps_data_parallel_over_two_devices_equal_pytorch():
-    assert_same_steps(purinec_steps(target="cpu", devices=2, parallel="data"),
-                      pytorch_steps())
+    assert_same_steps(purinec_steps(target="cpu", devices=2, parallel="data"))
