@@ -174,7 +174,7 @@ def test_a_compiling_peers_cold_start_is_measured_beside_purinecs(tmp_path, monk
             f"of torch's") in printed
 
 
-@pytest.mark.parametrize("mode", ["threads", "mpi"])
+@pytest.mark.parametrize("mode", ["threads", pytest.param("mpi", marks=pytest.mark.mpi)])
 def test_weak_scaling_benchmark_alternates_rounds_and_reports_each(tmp_path, capsys, mode):
     from benchmarks import bench_parallel
 
