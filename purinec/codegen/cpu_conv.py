@@ -15,7 +15,8 @@
   weights (as dilated as the forward's);
 * ``conv2d_grad_weight``: ``gw^T`` by a GEMM per image accumulating in place (BLAS
   ``beta = 1``), then transposed; rows of the im2col matrix (columns of the gradient)
-  are independent, so they are what blocks split.
+  are independent, so they are what blocks split, unless they are few: then blocks take
+  fixed parts of the images, each summing its own gradient, added up at the end.
 
 Both anchors take an *epilogue* (`purinec.codegen.cpu_fused`): elementwise consumers
 run on each image (or row; or the block of them a thread computed) right after it is
@@ -530,6 +531,17 @@ def _kernel_row_gemms_back(m: KernelModule, node: Node, g: _Conv, o0: str, gy: s
               g.P, ld, beta=1, trans_a=True)
 
 
+# Weight gradients with at most this many im2col rows (a group's, or a kernel row's)
+# split the images rather than the rows between threads: a thread's share of so few rows
+# makes a product too thin for BLAS (conv2 of cifar_quick, 160 rows: 71 GFLOP/s for 80
+# of them, 82 for all 160, AMD Zen 4 with one thread).
+SLOT_MAX_ROWS = 512
+# Their images are split into this many parts, whatever the threads: each part's
+# gradient is summed apart, then the parts in order, so the result is the same on every
+# machine.
+SLOTS = 4
+
+
 @renders("conv2d_grad_weight")
 def render_conv2d_grad_weight(node: Node, m: KernelModule) -> None:
     """``gw[group] = sum over images of gy[n, group] @ im2col(x[n, group])^T``, computed
@@ -537,26 +549,57 @@ def render_conv2d_grad_weight(node: Node, m: KernelModule) -> None:
     row, see `_by_kernel_rows`) adding into a scratch (BLAS beta = 1), then copied
     into gw. That way round OpenBLAS multiplies nearly twice as fast (the im2col matrix
     is the left operand, as stored) than ``gy @ col^T``. Rows of the im2col matrix
-    (columns of gw) are independent: a block computes rows ``lo:hi`` of every group."""
+    (columns of gw) are independent: a block computes rows ``lo:hi`` of every group.
+    With few rows (`SLOT_MAX_ROWS`), blocks take parts of the images instead (`SLOTS`),
+    each summing its own gradient, and the parts are added at the end."""
     (x, gy), (gw,), b = m.inputs, m.outputs, m.body
     g = _conv(node.inputs[0].type.shape, node.outputs[0].type.shape,
               node.inputs[1].type.shape, node.attrs)
     by_rows = _by_kernel_rows(g)
     b.line(f"gy_mat = {m.view(gy, (g.n, g.cout, g.P))}")
-    b.line(f"gw_mat = {m.view(gw, (g.cout, g.K))}")
     if g.pointwise:
         b.line(f"x_mat = {m.view(x, (g.n, g.c, g.P))}")
     count = g.cg * g.kw if by_rows else g.K
+    shifts = g.kh if by_rows else 1  # kernel rows done by separate GEMMs
+    dtype = dtype_name(node)
+    n = m.fresh("n")
+    if g.n >= SLOTS and count <= SLOT_MAX_ROWS:
+        parts = m.share("parts", (SLOTS, shifts, count, g.cout), dtype)
+        first, last = m.split(SLOTS, g.macs, products=True)
+        _weight_gradient_scratch(m, node, g, by_rows, count)
+        part = m.fresh("part")
+        b.line(f"for {part} in range({span_of(first, last)}):")
+        with b.indent():
+            b.line(f"gw_t = {parts}[{part}]")
+            b.line("gw_t[:] = 0")
+            images = f"{part} * {g.n} // {SLOTS}, ({part} + 1) * {g.n} // {SLOTS}"
+            _weight_gradient_products(m, node, g, by_rows, x, n, images, "0", str(count),
+                                      count)
+        _store_weight_gradient(m, g, by_rows, "0", count, gw, parts)
+        return
     lo, hi = m.split(count, g.macs, products=True)
     width = count if lo == "0" else f"{hi} - {lo}"
-    shifts = g.kh if by_rows else 1  # kernel rows done by separate GEMMs
-    b.lines(m.filled("gw_t", (shifts, width, g.cout), dtype_name(node), "0"))
+    b.lines(m.filled("gw_t", (shifts, width, g.cout), dtype, "0"))
+    _weight_gradient_scratch(m, node, g, by_rows, width)
+    _weight_gradient_products(m, node, g, by_rows, x, n, str(g.n), lo, hi, width)
+    _store_weight_gradient(m, g, by_rows, lo, width, gw)
+
+
+def _weight_gradient_scratch(m: KernelModule, node: Node, g: _Conv, by_rows: bool,
+                             width) -> None:
+    """The im2col matrix (``width`` rows) and the padded image it is read from."""
     if not g.pointwise:
         columns = g.rows_read * g.ow if by_rows else g.P
-        b.line(f"col = {m.empty((width, columns), dtype_name(node))}")
+        m.body.line(f"col = {m.empty((width, columns), dtype_name(node))}")
         _padded_scratch(m, node, g)
-    n = m.fresh("n")
-    with b.block(f"for {n} in range({g.n}):"), _groups(m, g) as (c0, o0):
+
+
+def _weight_gradient_products(m: KernelModule, node: Node, g: _Conv, by_rows: bool,
+                              x: str, n: str, images: str, lo: str, hi: str, width) -> None:
+    """``gw_t += im2col(x[n]) @ gy[n]^T`` for the images ``n`` in ``range(images)``,
+    for the im2col rows ``lo:hi`` (``width`` of them)."""
+    b = m.body
+    with b.block(f"for {n} in range({images}):"), _groups(m, g) as (c0, o0):
         gy_rows = row_slice(f"gy_mat[{n}]", o0, g.og, g.cout)
         if g.pointwise:
             col = f"x_mat[{n}, {c0} + {lo}:{c0} + {hi}]" if lo != "0" else \
@@ -564,6 +607,7 @@ def render_conv2d_grad_weight(node: Node, m: KernelModule) -> None:
             _gemm(m, node, col, gy_rows, f"gw_t[0, :, {o0}:]", width, g.og, g.P, g.P, g.P,
                   g.cout, beta=1, trans_b=True)
         elif by_rows:
+            columns = g.rows_read * g.ow
             _row_im2col(m, g, _pad_image(m, g, x, n, c0), "col", rows=(lo, hi))
             i = m.fresh("i")
             with b.block(f"for {i} in range({g.kh}):"):
@@ -574,14 +618,16 @@ def render_conv2d_grad_weight(node: Node, m: KernelModule) -> None:
             _im2col(m, g, _pad_image(m, g, x, n, c0), "col", (lo, hi), back=False)
             _gemm(m, node, "col", gy_rows, f"gw_t[0, :, {o0}:]", width, g.og, g.P, g.P,
                   g.P, g.cout, beta=1, trans_b=True)
-    _store_weight_gradient(m, g, by_rows, lo, width)
 
 
 def _store_weight_gradient(m: KernelModule, g: _Conv, by_rows: bool, lo: str,
-                           width) -> None:
+                           width, gw: str, parts: str | None = None) -> None:
     """``gw`` from the scratch ``gw_t[shift, r, o]``: rows ``r`` of im2col's matrix
-    (from ``lo`` on), or of the kernel rows' one (then ``shift`` is the kernel row)."""
-    b = m.body
+    (from ``lo`` on), or of the kernel rows' one (then ``shift`` is the kernel row); or,
+    once every block is done, from the sum of the `SLOTS` scratches in ``parts``."""
+    b = m.after if parts else m.body
+    gw_mat = m.fresh("gw_mat")
+    b.line(f"{gw_mat} = {m.view(gw, (g.cout, g.K))}")
     s, r, o, k = m.fresh("s"), m.fresh("r"), m.fresh("o"), m.fresh("k")
     with b.block(f"for {s} in range({g.kh if by_rows else 1}):"), \
             b.block(f"for {r} in range({width}):"):
@@ -591,4 +637,8 @@ def _store_weight_gradient(m: KernelModule, g: _Conv, by_rows: bool, lo: str,
         else:
             b.line(f"{k} = {row}")
         with b.block(f"for {o} in range({g.cout}):"):
-            b.line(f"gw_mat[{o}, {k}] = gw_t[{s}, {r}, {o}]")
+            if parts:
+                total = " + ".join(f"{parts}[{p}, {s}, {r}, {o}]" for p in range(SLOTS))
+                b.line(f"{gw_mat}[{o}, {k}] = {total}")
+            else:
+                b.line(f"{gw_mat}[{o}, {k}] = gw_t[{s}, {r}, {o}]")

@@ -488,7 +488,7 @@ def conv_problems(draw):
     top, left, bottom, right = nnref.pad_edges(pad)
     assume(conv_output_size(h, kh, stride[0], top, bottom, dilation[0]) >= 1)
     assume(conv_output_size(w, kw, stride[1], left, right, dilation[1]) >= 1)
-    n = draw(st.sampled_from([1, 2]))
+    n = draw(st.sampled_from([1, 2, 5]))  # 5: weight gradients sum parts of the images
     attrs = {"stride": list(stride), "pad": list(pad), "groups": groups,
              "dilation": list(dilation)}
     return (n, cin_g * groups, h, w), (cout_g * groups, cin_g, kh, kw), attrs
@@ -514,6 +514,30 @@ def test_conv2d_and_its_gradients(problem, dtype, seed, options):
     x, w = random_array(rng, x_shape, dtype), random_array(rng, w_shape, dtype)
     check("conv2d", [x, w], attrs, options)
     check_conv_gradients(rng, x_shape, w_shape, attrs, dtype, options)
+
+
+@pytest.mark.slow  # a Numba compile per case
+@pytest.mark.parametrize("x_shape, w_shape, attrs", [
+    ((5, 3, 6, 7), (4, 3, 3, 3), {"stride": [1, 2], "pad": [1, 1], "groups": 1}),
+    ((6, 4, 5, 6), (6, 2, 1, 1), {"stride": [1, 1], "pad": [0, 0], "groups": 2}),
+    ((5, 32, 6, 6), (3, 32, 3, 3), {"stride": [1, 1], "pad": [1, 1], "groups": 1}),
+], ids=["im2col", "pointwise", "by-kernel-rows"])
+@pytest.mark.parametrize("options", [CpuOptions(), GEMMS])
+def test_weight_gradients_of_few_rows_sum_parts_of_the_images(x_shape, w_shape, attrs,
+                                                               options):
+    """Few im2col rows: blocks take parts of the images (uneven ones here), each summing
+    its own gradient, and the parts are added once all are done (on 3 threads: see
+    `kernel_cache`)."""
+    rng = np.random.default_rng(5)
+    x = random_array(rng, x_shape, DType.f32)
+    (y,) = one_node("conv2d", [x, np.zeros(w_shape, np.float32)], attrs).outputs
+    gy = random_array(rng, y.type.shape, DType.f32)
+    attrs = {**attrs, "kernel": list(w_shape[2:])}
+    source = cpu.render(one_node("conv2d_grad_weight", [x, gy], attrs), options)
+    assert "parts = empty((4, " in source
+    # Blocked (GEMMS: at any size), the blocks run a function that takes the parts too.
+    assert ("def conv2d_grad_weight_blocks(" in source) == (options is GEMMS)
+    check("conv2d_grad_weight", [x, gy], attrs, options)
 
 
 @pytest.mark.slow  # a Numba compile per case
