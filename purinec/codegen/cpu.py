@@ -34,6 +34,7 @@ import threading
 from dataclasses import dataclass, replace
 from typing import Callable
 
+import numpy as np
 from numba.core.dispatcher import Dispatcher
 
 from purinec import jitcache
@@ -330,12 +331,33 @@ def compile_module(module: KernelModule, compiled: dict[tuple, Kernel] | None = 
 
 def _runner(dispatcher: Dispatcher, module: KernelModule) -> Callable:
     """What runs ``module``'s kernel: its function, its blocks on threads, or all its
-    items as one block (a `functools.partial`: a third cheaper a call than a class)."""
+    items as one block (a `functools.partial`: a third cheaper a call than a class);
+    given new scratch arrays for its blocks to share, if it has any."""
     if module.blocks is None:
-        return dispatcher
-    if module.parallel:
-        return Blocked(dispatcher, module.blocks)
-    return functools.partial(dispatcher, 0, module.blocks, 0, 1)  # no team, one thread
+        run = dispatcher
+    elif module.parallel:
+        run = Blocked(dispatcher, module.blocks)
+    else:
+        run = functools.partial(dispatcher, 0, module.blocks, 0, 1)  # no team, one thread
+    if module.shared:
+        return WithScratch(run, tuple((shape, dtype.numpy) for _, shape, dtype in module.shared))
+    return run
+
+
+class WithScratch:
+    """Runs a kernel whose blocks share scratch arrays (`KernelModule.share`), made new
+    for each call: calls on several threads at once each have their own."""
+
+    __slots__ = ("run", "scratch")
+
+    def __init__(self, run: Callable, scratch: tuple[tuple[tuple[int, ...], np.dtype], ...]):
+        self.run, self.scratch = run, scratch
+
+    def __call__(self, *arrays) -> None:
+        self.run(*arrays, *[np.empty(shape, dtype) for shape, dtype in self.scratch])
+
+    def __repr__(self) -> str:
+        return f"WithScratch({self.run!r})"
 
 
 def _job(module: KernelModule, source: str | None = None) -> Job:

@@ -564,7 +564,7 @@ def render_conv2d_grad_weight(node: Node, m: KernelModule) -> None:
     dtype = dtype_name(node)
     n = m.fresh("n")
     if g.n >= SLOTS and count <= SLOT_MAX_ROWS:
-        parts = m.share("parts", (SLOTS, shifts, count, g.cout), dtype)
+        parts = m.share("parts", (SLOTS, shifts, count, g.cout), node.outputs[0].type.dtype)
         first, last = m.split(SLOTS, g.macs, products=True)
         _weight_gradient_scratch(m, node, g, by_rows, count)
         part = m.fresh("part")

@@ -108,7 +108,7 @@ class KernelModule:
         self.options = options
         self.body = SourceBuilder()
         # What the blocks share (`share`) and what runs once after them all (`after`).
-        self.shared: list[tuple[str, str]] = []  # (name, source text making it)
+        self.shared: list[tuple[str, tuple[int, ...], DType]] = []  # (name, shape, dtype)
         self.after = SourceBuilder()
         self.blocks: int | None = None  # the split loop's item count, once split
         self.parallel = False  # whether its blocks are worth running on several threads
@@ -119,9 +119,8 @@ class KernelModule:
         self._imports: list[str] = []
         self._helpers: list[str] = []
         self._constants: list[str] = []
-        self._taken: set[str] = {self.function, self.function + "_blocks", "np", "math",
-                                 "njit", "sgemm", "dgemm", "empty", "view", "lo", "hi",
-                                 *BLOCKED_NAMES}
+        self._taken: set[str] = {self.function, "np", "math", "njit", "sgemm", "dgemm", "empty",
+                                 "view", "lo", "hi", *BLOCKED_NAMES}
         self._roles = _roles(self.nodes, inputs, outputs)
         self.inputs = [self.fresh(v.name) for v in inputs]
         self.outputs = [self.fresh(v.name) for v in outputs]
@@ -183,13 +182,15 @@ class KernelModule:
         Numba about 0.2 s the first time a process compiles it."""
         return [f"{name} = {self.empty(shape, dtype)}", f"{name}[:] = {fill}"]
 
-    def share(self, hint: str, shape: Sequence, dtype: str) -> str:
-        """A scratch array that every block of the kernel sees (each writing its own
-        part of it: per item of the split loop, say), made before the blocks run;
-        code in `after` runs once they all have, on the calling thread, and may read
-        it. Returns its name."""
+    def share(self, hint: str, shape: tuple[int, ...], dtype: DType) -> str:
+        """A scratch array that every block of the kernel sees, each writing its own
+        part of it (one per item of the split loop, say); code in `after` runs once
+        they all have, on the calling thread, and may read it. The kernel takes it
+        after its arrays, and whoever runs the kernel makes it for each call
+        (`purinec.codegen.cpu.WithScratch`): the blocks run the kernel's function
+        itself, so it cannot make it. Returns its name."""
         name = self.fresh(hint)
-        self.shared.append((name, self.empty(shape, dtype)))
+        self.shared.append((name, tuple(shape), dtype))
         return name
 
     def view(self, array: str, shape: Sequence) -> str:
@@ -245,58 +246,43 @@ class KernelModule:
             out.line(HELPERS[name])
         out.line()
         out.line()
-        arrays = [p for p, _ in self.params]
-        shared = [name for name, _ in self.shared]
-        made = [f"{name} = {text}" for name, text in self.shared]
-        if self.blocks is None or not shared:
-            body = SourceBuilder()
-            body.lines(made)
-            body.extend(self.body)
-            body.extend(self.after)
-            bounds = BOUNDS if self.blocks is not None else []
-            self._function(out, self.function, bounds + arrays, body, self.blocks is not None)
-            return out
-        # The blocks run a function of their own, which takes the shared arrays too; the
-        # kernel makes those, runs it, then its `after`.
-        self._function(out, self.function + "_blocks", BOUNDS + arrays + shared, self.body,
-                       runs_blocks=True, wrapped=False)
-        out.line()
-        out.line()
-        entry = SourceBuilder()
-        entry.lines(made)
-        entry.line(f"{self.function}_blocks({', '.join(BOUNDS + arrays + shared)})")
-        entry.extend(self.after)
-        self._function(out, self.function, BOUNDS + arrays, entry, runs_blocks=False)
-        return out
-
-    def _function(self, out: SourceBuilder, name: str, params: list[str],
-                  body: SourceBuilder, runs_blocks: bool, wrapped: bool = True) -> None:
-        """Write the function ``name(params)`` doing ``body``; one that ``runs_blocks``
-        starts by running its blocks on the team (its first parameters: `BOUNDS`). One
-        not ``wrapped`` is called from compiled code only: it has no CPython wrapper."""
         # error_model="numpy": x / 0 gives inf or nan as in NumPy, with no check per division;
         # no_cfunc_wrapper: nothing calls kernels from C (the wrapper cost 12 ms a compile)
         flags = ", ".join(map(repr, sorted(self.fastmath)))
         fastmath = f", fastmath={{{flags}}}" if self.fastmath else ""
-        unwrapped = "" if wrapped else ", no_cpython_wrapper=True"
         out.line('@njit(nogil=True, cache=True, error_model="numpy", no_cfunc_wrapper=True'
-                 f'{unwrapped}{fastmath})')
+                 f'{fastmath})')
+        arrays = [p for p, _ in self.params] + [name for name, _, _ in self.shared]
+        blocked = self.blocks is not None
+        params = (["lo", "hi", "team", "threads"] if blocked else []) + arrays
         with out.origin(*self.nodes):  # the kernel's own IR line heads it
-            out.line(f"def {name}({', '.join(params)}):")
+            out.line(f"def {self.function}({', '.join(params)}):")
         with out.indent():
-            if runs_blocks:  # see purinec.codegen.cpu_runtime: the blocks on the team's threads
-                arrays = params[len(BOUNDS):]
+            if not blocked:
+                out.extend(self.body)
+                out.extend(self.after)
+            elif not self.shared:
+                # see purinec.codegen.cpu_runtime: the blocks on the team's threads
                 out.line(f"if run_blocks(team, threads, lo, hi, {_tuple(arrays)}):")
                 out.line("    return")
-            out.extend(body)
+                out.extend(self.body)
+            else:
+                out.line(f"if not run_blocks(team, threads, lo, hi, {_tuple(arrays)}):")
+                with out.indent():
+                    out.extend(self.body)
+                    out.line("if threads == 0:  # one block of a call on the team, which adds up")
+                    out.line("    return")
+                out.extend(self.after)
+        return out
 
     def text(self) -> str:
         return self.builder().text()
 
     def argument_types(self) -> tuple[tuple[str, int], ...]:
-        """The entry function's arrays (all C-contiguous) as (NumPy dtype name, rank)."""
-        return tuple((value.type.dtype.numpy.name, value.type.rank)
-                     for _, value in self.params)
+        """The entry function's arrays (all C-contiguous) as (NumPy dtype name, rank),
+        the shared scratch arrays last."""
+        return (tuple((value.type.dtype.numpy.name, value.type.rank) for _, value in self.params)
+                + tuple((dtype.numpy.name, len(shape)) for _, shape, dtype in self.shared))
 
     def argument_check(self) -> ArgumentCheck:
         """What the entry function's arrays must be (checked in Python by direct

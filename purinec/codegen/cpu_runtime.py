@@ -386,7 +386,8 @@ def _block_entry(context, builder, arrays):
     body = ir.IRBuilder(entry.append_basic_block())
     packed = body.load(body.inttoptr(entry.args[0],
                                      context.get_value_type(arrays).as_pointer()))
-    values = [entry.args[1], entry.args[2], ir.Constant(I64, 0), ir.Constant(I64, 1)]
+    # threads 0: a block of a call on the team (see `KernelModule.share`)
+    values = [entry.args[1], entry.args[2], ir.Constant(I64, 0), ir.Constant(I64, 0)]
     values += [body.extract_value(packed, i) for i in range(len(arrays))]
     # not inlined: the kernel's body would be there twice
     status, _ = context.call_conv.call_function(
