@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from purinec.runtime.atomics import compare_and_swap, fence, fetch_add
 
 PROCESSES, ADDS, ITEMS = 3, 20000, 3000
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_single_process_semantics():
@@ -40,6 +42,16 @@ def _contend(memory, process: int) -> None:
 
 
 def test_contention_across_processes_is_exact():
+    """In a fresh interpreter, which forks the contending processes: forking this one,
+    where another module's tests may have started JAX's threads, risks a deadlock."""
+    done = subprocess.run([sys.executable, "-c", "from tests.runtime import test_atomics; "
+                           "test_atomics.contend()"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+
+
+def contend() -> None:
+    """PROCESSES processes add to one counter and claim items on one shared mapping."""
     memory = mmap.mmap(-1, 8 * (1 + ITEMS + PROCESSES * ITEMS))  # shared with children
     words = np.frombuffer(memory, np.int64)
     fetch_add(words, 0, 0), compare_and_swap(words, 1, 0, 0)  # compiled before forking
