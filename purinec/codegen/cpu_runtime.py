@@ -201,7 +201,7 @@ NUMPY_BLAS = _bind_gemm()
 
 _settings = threading.local()
 _lock = threading.Lock()
-_holders = 0  # see hold_block_pool
+_holders = 0  # see hold_team
 _blas_limited = False
 
 
@@ -615,17 +615,17 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_team)
 
 
-def hold_block_pool() -> Callable[[], None]:
+def hold_team() -> Callable[[], None]:
     """Count one more user of the team (a program's executable); returns how to let go
     of it. The last user to let go stops the team's threads (a later blocked kernel
     starts new ones), so a closed program leaves no thread behind."""
     global _holders
     with _lock:
         _holders += 1
-    return _let_go_of_block_pool
+    return _let_go_of_team
 
 
-def _let_go_of_block_pool() -> None:
+def _let_go_of_team() -> None:
     global _holders
     with _lock:
         _holders -= 1

@@ -43,6 +43,6 @@ class CpuTarget(Target):
 
     def hold(self) -> Callable[[], None]:
         """The pool that runs blocked kernels' other blocks, shared by every program."""
-        from purinec.codegen.cpu_runtime import hold_block_pool
+        from purinec.codegen.cpu_runtime import hold_team
 
-        return hold_block_pool()
+        return hold_team()

@@ -14,7 +14,7 @@ import pytest
 from numba import njit
 
 from purinec.codegen import cpu_runtime
-from purinec.codegen.cpu_runtime import (Blocked, available_cpus, get_threads, hold_block_pool,
+from purinec.codegen.cpu_runtime import (Blocked, available_cpus, get_threads, hold_team,
                                          run_blocks, set_threads)
 
 pytestmark = pytest.mark.skipif(cpu_runtime.team_address() == 0,
@@ -107,7 +107,7 @@ def test_the_last_holder_stops_the_helpers_and_a_later_kernel_starts_them():
     def helpers():
         return {t for t in threading.enumerate() if t.name.startswith("purinec-kernel")}
 
-    let_go = hold_block_pool()
+    let_go = hold_team()
     _cover_all(4, 2)
     assert len(helpers()) == min(available_cpus(), 64) - 1
     let_go()

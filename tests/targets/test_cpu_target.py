@@ -120,7 +120,7 @@ def test_threads_serving_one_program_take_turns_and_closing_leaves_no_thread():
     """Four threads of a server calling run on one lenet program all get the reference's
     answers; once the program is closed, none of the threads it started is left."""
     options = dict(batch=2, input_shape=(1, 28, 28), num_classes=10, seed=4)
-    gc.collect()  # programs other tests dropped let go of the block pool
+    gc.collect()  # programs other tests dropped let go of the team
     before = set(threading.enumerate())
     cpu = purinec.compile("lenet", target="cpu", **options)
     ref = purinec.compile("lenet", target="reference", **options)
@@ -130,7 +130,7 @@ def test_threads_serving_one_program_take_turns_and_closing_leaves_no_thread():
         outputs = list(pool.map(lambda x: cpu.run({"data": x})["logits"], inputs * 5))
     for got, want in zip(outputs, expected * 5):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-    assert block_pool_threads() or available_cpus() == 1  # (else this proves nothing)
+    assert team_threads() or available_cpus() == 1  # (else this proves nothing)
     cpu.close()
     assert ours(threading.enumerate()) <= before
     cpu.run({"data": inputs[0]})  # works again after closing, and closes again
@@ -144,5 +144,5 @@ def ours(threads) -> set:
     return {t for t in threads if type(t).__name__ != "TMonitor"}
 
 
-def block_pool_threads() -> list[str]:
+def team_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("purinec-kernel")]
