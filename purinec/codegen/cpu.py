@@ -42,8 +42,9 @@ from purinec.codegen import cache
 from purinec.codegen.compile_helpers import (Job, helping, start_numba_without_scipy,
                                               uncompiled)
 from purinec.codegen import cpu_conv, cpu_fused, cpu_ops, cpu_pool  # noqa: F401  (renderers)
-from purinec.codegen.cpu_runtime import Blocked, limit_blas_threads, set_threads
-from purinec.codegen.cpu_module import DEFAULT_OPTIONS, RENDERERS, CpuOptions, KernelModule
+from purinec.codegen.cpu_runtime import (SMALL_GEMM_MACS, Blocked, limit_blas_threads,
+                                         set_threads)
+from purinec.codegen.cpu_module import RENDERERS, CpuOptions, KernelModule
 from purinec.codegen.kernel import ArgumentCheck, CodegenError, Kernel
 from purinec.codegen.progress import kernel_counter
 from purinec.ir.graph import Graph, Node, Value
@@ -52,6 +53,9 @@ __all__ = ["compile_kernels", "kernel_calls", "compile_node", "render", "RENDERE
            "CpuOptions", "set_threads"]
 
 log = logging.getLogger(__name__)
+
+# The options that suit the BLAS this process runs, the default of every function here.
+DEFAULT_OPTIONS = CpuOptions(small_gemm_macs=SMALL_GEMM_MACS)
 
 
 def render_module(node: Node, options: CpuOptions = DEFAULT_OPTIONS) -> KernelModule:

@@ -18,6 +18,11 @@
   are independent, so they are what blocks split, unless they are few: then blocks take
   fixed parts of the images, each summing its own gradient, added up at the end.
 
+Where the BLAS multiplies small products without packing them first, much faster than
+packed (OpenBLAS on AVX-512: `CpuOptions.small_gemm_macs`), forward products run in
+chunks of columns that small (`_chunks`), and weight gradients multiply by ``gy``
+transposed in chunks of pixels (`_unpacked_chunk`).
+
 Both anchors take an *epilogue* (`purinec.codegen.cpu_fused`): elementwise consumers
 run on each image (or row; or the block of them a thread computed) right after it is
 computed, while it is in cache.
@@ -295,8 +300,9 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
                 else:
                     _im2col(m, g, _pad_image(m, g, x, n, c0, rows), col, ("0", str(g.K)),
                             back=False, out_rows=rows)
-                _gemm(m, node, row_slice(w_mat, o0, g.og, g.cout), col, out, g.og, count,
-                      g.K, g.K, g.P, g.P)
+                with _chunks(m, g.og, g.K, count, g.P) as (s, width):
+                    _gemm(m, node, row_slice(w_mat, o0, g.og, g.cout), _from_column(col, s),
+                          _from_column(out, s), g.og, width, g.K, g.K, g.P, g.P)
         if epilogue is not None:
             epilogue(n, "y_img" if y is None else None, rows)
 
@@ -335,6 +341,42 @@ def _row_span(g: _Conv, rows: tuple[str, str] | None, extra: int = 0
 def _from_column(matrix: str, start: str) -> str:
     """The columns of ``matrix`` from ``start`` on (a block of output rows' pixels)."""
     return matrix if start == "0" else f"{matrix}[:, {start}:]"
+
+
+# Chunks narrower than this run slower than a whole packed product: a 32x75 by 75x1024
+# one ran at 55 GFLOP/s whole, 47 in chunks of 32 columns and 70 of 64.
+MIN_CHUNK = 64
+VECTOR = 16  # chunks start at multiples of this many columns (a 64-byte vector of f32)
+
+
+def _even_step(count: int, most: int) -> int:
+    """The width of chunks of at ``most`` columns that cover ``count`` as evenly as
+    whole vectors allow."""
+    step = -(-count // -(-count // most))
+    return -(-step // VECTOR) * VECTOR
+
+
+@contextmanager
+def _chunks(m: KernelModule, rows: int, inner: int, count, at_most: int
+            ) -> Iterator[tuple[str, str]]:
+    """A loop over columns ``0:count`` (``at_most`` of them) of a product of ``rows`` by
+    ``inner`` by ``count`` in chunks the BLAS multiplies without packing
+    (`CpuOptions.small_gemm_macs`), when they are at least `MIN_CHUNK` wide; yields the
+    first column of a chunk and its width (``"0"`` and ``count``: one product of all)."""
+    most = m.options.small_gemm_macs // max(1, rows * inner) // VECTOR * VECTOR
+    if most < MIN_CHUNK or at_most <= most:
+        yield "0", count
+        return
+    b, s = m.body, m.fresh("s")
+    if isinstance(count, int):
+        step = _even_step(count, most)
+    else:
+        chunks, step = m.fresh("chunks"), m.fresh("step")
+        b.line(f"{chunks} = max(1, ({count} + {most - 1}) // {most})")
+        b.line(f"{step} = max({VECTOR}, (({count} + {chunks} - 1) // {chunks} + {VECTOR - 1})"
+               f" // {VECTOR} * {VECTOR})")
+    with b.block(f"for {s} in range(0, {count}, {step}):"):
+        yield s, f"min({step}, {count} - {s})"
 
 
 # Direct convolutions: a group of few input and output channels makes GEMMs too small
@@ -430,12 +472,16 @@ def _kernel_row_gemms(m: KernelModule, node: Node, g: _Conv, o0: str, out: str,
     """``out = sum over i of w_rows[i, group] @ col[:, i*dh*ow:]`` for ``count``
     columns, the first GEMM writing, the others adding (BLAS beta = 1)."""
     depth, ld, i = g.cg * g.kw, g.rows_read * g.ow, m.fresh("i")
-    weights = f"w_rows[0, {o0}:]" if o0 != "0" else "w_rows[0]"
-    _gemm(m, node, weights, "col", out, g.og, count, depth, depth, ld, g.P)
-    with m.body.block(f"for {i} in range(1, {g.kh}):"):
-        weights = f"w_rows[{i}, {o0}:]" if o0 != "0" else f"w_rows[{i}]"
-        _gemm(m, node, weights, f"col[:, {i} * {g.dh * g.ow}:]", out, g.og, count, depth,
-              depth, ld, g.P, beta=1)
+    with _chunks(m, g.og, depth, count, g.P) as (s, width):
+        out = _from_column(out, s)
+        weights = f"w_rows[0, {o0}:]" if o0 != "0" else "w_rows[0]"
+        _gemm(m, node, weights, _from_column("col", s), out, g.og, width, depth, depth, ld,
+              g.P)
+        with m.body.block(f"for {i} in range(1, {g.kh}):"):
+            weights = f"w_rows[{i}, {o0}:]" if o0 != "0" else f"w_rows[{i}]"
+            shift = f"{i} * {g.dh * g.ow}" if s == "0" else f"{i} * {g.dh * g.ow} + {s}"
+            _gemm(m, node, weights, f"col[:, {shift}:]", out, g.og, width, depth, depth, ld,
+                  g.P, beta=1)
 
 
 @renders("conv2d_grad_input")
@@ -551,7 +597,9 @@ def render_conv2d_grad_weight(node: Node, m: KernelModule) -> None:
     is the left operand, as stored) than ``gy @ col^T``. Rows of the im2col matrix
     (columns of gw) are independent: a block computes rows ``lo:hi`` of every group.
     With few rows (`SLOT_MAX_ROWS`), blocks take parts of the images instead (`SLOTS`),
-    each summing its own gradient, and the parts are added at the end."""
+    each summing its own gradient, and the parts are added at the end. With a BLAS
+    that multiplies small products unpacked, ``gy[n]^T`` is copied first, so that
+    the products take it as stored, in chunks that small (`_unpacked_chunk`)."""
     (x, gy), (gw,), b = m.inputs, m.outputs, m.body
     g = _conv(node.inputs[0].type.shape, node.outputs[0].type.shape,
               node.inputs[1].type.shape, node.attrs)
@@ -566,7 +614,7 @@ def render_conv2d_grad_weight(node: Node, m: KernelModule) -> None:
     if g.n >= SLOTS and count <= SLOT_MAX_ROWS:
         parts = m.share("parts", (SLOTS, shifts, count, g.cout), node.outputs[0].type.dtype)
         first, last = m.split(SLOTS, g.macs, products=True)
-        _weight_gradient_scratch(m, node, g, by_rows, count)
+        _weight_gradient_scratch(m, node, g, by_rows, count, count)
         part = m.fresh("part")
         b.line(f"for {part} in range({span_of(first, last)}):")
         with b.indent():
@@ -574,50 +622,112 @@ def render_conv2d_grad_weight(node: Node, m: KernelModule) -> None:
             b.line("gw_t[:] = 0")
             images = f"{part} * {g.n} // {SLOTS}, ({part} + 1) * {g.n} // {SLOTS}"
             _weight_gradient_products(m, node, g, by_rows, x, n, images, "0", str(count),
-                                      count)
+                                      count, count)
         _store_weight_gradient(m, g, by_rows, "0", count, gw, parts)
         return
     lo, hi = m.split(count, g.macs, products=True)
     width = count if lo == "0" else f"{hi} - {lo}"
     b.lines(m.filled("gw_t", (shifts, width, g.cout), dtype, "0"))
-    _weight_gradient_scratch(m, node, g, by_rows, width)
-    _weight_gradient_products(m, node, g, by_rows, x, n, str(g.n), lo, hi, width)
+    _weight_gradient_scratch(m, node, g, by_rows, width, count)
+    _weight_gradient_products(m, node, g, by_rows, x, n, str(g.n), lo, hi, width, count)
     _store_weight_gradient(m, g, by_rows, lo, width, gw)
 
 
 def _weight_gradient_scratch(m: KernelModule, node: Node, g: _Conv, by_rows: bool,
-                             width) -> None:
-    """The im2col matrix (``width`` rows) and the padded image it is read from."""
+                             width, most: int) -> None:
+    """The im2col matrix (``width`` rows, at ``most``), the padded image it is read
+    from, and ``gy_t`` for `_unpacked_chunk`'s products."""
     if not g.pointwise:
         columns = g.rows_read * g.ow if by_rows else g.P
         m.body.line(f"col = {m.empty((width, columns), dtype_name(node))}")
         _padded_scratch(m, node, g)
+    if _unpacked_chunk(m, g, most):
+        m.body.line(f"gy_t = {m.empty((g.P, g.og), dtype_name(node))}")
+
+
+# OpenBLAS multiplies a product of rows by rows (dot products along both operands' rows,
+# as the weight gradient's ``col @ gy^T``) unpacked only when it has at most this many
+# outputs (its SkylakeX kernels' rule, besides `CpuOptions.small_gemm_macs`).
+SMALL_DOTS_MAX_OUTPUTS = 1200
+
+
+def _unpacked_chunk(m: KernelModule, g: _Conv, most: int) -> int:
+    """How many images' pixels (columns of the im2col matrix) one product of
+    ``im2col @ gy_t`` takes, ``gy_t`` being ``gy^T`` copied, so that the BLAS runs it
+    unpacked (`CpuOptions.small_gemm_macs`) where ``col @ gy^T`` would be packed, for
+    at ``most`` rows; 0 where that does not pay. On the Zen 4 machine (one thread) the
+    32 x 1024 by 1024 x 75 product of cifar_quick's conv1 ran at 68 GFLOP/s as
+    ``col @ gy^T``, 102 in chunks of 384 columns of ``col @ gy_t``; the copy takes
+    about a tenth of that."""
+    limit = m.options.small_gemm_macs
+    outputs = most * g.og
+    if not limit or (outputs <= SMALL_DOTS_MAX_OUTPUTS and outputs * g.P <= limit):
+        return 0
+    most_columns = limit // outputs // VECTOR * VECTOR
+    if most_columns >= g.P:
+        return g.P
+    return _even_step(g.P, most_columns) if most_columns >= MIN_CHUNK else 0
 
 
 def _weight_gradient_products(m: KernelModule, node: Node, g: _Conv, by_rows: bool,
-                              x: str, n: str, images: str, lo: str, hi: str, width) -> None:
+                              x: str, n: str, images: str, lo: str, hi: str, width,
+                              most: int) -> None:
     """``gw_t += im2col(x[n]) @ gy[n]^T`` for the images ``n`` in ``range(images)``,
-    for the im2col rows ``lo:hi`` (``width`` of them)."""
-    b = m.body
+    for the im2col rows ``lo:hi`` (``width`` of them, at ``most``)."""
+    b, chunk = m.body, _unpacked_chunk(m, g, most)
     with b.block(f"for {n} in range({images}):"), _groups(m, g) as (c0, o0):
         gy_rows = row_slice(f"gy_mat[{n}]", o0, g.og, g.cout)
+        if chunk:
+            _transpose(m, g, gy_rows, "gy_t")
         if g.pointwise:
             col = f"x_mat[{n}, {c0} + {lo}:{c0} + {hi}]" if lo != "0" else \
                 row_slice(f"x_mat[{n}]", c0, g.cg, g.c)
-            _gemm(m, node, col, gy_rows, f"gw_t[0, :, {o0}:]", width, g.og, g.P, g.P, g.P,
-                  g.cout, beta=1, trans_b=True)
+            _add_weight_product(m, node, g, col, g.P, gy_rows, f"gw_t[0, :, {o0}:]", width,
+                                chunk)
         elif by_rows:
-            columns = g.rows_read * g.ow
             _row_im2col(m, g, _pad_image(m, g, x, n, c0), "col", rows=(lo, hi))
             i = m.fresh("i")
             with b.block(f"for {i} in range({g.kh}):"):
-                _gemm(m, node, f"col[:, {i} * {g.dh * g.ow}:]", gy_rows,
-                      f"gw_t[{i}, :, {o0}:]", width, g.og, g.P, columns, g.P, g.cout, beta=1,
-                      trans_b=True)
+                _add_weight_product(m, node, g, f"col[:, {i} * {g.dh * g.ow}:]",
+                                    g.rows_read * g.ow, gy_rows, f"gw_t[{i}, :, {o0}:]",
+                                    width, chunk)
         else:
             _im2col(m, g, _pad_image(m, g, x, n, c0), "col", (lo, hi), back=False)
-            _gemm(m, node, "col", gy_rows, f"gw_t[0, :, {o0}:]", width, g.og, g.P, g.P,
-                  g.P, g.cout, beta=1, trans_b=True)
+            _add_weight_product(m, node, g, "col", g.P, gy_rows, f"gw_t[0, :, {o0}:]", width,
+                                chunk)
+
+
+def _transpose(m: KernelModule, g: _Conv, matrix: str, into: str) -> None:
+    """``into[p, o] = matrix[o, p]`` for the group's ``og`` rows: eight rows at a time,
+    so that each column stores eight contiguous values (twice as fast as one row at a
+    time for 32 x 1024)."""
+    b, o, p, k = m.body, m.fresh("o"), m.fresh("p"), m.fresh("k")
+    source, whole = m.fresh("source"), g.og // 8 * 8
+    b.line(f"{source} = {matrix}")
+    if whole:
+        with b.block(f"for {o} in range(0, {whole}, 8):"), \
+                b.block(f"for {p} in range({g.P}):"), b.block(f"for {k} in range(8):"):
+            b.line(f"{into}[{p}, {o} + {k}] = {source}[{o} + {k}, {p}]")
+    if whole < g.og:
+        with b.block(f"for {o} in range({whole}, {g.og}):"), \
+                b.block(f"for {p} in range({g.P}):"):
+            b.line(f"{into}[{p}, {o}] = {source}[{o}, {p}]")
+
+
+def _add_weight_product(m: KernelModule, node: Node, g: _Conv, col: str, ld: int, gy: str,
+                        out: str, width, chunk: int) -> None:
+    """``out += col[:, :P] @ gy^T`` for ``width`` rows of ``col``: one product, or with
+    a ``chunk``, products of that many columns of ``col`` and rows of ``gy_t``."""
+    if not chunk:
+        _gemm(m, node, col, gy, out, width, g.og, g.P, ld, g.P, g.cout, beta=1, trans_b=True)
+        return
+    if chunk == g.P:
+        _gemm(m, node, col, "gy_t", out, width, g.og, g.P, ld, g.og, g.cout, beta=1)
+        return
+    s = m.fresh("s")
+    with m.body.block(f"for {s} in range(0, {g.P}, {chunk}):"):
+        _gemm(m, node, _from_column(col, s), f"gy_t[{s}:]", out, width, g.og,
+              f"min({chunk}, {g.P} - {s})", ld, g.og, g.cout, beta=1)
 
 
 def _store_weight_gradient(m: KernelModule, g: _Conv, by_rows: bool, lo: str,

@@ -39,11 +39,16 @@ class CpuOptions:
     ``direct_max_channels``: convolutions whose groups have at most this many input
     times output channels are direct loop nests rather than GEMMs (measured in
     `purinec.codegen.cpu_conv`, above ``_direct``; 0: always GEMMs).
+    ``small_gemm_macs``: the most multiply-adds of a product that the BLAS computes
+    without packing its operands, when that is faster than packing (0: none; see
+    `purinec.codegen.cpu_runtime.SMALL_GEMM_MACS`, the BLAS this process runs):
+    convolutions then multiply in chunks of columns that small (`cpu_conv._chunks`).
     """
 
     parallel_min: int = 1 << 18
     parallel_min_products: int = 1 << 20
     direct_max_channels: int = 16
+    small_gemm_macs: int = 0
 
 
 DEFAULT_OPTIONS = CpuOptions()

@@ -8,7 +8,8 @@ so kernels that call them stay cacheable on disk (Numba refuses to cache code ho
 a process-specific address such as a ctypes pointer). The symbols lead to the OpenBLAS
 that NumPy's wheels bundle, about a third faster on the small GEMMs of convolutions
 than SciPy's copy; where there is none, to an adapter over Numba's ``numba_xxgemm``
-(the helper behind ``np.dot`` in Numba, on SciPy's BLAS).
+(the helper behind ``np.dot`` in Numba, on SciPy's BLAS). OpenBLAS's AVX-512 cores
+multiply small products unpacked, much faster than packed (`SMALL_GEMM_MACS`).
 
 Arrays. Kernels make their scratch arrays with ``empty`` and see arrays with other
 shapes through ``view``: intrinsics, lowered in place, where Numba's ``np.empty``,
@@ -142,8 +143,9 @@ _ILP64_NAMES = {"s": ("scipy_cblas_sgemm64_", "cblas_sgemm64_"),
 BLAS_ENV = "PURINEC_CPU_BLAS"  # "scipy" forces the adapter over SciPy's BLAS
 
 
-def _numpy_openblas() -> tuple[str | None, ctypes.CDLL | None]:
-    """The OpenBLAS NumPy uses, if it exports ILP64 CBLAS: (its path, the library)."""
+def _numpy_openblas() -> tuple[str | None, ctypes.CDLL | None, str | None]:
+    """The OpenBLAS NumPy uses, if it exports ILP64 CBLAS: (its path, the library, the
+    core whose kernels it runs, such as ``SkylakeX``)."""
     from threadpoolctl import ThreadpoolController
 
     for lib in ThreadpoolController().lib_controllers:
@@ -151,8 +153,8 @@ def _numpy_openblas() -> tuple[str | None, ctypes.CDLL | None]:
             continue
         handle = ctypes.CDLL(lib.filepath)
         if all(any(hasattr(handle, name) for name in names) for names in _ILP64_NAMES.values()):
-            return lib.filepath, handle
-    return None, None
+            return lib.filepath, handle, lib.architecture
+    return None, None, None
 
 
 def _xxgemm_adapter(kind: str):
@@ -178,12 +180,12 @@ def _xxgemm_adapter(kind: str):
     return adapter
 
 
-def _bind_gemm() -> str | None:
-    """Register the GEMM symbols; returns the path of NumPy's OpenBLAS when they lead
-    there, None when they lead to the adapter over SciPy's BLAS."""
-    path, handle = (None, None)
+def _bind_gemm() -> tuple[str | None, str | None]:
+    """Register the GEMM symbols; returns the path of NumPy's OpenBLAS and its core
+    when they lead there, Nones when they lead to the adapter over SciPy's BLAS."""
+    path, handle, core = (None, None, None)
     if os.environ.get(BLAS_ENV) != "scipy":
-        path, handle = _numpy_openblas()
+        path, handle, core = _numpy_openblas()
     for kind in "sd":
         symbol = f"purinec_cblas_{kind}gemm"
         if handle is not None:
@@ -193,11 +195,19 @@ def _bind_gemm() -> str | None:
             adapter = _xxgemm_adapter(kind)
             _ADAPTERS.append(adapter)  # keep it alive: LLVM holds only its address
             llvm.add_symbol(symbol, adapter.address)
-    return path
+    return path, core
 
 
 _ADAPTERS: list = []
-NUMPY_BLAS = _bind_gemm()
+NUMPY_BLAS, BLAS_CORE = _bind_gemm()
+
+# OpenBLAS's SkylakeX kernels (which its Cooper Lake and Sapphire Rapids cores reuse,
+# and which it picks on any AVX-512 CPU, AMD's too) multiply a product of at most 100^3
+# multiply-adds straight from its operands; bigger ones are packed first. On the Zen 4
+# machine (one thread), a 32x75 by 75x1024 product (a 5x5 convolution of 3 channels)
+# ran at 55 GFLOP/s whole and 94-98 in chunks of 256-384 columns.
+SMALL_GEMM_MACS = (100 ** 3 if (BLAS_CORE or "").lower() in
+                   ("skylakex", "cooperlake", "sapphirerapids") else 0)
 
 _settings = threading.local()
 _lock = threading.Lock()

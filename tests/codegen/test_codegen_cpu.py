@@ -541,6 +541,39 @@ def test_weight_gradients_of_few_rows_sum_parts_of_the_images(x_shape, w_shape, 
 
 
 @pytest.mark.slow  # a Numba compile per case
+@pytest.mark.parametrize("x_shape, w_shape, attrs, macs_per_column", [
+    # im2col (3x3x3 rows); 5 images: the weight gradient sums parts of them.
+    ((5, 3, 12, 12), (8, 3, 3, 3), {"stride": [1, 1], "pad": [1, 1], "groups": 1}, 8 * 27),
+    # Kernel rows (16 channels x 5 columns), 6 output channels a group (the transposed
+    # gradient's rows in 8s and a tail); the input gradient as a convolution too.
+    ((2, 32, 10, 10), (12, 16, 5, 5), {"stride": [1, 1], "pad": [2, 2], "groups": 2},
+     6 * 80),
+    ((5, 16, 12, 12), (12, 16, 1, 1), {"stride": [1, 1], "pad": [0, 0], "groups": 1},
+     12 * 16),
+], ids=["im2col", "by-kernel-rows", "pointwise"])
+@pytest.mark.parametrize("blocked", [False, True])
+def test_convolutions_in_unpacked_chunks_agree(x_shape, w_shape, attrs, macs_per_column,
+                                               blocked):
+    """A BLAS that multiplies small products unpacked (`CpuOptions.small_gemm_macs`, here
+    64 columns' worth): the forward product runs in chunks of columns (of a block's
+    rows, when blocked), the weight gradient multiplies ``col @ gy_t`` in chunks of
+    pixels, ``gy_t`` being ``gy`` transposed."""
+    options = CpuOptions(small_gemm_macs=64 * macs_per_column, direct_max_channels=0,
+                         **({"parallel_min": 0, "parallel_min_products": 0} if blocked
+                            else {}))
+    rng = np.random.default_rng(11)
+    x, w = random_array(rng, x_shape, DType.f32), random_array(rng, w_shape, DType.f32)
+    assert "for s in range(0, " in cpu.render(one_node("conv2d", [x, w], attrs), options)
+    (y,) = one_node("conv2d", [x, w], attrs).outputs
+    gy = random_array(rng, y.type.shape, DType.f32)
+    weight_gradient = one_node("conv2d_grad_weight", [x, gy],
+                               {**attrs, "kernel": list(w_shape[2:])})
+    assert "gy_t = " in cpu.render(weight_gradient, options)
+    check("conv2d", [x, w], attrs, options)
+    check_conv_gradients(rng, x_shape, w_shape, attrs, DType.f32, options)
+
+
+@pytest.mark.slow  # a Numba compile per case
 @pytest.mark.parametrize("options", [CpuOptions(direct_max_channels=0), GEMMS])
 def test_pointwise_conv_skips_im2col_and_agrees(options):
     rng = np.random.default_rng(3)
