@@ -202,11 +202,18 @@ def _pad_image(m: KernelModule, g: _Conv, x: str, n: str, c0: str,
         b.line(f"{last} = min(({rows[1]} - 1) * {g.sh} + {(g.kh - 1) * g.dh + 1 - g.pt}, "
                f"{g.h})")
         span = f"{first}, {last}"
-    with b.block(f"for {c} in range({g.cg}):"), b.block(f"for {h} in range({span}):"), \
-            b.block(f"for {w} in range({g.w}):"):
-        b.line(f"xpad[{c}, {affine(h, 1, g.pt)}, {affine(w, 1, g.pl)}] = "
-               f"{x}[{n}, {channel}, {h}, {w}]")
+    with b.block(f"for {c} in range({g.cg}):"), b.block(f"for {h} in range({span}):"):
+        _copy_run(m, "xpad", f"{c}, {affine(h, 1, g.pt)}, {g.pl}", x,
+                  f"{n}, {channel}, {h}, 0", g.w)
     return "xpad["
+
+
+def _copy_run(m: KernelModule, dst: str, dst_at: str, src: str, src_at: str,
+              count) -> None:
+    """``count`` contiguous elements of ``src`` from index ``src_at`` on into ``dst``
+    from ``dst_at`` on (`purinec.codegen.cpu_runtime.copy_run`)."""
+    m.import_line("from purinec.codegen.cpu_runtime import copy_run")
+    m.body.line(f"copy_run({dst}, ({dst_at}), {src}, ({src_at}), {count})")
 
 
 def _im2col(m: KernelModule, g: _Conv, image: str, col: str, rows: tuple[str, str],
@@ -224,11 +231,17 @@ def _im2col(m: KernelModule, g: _Conv, image: str, col: str, rows: tuple[str, st
         b.line(f"{i} = {r} // {g.kw} % {g.kh}")
         b.line(f"{j} = {r} % {g.kw}")
         b.line(f"{row} = {r}" if rows[0] == "0" else f"{row} = {r} - {rows[0]}")
-        with b.block(f"for {p} in range({span}):"), b.block(f"for {q} in range({g.ow}):"):
-            pixel = (f"{image}{c}, {affine(first(p), g.sh, _times(i, g.dh))}, "
-                     f"{affine(q, g.sw, _times(j, g.dw))}]")
-            entry = f"{col}[{row}, {affine(p, g.ow, q)}]"
-            b.line(f"{pixel} += {entry}" if back else f"{entry} = {pixel}")
+        with b.block(f"for {p} in range({span}):"):
+            image_row = affine(first(p), g.sh, _times(i, g.dh))
+            if g.sw == 1 and not back:
+                array, lead = image.split("[", 1)
+                _copy_run(m, col, f"{row}, {affine(p, g.ow, 0)}", array,
+                          f"{lead}{c}, {image_row}, {_times(j, g.dw)}", g.ow)
+            else:
+                with b.block(f"for {q} in range({g.ow}):"):
+                    pixel = f"{image}{c}, {image_row}, {affine(q, g.sw, _times(j, g.dw))}]"
+                    entry = f"{col}[{row}, {affine(p, g.ow, q)}]"
+                    b.line(f"{pixel} += {entry}" if back else f"{entry} = {pixel}")
 
 
 @contextmanager
@@ -460,11 +473,16 @@ def _row_im2col(m: KernelModule, g: _Conv, image: str, col: str, back: bool = Fa
         b.line(f"{j} = {r} % {g.kw}")
         if rows[0] != "0":
             r = f"{r} - {rows[0]}"
-        with b.block(f"for {row} in range({span}):"), \
-                b.block(f"for {q} in range({g.ow}):"):
-            pixel = f"{image}{c}, {first(row)}, {affine(q, g.sw, _times(j, g.dw))}]"
-            entry = f"{col}[{r}, {affine(row, g.ow, q)}]"
-            b.line(f"{pixel} += {entry}" if back else f"{entry} = {pixel}")
+        with b.block(f"for {row} in range({span}):"):
+            if g.sw == 1 and not back:
+                array, lead = image.split("[", 1)
+                _copy_run(m, col, f"{r}, {affine(row, g.ow, 0)}", array,
+                          f"{lead}{c}, {first(row)}, {_times(j, g.dw)}", g.ow)
+            else:
+                with b.block(f"for {q} in range({g.ow}):"):
+                    pixel = f"{image}{c}, {first(row)}, {affine(q, g.sw, _times(j, g.dw))}]"
+                    entry = f"{col}[{r}, {affine(row, g.ow, q)}]"
+                    b.line(f"{pixel} += {entry}" if back else f"{entry} = {pixel}")
 
 
 def _kernel_row_gemms(m: KernelModule, node: Node, g: _Conv, o0: str, out: str,
@@ -547,12 +565,12 @@ def _conv2d_grad_input_col2im(node: Node, m: KernelModule, g: _Conv) -> None:
             if padded:
                 b.line("xpad[:] = 0")
                 _col2im(m, g, "xpad[", by_rows)
-                c, h, wi = m.fresh("c"), m.fresh("h"), m.fresh("w")
+                c, h = m.fresh("c"), m.fresh("h")
                 channel = c if c0 == "0" else f"{c0} + {c}"
                 with b.block(f"for {c} in range({g.cg}):"), \
-                        b.block(f"for {h} in range({g.h}):"), b.block(f"for {wi} in range({g.w}):"):
-                    b.line(f"{gx}[{n}, {channel}, {h}, {wi}] = "
-                           f"xpad[{c}, {affine(h, 1, g.pt)}, {affine(wi, 1, g.pl)}]")
+                        b.block(f"for {h} in range({g.h}):"):
+                    _copy_run(m, gx, f"{n}, {channel}, {h}, 0", "xpad",
+                              f"{c}, {affine(h, 1, g.pt)}, {g.pl}", g.w)
             else:
                 prefix = f"{gx}[{n}, {c0} + " if c0 != "0" else f"{gx}[{n}, "
                 _col2im(m, g, prefix, by_rows)

@@ -137,6 +137,64 @@ def empty(typingctx, shape, dtype):
     return result(shape, dtype), codegen
 
 
+def _is_index(index) -> bool:
+    return isinstance(index, types.BaseTuple) and all(
+        isinstance(ty, types.Integer) for ty in index)
+
+
+@intrinsic
+def copy_run(typingctx, dst, dst_at, src, src_at, count):
+    """``count`` elements from ``src[src_at]`` on to ``dst[dst_at]`` on, where they are
+    contiguous in both (a run along the last axis; the generated code guarantees it and
+    that the arrays do not overlap: nothing is checked). A ``memcpy``, which LLVM
+    expands into a few vector moves for a constant ``count``. A loop of a constant,
+    short trip count is unrolled first, then vectorized badly: an im2col of 32-pixel
+    rows ran 2-4x slower as a loop (AVX-512: along the rows, scattering)."""
+    if not (isinstance(dst, types.Array) and isinstance(src, types.Array)
+            and dst.mutable and dst.dtype == src.dtype and _is_index(dst_at)
+            and len(dst_at) == dst.ndim and _is_index(src_at) and len(src_at) == src.ndim
+            and isinstance(count, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        from numba.np.arrayobj import make_array
+
+        def pointer(array_type, array, index_type, index):
+            made = make_array(array_type)(context, builder, array)
+            at = [context.cast(builder, value, ty, types.intp)
+                  for value, ty in zip(cgutils.unpack_tuple(builder, index), index_type)]
+            return cgutils.get_item_pointer(context, builder, array_type, made, at,
+                                            wraparound=False)
+
+        itemsize = context.get_abi_sizeof(context.get_data_type(dst.dtype))
+        cgutils.raw_memcpy(builder, pointer(dst, args[0], dst_at, args[1]),
+                           pointer(src, args[2], src_at, args[3]),
+                           context.cast(builder, args[4], count, types.intp), itemsize)
+        return context.get_dummy_value()
+
+    return types.none(dst, dst_at, src, src_at, count), codegen
+
+
+@intrinsic
+def opaque(typingctx, count):
+    """``count``, as a value LLVM cannot see through (an empty inline assembly
+    statement), for the trip count of a short loop that should stay a loop: LLVM
+    unrolls a loop of a constant, short trip count before it vectorizes loops, and
+    the unrolled body vectorizes worse or not at all (copying a row of 32 floats into
+    two planes by column parity, an interleaved access that vectorizes as a loop:
+    a third of max pooling's gradient on the Zen 4 machine)."""
+    if not isinstance(count, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        value = context.cast(builder, args[0], count, types.intp)
+        hide = ir.InlineAsm(ir.FunctionType(value.type, [value.type]), "", "=r,0",
+                            side_effect=False)
+        return builder.call(hide, [value])
+
+    return types.intp(count), codegen
+
+
 # CBLAS names with 64-bit integers (ILP64), as NumPy's wheels (scipy-openblas64) export them.
 _ILP64_NAMES = {"s": ("scipy_cblas_sgemm64_", "cblas_sgemm64_"),
                 "d": ("scipy_cblas_dgemm64_", "cblas_dgemm64_")}
