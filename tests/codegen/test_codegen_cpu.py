@@ -20,7 +20,7 @@ from numba.core.errors import TypingError
 
 from purinec.codegen import CodegenError, cpu
 from purinec.codegen.cpu_module import RENDERERS, CpuOptions
-from purinec.codegen.cpu_runtime import Blocked, empty, set_threads, view
+from purinec.codegen.cpu_runtime import Blocked, copy_run, empty, opaque, set_threads, view
 from purinec.errors import ShapeError
 from purinec.ir import nnref
 from purinec.ir.graph import Graph, Node, external_inputs
@@ -341,6 +341,41 @@ def test_view_refuses_an_array_that_is_not_c_contiguous():
 
     with pytest.raises(TypingError, match="view"):
         column(np.zeros((4, 3)))
+
+
+def test_copy_run_copies_a_run_between_indexed_elements_and_opaque_is_its_count():
+    """`copy_run` copies ``count`` contiguous elements from one indexed element of an
+    array of any rank to another's (the run may cross rows); `opaque` hides a loop's
+    trip count from LLVM, and is the count."""
+    @njit
+    def copied(dst, src, row, count):
+        copy_run(dst, (row, np.int32(2)), src, (1, row, 0), count)
+        total = 0
+        for i in range(opaque(np.int16(5))):
+            total += i
+        return total
+
+    src = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)
+    dst = np.zeros((3, 5), np.float32)
+    assert copied(dst, src, 1, 6) == 10
+    expected = np.zeros(15, np.float32)
+    expected[7:13] = src[1].ravel()[4:10]  # from src[1, 1, 0] on, into dst[1, 2] on
+    np.testing.assert_array_equal(dst.ravel(), expected)
+
+
+def test_copy_run_refuses_other_dtypes_and_indexes_of_another_rank():
+    @njit
+    def across_dtypes(dst, src):
+        copy_run(dst, (0, 0), src, (0, 0), 2)
+
+    @njit
+    def short_index(dst, src):
+        copy_run(dst, (0,), src, (0, 0), 2)
+
+    for run, src in ((across_dtypes, np.zeros((2, 2), np.float32)),
+                     (short_index, np.zeros((2, 2)))):
+        with pytest.raises(TypingError, match="copy_run"):
+            run(np.zeros((2, 2)), src)
 
 
 @pytest.mark.parametrize("options", OPTIONS)
