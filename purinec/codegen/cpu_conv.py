@@ -208,6 +208,16 @@ def _pad_image(m: KernelModule, g: _Conv, x: str, n: str, c0: str,
     return "xpad["
 
 
+def _trips(m: KernelModule, count: int, hidden: bool) -> str:
+    """A loop's trip count: ``count``, or with ``hidden`` `opaque`, so that LLVM
+    vectorizes the loop rather than unrolling it (col2im's sums along rows of pixels,
+    which `copy_run` cannot do)."""
+    if not hidden:
+        return str(count)
+    m.import_line("from purinec.codegen.cpu_runtime import opaque")
+    return f"opaque({count})"
+
+
 def _copy_run(m: KernelModule, dst: str, dst_at: str, src: str, src_at: str,
               count) -> None:
     """``count`` contiguous elements of ``src`` from index ``src_at`` on into ``dst``
@@ -238,7 +248,7 @@ def _im2col(m: KernelModule, g: _Conv, image: str, col: str, rows: tuple[str, st
                 _copy_run(m, col, f"{row}, {affine(p, g.ow, 0)}", array,
                           f"{lead}{c}, {image_row}, {_times(j, g.dw)}", g.ow)
             else:
-                with b.block(f"for {q} in range({g.ow}):"):
+                with b.block(f"for {q} in range({_trips(m, g.ow, back)}):"):
                     pixel = f"{image}{c}, {image_row}, {affine(q, g.sw, _times(j, g.dw))}]"
                     entry = f"{col}[{row}, {affine(p, g.ow, q)}]"
                     b.line(f"{pixel} += {entry}" if back else f"{entry} = {pixel}")
@@ -479,7 +489,7 @@ def _row_im2col(m: KernelModule, g: _Conv, image: str, col: str, back: bool = Fa
                 _copy_run(m, col, f"{r}, {affine(row, g.ow, 0)}", array,
                           f"{lead}{c}, {first(row)}, {_times(j, g.dw)}", g.ow)
             else:
-                with b.block(f"for {q} in range({g.ow}):"):
+                with b.block(f"for {q} in range({_trips(m, g.ow, back)}):"):
                     pixel = f"{image}{c}, {first(row)}, {affine(q, g.sw, _times(j, g.dw))}]"
                     entry = f"{col}[{r}, {affine(row, g.ow, q)}]"
                     b.line(f"{pixel} += {entry}" if back else f"{entry} = {pixel}")
@@ -560,8 +570,9 @@ def _conv2d_grad_input_col2im(node: Node, m: KernelModule, g: _Conv) -> None:
             if by_rows:
                 _kernel_row_gemms_back(m, node, g, o0, gy_rows)
             else:
-                _gemm(m, node, row_slice("w_mat", o0, g.og, g.cout), gy_rows, "col", g.K, g.P,
-                      g.og, g.K, g.P, g.P, trans_a=True)
+                with _chunks(m, g.K, g.og, g.P, g.P) as (s, width):
+                    _gemm(m, node, row_slice("w_mat", o0, g.og, g.cout), _from_column(gy_rows, s),
+                          _from_column("col", s), g.K, width, g.og, g.K, g.P, g.P, trans_a=True)
             if padded:
                 b.line("xpad[:] = 0")
                 _col2im(m, g, "xpad[", by_rows)
@@ -589,10 +600,12 @@ def _kernel_row_gemms_back(m: KernelModule, node: Node, g: _Conv, o0: str, gy: s
     ``i``, into a zeroed ``col`` (the rows' column ranges overlap)."""
     depth, ld, i = g.cg * g.kw, g.rows_read * g.ow, m.fresh("i")
     m.body.line("col[:] = 0")
-    with m.body.block(f"for {i} in range({g.kh}):"):
+    with _chunks(m, depth, g.og, g.P, g.P) as (s, width), \
+            m.body.block(f"for {i} in range({g.kh}):"):
         weights = f"w_rows[{i}, {o0}:]" if o0 != "0" else f"w_rows[{i}]"
-        _gemm(m, node, weights, gy, f"col[:, {i} * {g.dh * g.ow}:]", depth, g.P, g.og, depth,
-              g.P, ld, beta=1, trans_a=True)
+        shift = f"{i} * {g.dh * g.ow}" if s == "0" else f"{i} * {g.dh * g.ow} + {s}"
+        _gemm(m, node, weights, _from_column(gy, s), f"col[:, {shift}:]", depth, width, g.og,
+              depth, g.P, ld, beta=1, trans_a=True)
 
 
 # Weight gradients with at most this many im2col rows (a group's, or a kernel row's)

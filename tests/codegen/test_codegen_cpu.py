@@ -585,14 +585,19 @@ def test_weight_gradients_of_few_rows_sum_parts_of_the_images(x_shape, w_shape, 
      6 * 80),
     ((5, 16, 12, 12), (12, 16, 1, 1), {"stride": [1, 1], "pad": [0, 0], "groups": 1},
      12 * 16),
-], ids=["im2col", "by-kernel-rows", "pointwise"])
+    # More channels out than in (as in the first): the input gradient by col2im.
+    ((2, 8, 10, 10), (32, 8, 3, 3), {"stride": [1, 1], "pad": [1, 1], "groups": 1}, 32 * 72),
+    ((2, 32, 10, 10), (64, 32, 3, 3), {"stride": [1, 1], "pad": [1, 1], "groups": 1},
+     64 * 96),
+], ids=["im2col", "by-kernel-rows", "pointwise", "col2im", "col2im-by-kernel-rows"])
 @pytest.mark.parametrize("blocked", [False, True])
 def test_convolutions_in_unpacked_chunks_agree(x_shape, w_shape, attrs, macs_per_column,
                                                blocked):
     """A BLAS that multiplies small products unpacked (`CpuOptions.small_gemm_macs`, here
     64 columns' worth): the forward product runs in chunks of columns (of a block's
     rows, when blocked), the weight gradient multiplies ``col @ gy_t`` in chunks of
-    pixels, ``gy_t`` being ``gy`` transposed."""
+    pixels, ``gy_t`` being ``gy`` transposed, and col2im's products in chunks of
+    pixels."""
     options = CpuOptions(small_gemm_macs=64 * macs_per_column, direct_max_channels=0,
                          **({"parallel_min": 0, "parallel_min_products": 0} if blocked
                             else {}))
@@ -604,6 +609,11 @@ def test_convolutions_in_unpacked_chunks_agree(x_shape, w_shape, attrs, macs_per
     weight_gradient = one_node("conv2d_grad_weight", [x, gy],
                                {**attrs, "kernel": list(w_shape[2:])})
     assert "gy_t = " in cpu.render(weight_gradient, options)
+    input_gradient = cpu.render(one_node("conv2d_grad_input", [gy, w],
+                                         {**attrs, "input_shape": list(x_shape)}), options)
+    by_col2im = "] += col[" in input_gradient  # else as a convolution: more channels in
+    assert by_col2im == (w_shape[0] > x_shape[1])
+    assert "for s in range(0, " in input_gradient or not by_col2im
     check("conv2d", [x, w], attrs, options)
     check_conv_gradients(rng, x_shape, w_shape, attrs, DType.f32, options)
 
