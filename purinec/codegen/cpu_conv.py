@@ -55,6 +55,12 @@ def _gemm(m: KernelModule, node: Node, a: str, b: str, c: str, rows, cols, inner
                 f"{b}.ctypes, {ldb}, {scale}, {c}.ctypes, {ldc})")
 
 
+# Chunks narrower than this run slower than a whole packed product: a 32x75 by 75x1024
+# one ran at 55 GFLOP/s whole, 47 in chunks of 32 columns and 70 of 64.
+MIN_CHUNK = 64
+VECTOR = 16  # chunks start at multiples of this many columns (a 64-byte vector of f32)
+
+
 # ---------------------------------------------------------------------------------------
 # Matrix products.
 
@@ -96,11 +102,43 @@ def emit_matmul(node: Node, m: KernelModule, a: str, bm: str,
         return "0", str(rows), False
     if by_columns:  # blocks of columns of op(b) and of the output
         b_block = bm if lo == "0" else (f"{bm}[{lo}:{hi}]" if tb else f"{bm}[:, {lo}:{hi}]")
-        _gemm(m, node, a, b_block, out, rows, count, inner, lda, ldb, cols, 0, ta, tb)
+        _tiled_gemm(m, node, a, b_block, out, (rows, rows), (count, cols), inner, lda, ldb,
+                    cols, ta, tb)
     else:  # blocks of rows of op(a) and of the output
         a_block = a if lo == "0" else (f"{a}[:, {lo}:{hi}]" if ta else f"{a}[{lo}:{hi}]")
-        _gemm(m, node, a_block, bm, out, count, cols, inner, lda, ldb, cols, 0, ta, tb)
+        _tiled_gemm(m, node, a_block, bm, out, (count, rows), (cols, cols), inner, lda, ldb,
+                    cols, ta, tb)
     return lo, hi, by_columns
+
+
+# OpenBLAS multiplies a product of rows by rows (dot products along both operands' rows,
+# as ``a @ b^T`` and the weight gradient's ``col @ gy^T``) unpacked only when it has at
+# most this many outputs (its SkylakeX kernels' rule, besides
+# `CpuOptions.small_gemm_macs`).
+SMALL_DOTS_MAX_OUTPUTS = 1200
+DOT_TILE_ROWS = 32  # 32 x 32 tiles: a 64x784 by 784x512 product 76 -> 95 GFLOP/s
+
+
+def _tiled_gemm(m: KernelModule, node: Node, a: str, b: str, c: str, rows, cols, inner: int,
+                lda, ldb, ldc, ta: bool, tb: bool) -> None:
+    """``c = op(a) @ op(b)`` for ``rows`` and ``cols`` given as (count, the most it can
+    be): ``a @ b^T`` in tiles the BLAS multiplies unpacked (`SMALL_DOTS_MAX_OUTPUTS`)
+    where it would pack the whole (mlp's forward products: 64x784 by 784x512, one
+    thread, 76 GFLOP/s whole, 95 in 32 x 32 tiles); other products whole."""
+    (count_r, most_r), (count_c, most_c) = rows, cols
+    area = min(SMALL_DOTS_MAX_OUTPUTS, m.options.small_gemm_macs // max(1, inner))
+    whole_small = most_r * most_c <= area
+    tile_r = min(most_r, DOT_TILE_ROWS)
+    tile_c = area // max(1, tile_r) // VECTOR * VECTOR
+    if not tb or ta or whole_small or inner < 32 or tile_c < VECTOR:
+        _gemm(m, node, a, b, c, count_r, count_c, inner, lda, ldb, ldc, 0, ta, tb)
+        return
+    r0, c0 = m.fresh("r0"), m.fresh("c0")
+    with m.body.block(f"for {r0} in range(0, {count_r}, {tile_r}):"), \
+            m.body.block(f"for {c0} in range(0, {count_c}, {tile_c}):"):
+        _gemm(m, node, f"{a}[{r0}:]", f"{b}[{c0}:]", f"{c}[{r0}:, {c0}:]",
+              f"min({tile_r}, {count_r} - {r0})", f"min({tile_c}, {count_c} - {c0})", inner,
+              lda, ldb, ldc, 0, ta, tb)
 
 
 # ---------------------------------------------------------------------------------------
@@ -364,12 +402,6 @@ def _row_span(g: _Conv, rows: tuple[str, str] | None, extra: int = 0
 def _from_column(matrix: str, start: str) -> str:
     """The columns of ``matrix`` from ``start`` on (a block of output rows' pixels)."""
     return matrix if start == "0" else f"{matrix}[:, {start}:]"
-
-
-# Chunks narrower than this run slower than a whole packed product: a 32x75 by 75x1024
-# one ran at 55 GFLOP/s whole, 47 in chunks of 32 columns and 70 of 64.
-MIN_CHUNK = 64
-VECTOR = 16  # chunks start at multiples of this many columns (a 64-byte vector of f32)
 
 
 def _even_step(count: int, most: int) -> int:
@@ -674,12 +706,6 @@ def _weight_gradient_scratch(m: KernelModule, node: Node, g: _Conv, by_rows: boo
         _padded_scratch(m, node, g)
     if _unpacked_chunk(m, g, most):
         m.body.line(f"gy_t = {m.empty((g.P, g.og), dtype_name(node))}")
-
-
-# OpenBLAS multiplies a product of rows by rows (dot products along both operands' rows,
-# as the weight gradient's ``col @ gy^T``) unpacked only when it has at most this many
-# outputs (its SkylakeX kernels' rule, besides `CpuOptions.small_gemm_macs`).
-SMALL_DOTS_MAX_OUTPUTS = 1200
 
 
 def _unpacked_chunk(m: KernelModule, g: _Conv, most: int) -> int:

@@ -510,6 +510,22 @@ def test_matmul(m, n, k, trans_a, trans_b, dtype, seed, options):
     check("matmul", [a, b], {"trans_a": trans_a, "trans_b": trans_b}, options)
 
 
+@pytest.mark.parametrize("shape, blocked", [((70, 100, 40), False), ((70, 100, 40), True),
+                                           ((150, 60, 33), True)],
+                         ids=["whole", "blocks-of-columns", "blocks-of-rows"])
+def test_products_of_rows_by_rows_run_in_unpacked_tiles_and_agree(shape, blocked):
+    """``a @ b^T`` where the BLAS multiplies small ones unpacked: in 32 x 32 tiles (and
+    the edges' smaller ones) of the whole product or of a thread's block of it."""
+    m, n, k = shape
+    options = CpuOptions(small_gemm_macs=100 ** 3,
+                         **({"parallel_min": 0, "parallel_min_products": 0} if blocked else {}))
+    rng = np.random.default_rng(8)
+    a, b = random_array(rng, (m, k), DType.f32), random_array(rng, (n, k), DType.f32)
+    attrs = {"trans_a": False, "trans_b": True}
+    assert "for c0 in range(0, " in cpu.render(one_node("matmul", [a, b], attrs), options)
+    check("matmul", [a, b], attrs, options)
+
+
 @st.composite
 def conv_problems(draw):
     """(x shape, w shape, attrs) of a small valid convolution."""
