@@ -11,8 +11,9 @@ clipping; an average's divisors come from a table per axis. Max
 pooling always copies, into one scratch per column phase (column modulo the stride), so
 that neighbouring windows read neighbouring entries and a row of windows vectorises.
 The gradient of max pooling recomputes each window's first maximum with selects, not
-branches, keeping where that element lies as an offset in the plane. LRN works one image at
-a time with its window sums in channel order, as the reference adds them.
+branches, keeping where that element lies as an offset in the plane. LRN works one
+image at a time with its window sums in channel order, as the reference adds them, and
+its quarter powers (beta 0.75) from square roots (`_power`).
 """
 
 from __future__ import annotations
