@@ -272,7 +272,7 @@ def _im2col(m: KernelModule, g: _Conv, image: str, col: str, rows: tuple[str, st
     constants; for output rows ``p`` in ``out_rows`` only (all by default), stored from
     column 0. With ``back``, the adjoint (col2im): ``image[...] += col[...]``."""
     b = m.body
-    r, c, i, j, row, p, q = (m.fresh(s) for s in ("r", "c", "i", "j", "row", "p", "q"))
+    r, c, i, j, row, p = (m.fresh(s) for s in ("r", "c", "i", "j", "row", "p"))
     span, first = _row_span(g, out_rows)
     with b.block(f"for {r} in range({span_of(*rows)}):"):
         b.line(f"{c} = {r} // {g.kh * g.kw}")
@@ -280,16 +280,27 @@ def _im2col(m: KernelModule, g: _Conv, image: str, col: str, rows: tuple[str, st
         b.line(f"{j} = {r} % {g.kw}")
         b.line(f"{row} = {r}" if rows[0] == "0" else f"{row} = {r} - {rows[0]}")
         with b.block(f"for {p} in range({span}):"):
-            image_row = affine(first(p), g.sh, _times(i, g.dh))
-            if g.sw == 1 and not back:
-                array, lead = image.split("[", 1)
-                _copy_run(m, col, f"{row}, {affine(p, g.ow, 0)}", array,
-                          f"{lead}{c}, {image_row}, {_times(j, g.dw)}", g.ow)
-            else:
-                with b.block(f"for {q} in range({_trips(m, g.ow, back)}):"):
-                    pixel = f"{image}{c}, {image_row}, {affine(q, g.sw, _times(j, g.dw))}]"
-                    entry = f"{col}[{row}, {affine(p, g.ow, q)}]"
-                    b.line(f"{pixel} += {entry}" if back else f"{entry} = {pixel}")
+            _pixel_row(m, g, image, f"{c}, {affine(first(p), g.sh, _times(i, g.dh))}", j,
+                       col, f"{row}, {affine(p, g.ow, 0)}", back)
+
+
+def _pixel_row(m: KernelModule, g: _Conv, image: str, at: str, j: str, col: str,
+               col_at: str, back: bool) -> None:
+    """``col[col_at + q] = image[at, q*sw + j*dw]`` for the ``ow`` pixels ``q`` of an
+    output row (``image`` a prefix, `_pad_image`; ``at`` its channel and row,
+    ``col_at`` a row of ``col`` and its first column); with ``back``, the adjoint:
+    ``image[...] += col[...]``. Contiguous pixels are one `copy_run`; the rest, a loop
+    whose trip count is `opaque` where it adds (col2im)."""
+    first_pixel = _times(j, g.dw)
+    if g.sw == 1 and not back:
+        array, lead = image.split("[", 1)
+        _copy_run(m, col, col_at, array, f"{lead}{at}, {first_pixel}", g.ow)
+        return
+    q = m.fresh("q")
+    with m.body.block(f"for {q} in range({_trips(m, g.ow, back)}):"):
+        pixel = f"{image}{at}, {affine(q, g.sw, first_pixel)}]"
+        entry = f"{col}[{col_at} + {q}]"
+        m.body.line(f"{pixel} += {entry}" if back else f"{entry} = {pixel}")
 
 
 @contextmanager
@@ -509,22 +520,15 @@ def _row_im2col(m: KernelModule, g: _Conv, image: str, col: str, back: bool = Fa
     b = m.body
     rows = rows or ("0", str(g.cg * g.kw))
     span, first = _row_span(g, out_rows, (g.kh - 1) * g.dh)
-    r, c, j, row, q = (m.fresh(s) for s in ("r", "c", "j", "row", "q"))
+    r, c, j, row = (m.fresh(s) for s in ("r", "c", "j", "row"))
     with b.block(f"for {r} in range({span_of(*rows)}):"):
         b.line(f"{c} = {r} // {g.kw}")
         b.line(f"{j} = {r} % {g.kw}")
         if rows[0] != "0":
             r = f"{r} - {rows[0]}"
         with b.block(f"for {row} in range({span}):"):
-            if g.sw == 1 and not back:
-                array, lead = image.split("[", 1)
-                _copy_run(m, col, f"{r}, {affine(row, g.ow, 0)}", array,
-                          f"{lead}{c}, {first(row)}, {_times(j, g.dw)}", g.ow)
-            else:
-                with b.block(f"for {q} in range({_trips(m, g.ow, back)}):"):
-                    pixel = f"{image}{c}, {first(row)}, {affine(q, g.sw, _times(j, g.dw))}]"
-                    entry = f"{col}[{r}, {affine(row, g.ow, q)}]"
-                    b.line(f"{pixel} += {entry}" if back else f"{entry} = {pixel}")
+            _pixel_row(m, g, image, f"{c}, {first(row)}", j, col,
+                       f"{r}, {affine(row, g.ow, 0)}", back)
 
 
 def _kernel_row_gemms(m: KernelModule, node: Node, g: _Conv, o0: str, out: str,
