@@ -21,7 +21,7 @@
 Where the BLAS multiplies small products without packing them first, much faster than
 packed (OpenBLAS on AVX-512: `CpuOptions.small_gemm_macs`), forward products run in
 chunks of columns that small (`_chunks`), and weight gradients multiply by ``gy``
-transposed in chunks of pixels (`_unpacked_chunk`).
+transposed in chunks of pixels (`_unpacked`).
 
 Both anchors take an *epilogue* (`purinec.codegen.cpu_fused`): elementwise consumers
 run on each image (or row; or the block of them a thread computed) right after it is
@@ -246,16 +246,6 @@ def _pad_image(m: KernelModule, g: _Conv, x: str, n: str, c0: str,
     return "xpad["
 
 
-def _trips(m: KernelModule, count: int, hidden: bool) -> str:
-    """A loop's trip count: ``count``, or with ``hidden`` `opaque`, so that LLVM
-    vectorizes the loop rather than unrolling it (col2im's sums along rows of pixels,
-    which `copy_run` cannot do)."""
-    if not hidden:
-        return str(count)
-    m.import_line("from purinec.codegen.cpu_runtime import opaque")
-    return f"opaque({count})"
-
-
 def _copy_run(m: KernelModule, dst: str, dst_at: str, src: str, src_at: str,
               count) -> None:
     """``count`` contiguous elements of ``src`` from index ``src_at`` on into ``dst``
@@ -290,14 +280,15 @@ def _pixel_row(m: KernelModule, g: _Conv, image: str, at: str, j: str, col: str,
     output row (``image`` a prefix, `_pad_image`; ``at`` its channel and row,
     ``col_at`` a row of ``col`` and its first column); with ``back``, the adjoint:
     ``image[...] += col[...]``. Contiguous pixels are one `copy_run`; the rest, a loop
-    whose trip count is `opaque` where it adds (col2im)."""
+    whose trip count is hidden from LLVM where it adds (col2im), so that LLVM vectorizes
+    it rather than unrolling it."""
     first_pixel = _times(j, g.dw)
     if g.sw == 1 and not back:
         array, lead = image.split("[", 1)
         _copy_run(m, col, col_at, array, f"{lead}{at}, {first_pixel}", g.ow)
         return
     q = m.fresh("q")
-    with m.body.block(f"for {q} in range({_trips(m, g.ow, back)}):"):
+    with m.body.block(f"for {q} in range({m.opaque(g.ow) if back else g.ow}):"):
         pixel = f"{image}{at}, {affine(q, g.sw, first_pixel)}]"
         entry = f"{col}[{col_at} + {q}]"
         m.body.line(f"{pixel} += {entry}" if back else f"{entry} = {pixel}")
@@ -666,7 +657,7 @@ def render_conv2d_grad_weight(node: Node, m: KernelModule) -> None:
     With few rows (`SLOT_MAX_ROWS`), blocks take parts of the images instead (`SLOTS`),
     each summing its own gradient, and the parts are added at the end. With a BLAS
     that multiplies small products unpacked, ``gy[n]^T`` is copied first, so that
-    the products take it as stored, in chunks that small (`_unpacked_chunk`)."""
+    the products take it as stored, in chunks that small (`_unpacked`)."""
     (x, gy), (gw,), b = m.inputs, m.outputs, m.body
     g = _conv(node.inputs[0].type.shape, node.outputs[0].type.shape,
               node.inputs[1].type.shape, node.attrs)
@@ -703,31 +694,28 @@ def render_conv2d_grad_weight(node: Node, m: KernelModule) -> None:
 def _weight_gradient_scratch(m: KernelModule, node: Node, g: _Conv, by_rows: bool,
                              width, most: int) -> None:
     """The im2col matrix (``width`` rows, at ``most``), the padded image it is read
-    from, and ``gy_t`` for `_unpacked_chunk`'s products."""
+    from, and ``gy_t`` for `_unpacked` products."""
     if not g.pointwise:
         columns = g.rows_read * g.ow if by_rows else g.P
         m.body.line(f"col = {m.empty((width, columns), dtype_name(node))}")
         _padded_scratch(m, node, g)
-    if _unpacked_chunk(m, g, most):
+    if _unpacked(m, g, most):
         m.body.line(f"gy_t = {m.empty((g.P, g.og), dtype_name(node))}")
 
 
-def _unpacked_chunk(m: KernelModule, g: _Conv, most: int) -> int:
-    """How many images' pixels (columns of the im2col matrix) one product of
-    ``im2col @ gy_t`` takes, ``gy_t`` being ``gy^T`` copied, so that the BLAS runs it
-    unpacked (`CpuOptions.small_gemm_macs`) where ``col @ gy^T`` would be packed, for
-    at ``most`` rows; 0 where that does not pay. On the Zen 4 machine (one thread) the
-    32 x 1024 by 1024 x 75 product of cifar_quick's conv1 ran at 68 GFLOP/s as
-    ``col @ gy^T``, 102 in chunks of 384 columns of ``col @ gy_t``; the copy takes
-    about a tenth of that."""
-    limit = m.options.small_gemm_macs
-    outputs = most * g.og
+def _unpacked(m: KernelModule, g: _Conv, most: int) -> bool:
+    """Whether to copy ``gy^T`` (into ``gy_t``) and multiply ``im2col @ gy_t``, for at
+    ``most`` rows: the BLAS runs that unpacked in chunks of columns (`_chunks`), where
+    it would pack ``col @ gy^T``. On the Zen 4 machine (one thread) the 32 x 1024 by
+    1024 x 75 product of cifar_quick's conv1 ran at 68 GFLOP/s as ``col @ gy^T``, 102
+    in chunks of 384 columns of ``col @ gy_t``; the copy takes about a tenth of that.
+    Not where a chunk would be narrower than `MIN_CHUNK`, or the product already
+    runs unpacked."""
+    limit, outputs = m.options.small_gemm_macs, most * g.og
     if not limit or (outputs <= SMALL_DOTS_MAX_OUTPUTS and outputs * g.P <= limit):
-        return 0
+        return False
     most_columns = limit // outputs // VECTOR * VECTOR
-    if most_columns >= g.P:
-        return g.P
-    return _even_step(g.P, most_columns) if most_columns >= MIN_CHUNK else 0
+    return most_columns >= min(g.P, MIN_CHUNK)
 
 
 def _weight_gradient_products(m: KernelModule, node: Node, g: _Conv, by_rows: bool,
@@ -735,27 +723,27 @@ def _weight_gradient_products(m: KernelModule, node: Node, g: _Conv, by_rows: bo
                               most: int) -> None:
     """``gw_t += im2col(x[n]) @ gy[n]^T`` for the images ``n`` in ``range(images)``,
     for the im2col rows ``lo:hi`` (``width`` of them, at ``most``)."""
-    b, chunk = m.body, _unpacked_chunk(m, g, most)
+    b, unpacked = m.body, _unpacked(m, g, most)
     with b.block(f"for {n} in range({images}):"), _groups(m, g) as (c0, o0):
         gy_rows = row_slice(f"gy_mat[{n}]", o0, g.og, g.cout)
-        if chunk:
+        if unpacked:
             _transpose(m, g, gy_rows, "gy_t")
         if g.pointwise:
             col = f"x_mat[{n}, {c0} + {lo}:{c0} + {hi}]" if lo != "0" else \
                 row_slice(f"x_mat[{n}]", c0, g.cg, g.c)
             _add_weight_product(m, node, g, col, g.P, gy_rows, f"gw_t[0, :, {o0}:]", width,
-                                chunk)
+                                most, unpacked)
         elif by_rows:
             _row_im2col(m, g, _pad_image(m, g, x, n, c0), "col", rows=(lo, hi))
             i = m.fresh("i")
             with b.block(f"for {i} in range({g.kh}):"):
                 _add_weight_product(m, node, g, f"col[:, {i} * {g.dh * g.ow}:]",
                                     g.rows_read * g.ow, gy_rows, f"gw_t[{i}, :, {o0}:]",
-                                    width, chunk)
+                                    width, most, unpacked)
         else:
             _im2col(m, g, _pad_image(m, g, x, n, c0), "col", (lo, hi), back=False)
             _add_weight_product(m, node, g, "col", g.P, gy_rows, f"gw_t[0, :, {o0}:]", width,
-                                chunk)
+                                most, unpacked)
 
 
 def _transpose(m: KernelModule, g: _Conv, matrix: str, into: str) -> None:
@@ -776,19 +764,17 @@ def _transpose(m: KernelModule, g: _Conv, matrix: str, into: str) -> None:
 
 
 def _add_weight_product(m: KernelModule, node: Node, g: _Conv, col: str, ld: int, gy: str,
-                        out: str, width, chunk: int) -> None:
-    """``out += col[:, :P] @ gy^T`` for ``width`` rows of ``col``: one product, or with
-    a ``chunk``, products of that many columns of ``col`` and rows of ``gy_t``."""
-    if not chunk:
+                        out: str, width, most: int, unpacked: bool) -> None:
+    """``out += col[:, :P] @ gy^T`` for ``width`` rows of ``col`` (at ``most``): one
+    product, or, `_unpacked`, products of chunks of columns of ``col`` and rows of
+    ``gy_t``."""
+    if not unpacked:
         _gemm(m, node, col, gy, out, width, g.og, g.P, ld, g.P, g.cout, beta=1, trans_b=True)
         return
-    if chunk == g.P:
-        _gemm(m, node, col, "gy_t", out, width, g.og, g.P, ld, g.og, g.cout, beta=1)
-        return
-    s = m.fresh("s")
-    with m.body.block(f"for {s} in range(0, {g.P}, {chunk}):"):
-        _gemm(m, node, _from_column(col, s), f"gy_t[{s}:]", out, width, g.og,
-              f"min({chunk}, {g.P} - {s})", ld, g.og, g.cout, beta=1)
+    with _chunks(m, most, g.og, g.P, g.P) as (s, count):
+        gy_t = "gy_t" if s == "0" else f"gy_t[{s}:]"
+        _gemm(m, node, _from_column(col, s), gy_t, out, width, g.og, count, ld, g.og, g.cout,
+              beta=1)
 
 
 def _store_weight_gradient(m: KernelModule, g: _Conv, by_rows: bool, lo: str,

@@ -202,6 +202,13 @@ class KernelModule:
         self.import_line("from purinec.codegen.cpu_runtime import view")
         return f"view({array}, {_tuple(shape)})"
 
+    def opaque(self, count: int) -> str:
+        """Source text for the trip count ``count`` hidden from LLVM
+        (`purinec.codegen.cpu_runtime.opaque`), for a short loop that must stay a loop
+        to vectorize well."""
+        self.import_line("from purinec.codegen.cpu_runtime import opaque")
+        return f"opaque({count})"
+
     def split(self, count: int, work: int, products: bool = False,
               extent: str | None = None) -> tuple[str, str]:
         """Bounds of the loop over ``count`` independent items (images, planes, rows)

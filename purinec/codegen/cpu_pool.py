@@ -177,8 +177,7 @@ def _fill_phases(m: KernelModule, g: _Pool, x: str, nc: str) -> None:
 
     with b.block(f"for {h} in range({g.h}):"):
         if first < last:
-            m.import_line("from purinec.codegen.cpu_runtime import opaque")
-            with b.block(f"for {c} in range(opaque({last - first})):"):
+            with b.block(f"for {c} in range({m.opaque(last - first)}):"):
                 for phase in range(g.sw):
                     store(phase, f"({c} + {first})" if first else c)
         for phase, (start, stop) in spans.items():
