@@ -27,16 +27,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
 from benchmarks.bench_train import CheckData, PurinecTrainer, compare, solver
+from purinec.codegen.cuda import blas
 
 CHECK_STEPS = 3
 PEERS = ("torch", "torch.compile")
@@ -50,6 +53,8 @@ class Sizes:
         from purinec.models.zoo import ZOO
 
         self.models = [TINY_NET] if smoke else sorted(ZOO)
+        # checked and timed with the tiled GEMM kernels too (the default: cuBLAS)
+        self.tiled = TINY_NET if smoke else "lenet"
         self.check_batch = 2 if smoke else 4
         self.speed = ([(TINY_NET, 2)] if smoke else
                       [("lenet", 64), ("cifar_quick", 100), ("cifar_quick", 1024),
@@ -89,6 +94,7 @@ def environment() -> dict:
     }
     for module in ("numba", "numba_cuda", "torch", "nvmath"):
         facts[module] = lambda module=module: __import__(module).__version__
+    facts["products"] = lambda: f"{blas.products()} ({blas.cublas_missing() or 'cuBLAS loads'})"
     for name, read in facts.items():
         try:
             value = read()
@@ -103,7 +109,7 @@ def environment() -> dict:
 
 def check_numerics(budget: Budget, sizes: Sizes) -> list[dict]:
     rows = []
-    for model in sizes.models:
+    for model, form in [(m, None) for m in sizes.models] + [(sizes.tiled, "tiled")]:
         if budget.left() < sizes.reserve:
             rows.append({"model": model, "skipped": "time budget"})
             continue
@@ -111,12 +117,14 @@ def check_numerics(budget: Budget, sizes: Sizes) -> list[dict]:
         try:
             check = _more_steps(CheckData.compute(model, sizes.check_batch), model,
                                 sizes.check_batch)
-            trainer = PurinecTrainer(model, sizes.check_batch, "cuda", check.init)
+            with products(form):
+                trainer = PurinecTrainer(model, sizes.check_batch, "cuda", check.init)
             losses = [trainer.step({"data": x, "label": y}) for x, y in check.batches]
             errors, problems = compare(check, losses, trainer.params())
             trainer.close()
             rows.append({"model": model, "batch": sizes.check_batch, **errors,
-                         "problems": problems, "seconds": time.perf_counter() - start})
+                         "products": form or blas.products(), "problems": problems,
+                         "seconds": time.perf_counter() - start})
         except Exception:
             rows.append({"model": model, "error": traceback.format_exc(limit=-3)})
         say(f"numerics {model}: {rows[-1].get('problems', rows[-1].get('error', ''))}")
@@ -162,6 +170,9 @@ def check_speed(budget: Budget, sizes: Sizes) -> list[dict]:
         x = rng.random(data_shape, dtype=np.float32)
         y = rng.integers(0, classes, batch).astype(np.int32)
         contenders = {"purinec": lambda: PurinecTrainer(model, batch, "cuda", params)}
+        if model == sizes.tiled:
+            contenders["purinec tiled"] = lambda: _tiled(PurinecTrainer, model, batch,
+                                                         "cuda", params)
         for peer in PEERS:
             contenders[peer] = (lambda peer=peer: peers.make_trainer(
                 peer, model, params, device="cuda", **_solver_args()))
@@ -177,6 +188,26 @@ def check_speed(budget: Budget, sizes: Sizes) -> list[dict]:
                 row[f"ratio_{peer}"] = row["purinec"] / row[peer]
         rows.append(row)
     return rows
+
+
+@contextmanager
+def products(form: str | None):
+    """Compile the cuda target's products in ``form`` (None: the default)."""
+    saved = os.environ.get(blas.PRODUCTS_VAR)
+    if form:
+        os.environ[blas.PRODUCTS_VAR] = form
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(blas.PRODUCTS_VAR, None)
+        else:
+            os.environ[blas.PRODUCTS_VAR] = saved
+
+
+def _tiled(make, *args):
+    with products("tiled"):
+        return make(*args)
 
 
 def _solver_args() -> dict:
@@ -278,13 +309,14 @@ def table(report: dict) -> str:
         state = ("skipped: " + row["skipped"] if "skipped" in row else
                  "ERROR " + row["error"].splitlines()[-1] if "error" in row else
                  "ok" if not row["problems"] else "; ".join(row["problems"][:2]))
-        lines.append(f"  {row['model']:<12} {state}")
+        lines.append(f"  {row['model']:<12} {row.get('products', ''):<7} {state}")
     lines += ["", "training step, median ms (purinec / peer):"]
     for row in report.get("speed", []):
         if "skipped" in row:
             lines.append(f"  {row['model']} b{row['batch']}: skipped ({row['skipped']})")
             continue
-        cells = [f"{name} {_ms(row.get(name))}" for name in ("purinec", *PEERS)]
+        cells = [f"{name} {_ms(row.get(name))}" for name in ("purinec", "purinec tiled", *PEERS)
+                 if name in row]
         ratios = [f"{row[f'ratio_{p}']:.2f}x {p}" for p in PEERS if f"ratio_{p}" in row]
         lines.append(f"  {row['model']} b{row['batch']}: " + ", ".join(cells)
                      + (f"  ({', '.join(ratios)})" if ratios else ""))

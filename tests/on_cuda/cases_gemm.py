@@ -1,6 +1,7 @@
 """Simulator cases: matrix products, convolutions and their epilogues (see
-`tests.on_cuda.simulate`). Sizes are tiny, as the simulator runs each thread as a Python
-thread, and none is a multiple of the kernels' 16x16 tiles."""
+`tests.on_cuda.simulate`), in the tiled form and through cuBLAS's calls. Sizes are tiny,
+as the simulator runs each thread as a Python thread, and none is a multiple of the
+kernels' 16x16 tiles."""
 
 from purinec.ir.nnref import conv_output_size, pad_edges
 from tests.on_cuda.cases_elementwise import fused_case
@@ -78,3 +79,8 @@ CASES = {
 }
 for _name, _problem in CONVOLUTIONS.items():
     CASES.update(_conv_cases(_name, _problem))
+# Each again with its product through cuBLAS's calls (the simulator's stand-in), and the
+# convolutions of two images in chunks of one.
+CASES.update({f"{name}@cublas": case for name, case in list(CASES.items())})
+CASES.update({f"{name}@cublas-chunked": case for name, case in list(CASES.items())
+              if name.startswith(("conv2d", "fused_conv2d")) and "@" not in name})

@@ -195,3 +195,8 @@ def same_outputs(text: str) -> None:
 
 
 PROGRAMS["program_mixed_cpu_and_gpu"] = lambda rng: same_outputs(MIXED)
+# Training steps with every product through cuBLAS's calls (the simulator's stand-in),
+# in one process and over two GPUs; the convolutions in chunks of images as well.
+PROGRAMS.update({f"{name}@{form}": PROGRAMS[name] for name, form in (
+    ("program_tiny_mlp_steps", "cublas"), ("program_tiny_convnet_steps", "cublas-chunked"),
+    ("program_tiny_onnx_cnn_data_parallel_2_gpus", "cublas-chunked"))})

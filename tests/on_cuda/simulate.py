@@ -12,6 +12,10 @@ garbage, and every output must equal the NumPy reference (floats within a tolera
 scaled to the values, the rest exactly). A case may instead return a graph (fused, say):
 each of its nodes is checked so on random inputs. A case of ``PROGRAMS`` compiles and
 runs whole programs itself, and raises on a mismatch (it returns None).
+
+A case named ``NAME@FORM`` renders its products in another form (`FORMS`): through
+cuBLAS's calls (`purinec.codegen.cuda.blas`, whose simulated stand-in keeps cuBLAS's
+contract), and so in chunks of images too.
 """
 
 from __future__ import annotations
@@ -22,10 +26,38 @@ import os
 import pkgutil
 import sys
 import traceback
+from contextlib import contextmanager
 
 import numpy as np
 
 HERE = "tests.on_cuda"
+# A case's form (the suffix of its name) -> (products, bytes of scratch per chunk of
+# images: small enough here that every convolution of two images runs in two chunks).
+FORMS = {"": (None, None), "cublas": ("cublas", None), "cublas-chunked": ("cublas", 512)}
+
+
+def form_of(name: str) -> tuple[str | None, int | None]:
+    return FORMS[name.partition("@")[2]]
+
+
+@contextmanager
+def rendering(name: str):
+    """Render products in the form case ``name`` asks for; yields the products form."""
+    from purinec.codegen.cuda import blas, gemm
+
+    products, chunk_bytes = form_of(name)
+    saved = gemm.CHUNK_BYTES, os.environ.get(blas.PRODUCTS_VAR)
+    gemm.CHUNK_BYTES = chunk_bytes or saved[0]
+    if products:  # (whole programs compile through the target, which reads it)
+        os.environ[blas.PRODUCTS_VAR] = products
+    try:
+        yield products
+    finally:
+        gemm.CHUNK_BYTES = saved[0]
+        if saved[1] is None:
+            os.environ.pop(blas.PRODUCTS_VAR, None)
+        else:
+            os.environ[blas.PRODUCTS_VAR] = saved[1]
 
 
 def all_cases(kinds=("CASES", "PROGRAMS")) -> dict:
@@ -96,19 +128,21 @@ def compare(got, want, what: str, tolerance: float | None = None) -> None:
                                    err_msg=f"{what} output {k}")
 
 
-def check_node(op: str, inputs, attrs=None, tolerance: float | None = None) -> None:
+def check_node(op: str, inputs, attrs=None, tolerance: float | None = None,
+               products: str | None = None) -> None:
     """One node's CUDA kernel against its NumPy reference."""
     from purinec.codegen.cuda import compile_module, render_module
     from purinec.ir.ops import REGISTRY
 
     node = one_node(op, inputs, attrs)
-    kernel = compile_module(render_module(node))
+    kernel = compile_module(render_module(node, products))
     got = run_on_device(kernel, node, inputs)
     want = REGISTRY[op].reference(*inputs, **node.attrs)
     compare(got, want, op, tolerance)
 
 
-def check_fused(graph, rng, tolerance: float | None = None) -> None:
+def check_fused(graph, rng, tolerance: float | None = None,
+                products: str | None = None) -> None:
     """Each node of ``graph`` (fused ones included) against the NumPy references of
     its members, on random inputs."""
     from purinec.codegen.cuda import compile_module, render_module
@@ -116,17 +150,18 @@ def check_fused(graph, rng, tolerance: float | None = None) -> None:
 
     for node in graph.nodes:
         inputs = [random_array(rng, v.type.shape, v.type.dtype.numpy) for v in node.inputs]
-        got = run_on_device(compile_module(render_module(node)), node, inputs)
+        got = run_on_device(compile_module(render_module(node, products)), node, inputs)
         compare(got, reference_results(node, inputs), node.op, tolerance)
 
 
 def run_case(name: str, case) -> None:
     rng = np.random.default_rng(abs(hash(name)) % 2**32)
-    spec = case(rng)
-    if isinstance(spec, tuple):
-        check_node(*spec)
-    elif spec is not None:
-        check_fused(spec, rng)
+    with rendering(name) as products:
+        spec = case(rng)
+        if isinstance(spec, tuple):
+            check_node(*spec, products=products)
+        elif spec is not None:
+            check_fused(spec, rng, products=products)
 
 
 def main(names: list[str]) -> int:

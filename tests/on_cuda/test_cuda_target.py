@@ -22,6 +22,8 @@ from purinec.targets.cuda import on_gpus
 
 pytest.importorskip("numba_cuda", reason="the [cuda] extra (numba-cuda) is not installed")
 
+from purinec.codegen.cuda import blas  # noqa: E402  (after the skip)
+
 MIXED = """graph t(%x: f32[4,3] @cpu:0, %b: f32[3] @gpu:0 {param}) {
   %xg = copy(%x) : f32[4,3] @gpu:0
   %y = bias_add(%xg, %b) {axis=1} : f32[4,3] @gpu:0
@@ -134,15 +136,23 @@ def zoo_kernels(name: str):
 TORCHVISION = ("mobilenet_v2",)
 
 
+@pytest.mark.parametrize("products", blas.FORMS)
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)
                                   if n != "mlp" else n for n in sorted(ZOO) + list(TORCHVISION)])
-def test_every_kernel_of_every_zoo_training_step_compiles_to_ptx_for_sm90(name, tmp_path,
+def test_every_kernel_of_every_zoo_training_step_compiles_to_ptx_for_sm90(name, products,
+                                                                         tmp_path,
                                                                          monkeypatch):
     monkeypatch.setenv("PURINEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(blas.PRODUCTS_VAR, products)
     kernels = {kernel.path: kernel for kernel in zoo_kernels(name)}  # distinct code
+    if products == "cublas":  # (the others are the tiled form's kernels)
+        kernels = {path: k for path, k in kernels.items() if "blas.gemm(" in k.source}
+    assert any(kernel.kernels for kernel in kernels.values())
     for kernel in kernels.values():
         ptx = kernel.ptx()
-        assert ptx and all(".target sm_90" in text for text in ptx.values()), kernel.name
+        # (a product through cuBLAS may need no kernel of its own)
+        assert ptx or products == "cublas", kernel.name
+        assert all(".target sm_90" in text for text in ptx.values()), kernel.name
 
 
 @pytest.mark.skipif("gpu_here()", reason="this machine has a GPU")

@@ -96,17 +96,19 @@ def test_data_parallel_over_mpi_ranks_each_driving_a_gpu_equals_one_device(tmp_p
 def test_gpu_check_runs_every_section_in_the_simulator(tmp_path):
     """benchmarks/gpu_check.py --smoke: the script a GPU's few minutes go to, end to end
     on tiny sizes, so that they are not lost to a bug in it."""
+    # (products through cuBLAS's calls, as on a GPU: the simulator's stand-in)
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1", "PURINEC_CACHE_DIR": str(tmp_path),
-           "PYTHONPATH": str(ROOT)}
+           "PYTHONPATH": str(ROOT), "PURINEC_CUDA_PRODUCTS": "cublas"}
     report = tmp_path / "gpu_check.json"
     done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--smoke",
                            "--json", str(report)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(report.read_text())
-    (numerics,) = result["numerics"]
-    assert numerics["problems"] == [], numerics
+    assert [row["products"] for row in result["numerics"]] == ["cublas", "tiled"]
+    for row in result["numerics"]:
+        assert row["problems"] == [], row
     assert result["bandwidth"]["share_of_copy"] > 0, result["bandwidth"]
     (speed,) = result["speed"]
-    assert speed["purinec"] > 0, speed
+    assert speed["purinec"] > 0 and speed["purinec tiled"] > 0, speed
     assert "numerics (3 steps vs reference)" in done.stdout

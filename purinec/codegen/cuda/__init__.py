@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from purinec.codegen import cache
-from purinec.codegen.cuda import (elementwise, fused, gemm, pool, reduce,  # noqa: F401
-                                  shape)  # (renderers)
+from purinec.codegen.cuda import (blas, elementwise, fused, gemm, pool,  # noqa: F401
+                                  reduce, shape)  # (renderers)
 from purinec.codegen.cuda.module import RENDERERS, CudaModule
 from purinec.codegen.kernel import CodegenError
 from purinec.ir.graph import Graph, Node
@@ -108,8 +108,9 @@ def _simulated() -> bool:
     return bool(config.ENABLE_CUDASIM)
 
 
-def render_module(node: Node) -> CudaModule:
-    """The generated module for ``node``, before it is turned into text."""
+def render_module(node: Node, products: str | None = None) -> CudaModule:
+    """The generated module for ``node``, before it is turned into text; its products
+    in the form ``products`` (default: `blas.products`, the best this process can run)."""
     renderer = RENDERERS.get(node.op)
     if renderer is None:
         where = f" ({node.loc})" if node.loc else ""
@@ -118,20 +119,22 @@ def render_module(node: Node) -> CudaModule:
                            f"purinec.codegen.cuda")
     name = node.attrs["kernel"] if node.body is not None else node.op
     function = re.sub(r"_\d+$", "", name)  # as on the CPU: identical fused nodes share
-    module = CudaModule(name, [node], node.inputs, node.outputs, function)
+    module = CudaModule(name, [node], node.inputs, node.outputs, function,
+                        products or blas.products())
     renderer(node, module)
     return module
 
 
-def render(node: Node) -> str:
+def render(node: Node, products: str | None = None) -> str:
     """The source of the CUDA module for ``node``."""
-    return render_module(node).text()
+    return render_module(node, products).text()
 
 
-def compile_kernels(graph: Graph) -> dict[Node, CudaKernel]:
+def compile_kernels(graph: Graph, products: str | None = None) -> dict[Node, CudaKernel]:
     """The kernel module of every node of ``graph``, written to the cache and imported;
     nodes whose code is the same share the imported functions."""
-    return {node: compile_module(render_module(node)) for node in graph.nodes}
+    products = products or blas.products()
+    return {node: compile_module(render_module(node, products)) for node in graph.nodes}
 
 
 def compile_module(module: CudaModule) -> CudaKernel:

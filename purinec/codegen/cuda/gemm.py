@@ -24,13 +24,15 @@ exports it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Callable, Iterator, Sequence
 
 from purinec.codegen.cpu_conv import _Conv, _conv
-from purinec.codegen.cuda.elementwise import emit_element
+from purinec.codegen.cuda.elementwise import emit_element, emit_loop_kernel
 from purinec.codegen.cuda.fused import EPILOGUES
-from purinec.codegen.cuda.module import CudaModule, literal, renders
+from purinec.codegen.cuda.module import (THREADS, CudaModule, blocks_for, literal,
+                                         renders)
 from purinec.codegen.elementwise import input_axes
 from purinec.codegen.kernel import CodegenError
 from purinec.codegen.source import SourceBuilder
@@ -407,6 +409,216 @@ def _index(coords: Sequence[str]) -> str:
 
 
 # ---------------------------------------------------------------------------------------
+# The ops through cuBLAS (`blas.gemm`): the product itself in the library, generated
+# kernels around it lay a convolution's operands out as matrices (im2col, a transposed
+# output gradient) and gather col2im's sums. Each writes the product into ``out``, an
+# array of the op's output shape.
+
+# Bytes of scratch one chunk of images may take (im2col's matrix and the like): its
+# products are big enough for cuBLAS, and it is small next to a GPU's memory.
+CHUNK_BYTES = 1 << 27
+
+
+def _blas_matmul(node: Node, m: CudaModule, arrays: dict[Value, str], out: str) -> None:
+    a, b = (arrays[v] for v in node.inputs)
+    (rows, cols), depth = node.outputs[0].type.shape, node.inputs[0].type.shape[
+        0 if node.attrs["trans_a"] else 1]
+    m.host(f"blas.gemm(stream, {a}, {b}, {out}, {rows}, {cols}, {depth}, "
+           f"trans_a={node.attrs['trans_a']}, trans_b={node.attrs['trans_b']}, "
+           f"lda={node.inputs[0].type.shape[1]}, ldb={node.inputs[1].type.shape[1]}, "
+           f"ldc={cols})")
+
+
+def _pointwise(g: _Conv) -> bool:
+    """A 1x1 convolution with stride 1 and no padding: an image is its own im2col."""
+    return (g.kh, g.kw, g.sh, g.sw, g.pt, g.pl, g.pb, g.pr) == (1, 1, 1, 1, 0, 0, 0, 0)
+
+
+def _chunk(images: int, bytes_per_image: int) -> int:
+    """Images per chunk: the most that divides ``images`` and fits `CHUNK_BYTES`
+    (every chunk the same, so one kernel serves them all)."""
+    fits = max(1, CHUNK_BYTES // max(1, bytes_per_image))
+    return max(d for d in range(1, min(images, fits) + 1) if images % d == 0)
+
+
+@contextmanager
+def _chunks(m: CudaModule, g: _Conv, count: int, sliced: Sequence[str]
+            ) -> Iterator[tuple[str, list[str]]]:
+    """The host's loop over chunks of ``count`` images (none for one chunk): yields
+    the first image's expression and, for each array of ``sliced`` (indexed by image
+    first), the chunk's slice of it; the steps added meanwhile are the loop's body."""
+    if count == g.n:
+        yield "0", list(sliced)
+        return
+    start = m.fresh("i0")
+    parts = [m.local(f"{array}_chunk", array) for array in sliced]
+    with m.host_block(f"for {start} in range(0, {g.n}, {count}):"):
+        for part, array in zip(parts, sliced):
+            m.host(f"{part} = {array}[{start}:{start} + {count}]")
+        yield start, parts
+
+
+def _im2col(m: CudaModule, g: _Conv, count: int, x: str, col: str, dtype: DType) -> None:
+    """``col[(ci, kh, kw), (img, oh, ow)]``: every input channel's taps under every
+    output pixel of ``count`` images of ``x``, zero in the padding."""
+    whole = replace(g, n=count, groups=1)
+    total = g.c * g.kh * g.kw * count * g.oh * g.ow
+    columns = count * g.oh * g.ow
+    with m.kernel("im2col") as (name, body):
+        element = m.fresh("e")
+        with body.block(f"for {element} in range(cuda.grid(1), {total}, cuda.gridsize(1)):"):
+            tap, pixel = m.fresh("tap"), m.fresh("pixel")
+            body.line(f"{tap} = {element} // {columns}")
+            body.line(f"{pixel} = {element} % {columns}")
+            load = _input_pixel(m, body, whole, x, None, tap, pixel)
+            value = (f"{load.value} if {' and '.join(load.valid)} else "
+                     f"{literal(0, dtype)}" if load.valid else load.value)
+            body.line(f"{col}[{tap}, {pixel}] = {value}")
+    m.launch(name, blocks_for(total), THREADS)
+
+
+def _blas_conv2d(node: Node, m: CudaModule, arrays: dict[Value, str], out: str) -> None:
+    """Per group and image, ``y[img, group] = w[group] @ im2col(x[img])[group]``: one
+    strided batched product per group and chunk of images."""
+    (x, w), y = (arrays[v] for v in node.inputs), node.outputs[0]
+    g = _conv(node.inputs[0].type.shape, node.inputs[1].type.shape, y.type.shape,
+              node.attrs)
+    pixels, depth = g.oh * g.ow, g.cg * g.kh * g.kw
+    if _pointwise(g):
+        for group in range(g.groups):
+            m.host(f"blas.gemm(stream, {w}, {x}, {out}, {g.og}, {pixels}, {depth}, "
+                   f"lda={depth}, ldb={pixels}, ldc={pixels}, a_at={group * g.og * depth}, "
+                   f"b_at={group * g.cg * pixels}, c_at={group * g.og * pixels}, "
+                   f"stride_b={g.c * pixels}, stride_c={g.cout * pixels}, batch={g.n})")
+        return
+    dtype = y.type.dtype
+    count = _chunk(g.n, g.c * g.kh * g.kw * pixels * dtype.numpy.itemsize)
+    columns = count * pixels
+    col = m.scratch("col", dtype.numpy.name, (g.c * g.kh * g.kw, columns))
+    with _chunks(m, g, count, [x]) as (start, (x_chunk,)):
+        _im2col(m, g, count, x_chunk, col, dtype)
+        for group in range(g.groups):
+            m.host(f"blas.gemm(stream, {w}, {col}, {out}, {g.og}, {pixels}, {depth}, "
+                   f"lda={depth}, ldb={columns}, ldc={pixels}, "
+                   f"a_at={group * g.og * depth}, b_at={group * depth * columns}, "
+                   f"c_at={_linear((start, g.cout * pixels), constant=group * g.og * pixels)}"
+                   f", stride_b={pixels}, stride_c={g.cout * pixels}, batch={count})")
+
+
+def _blas_conv2d_grad_input(node: Node, m: CudaModule, arrays: dict[Value, str],
+                            out: str) -> None:
+    """Per group and image, ``cols = w[group]^T @ gy[img, group]``, then each input
+    pixel gathers its taps' sums from ``cols`` (col2im); a pointwise convolution's
+    product is the gradient itself."""
+    (gy, w), gx = (arrays[v] for v in node.inputs), node.outputs[0]
+    g = _conv(gx.type.shape, node.inputs[1].type.shape, node.inputs[0].type.shape,
+              node.attrs)
+    pixels, depth = g.oh * g.ow, g.cg * g.kh * g.kw
+    if _pointwise(g):
+        for group in range(g.groups):
+            m.host(f"blas.gemm(stream, {w}, {gy}, {out}, {g.cg}, {pixels}, {g.og}, "
+                   f"trans_a=True, lda={depth}, ldb={pixels}, ldc={pixels}, "
+                   f"a_at={group * g.og * depth}, b_at={group * g.og * pixels}, "
+                   f"c_at={group * g.cg * pixels}, stride_b={g.cout * pixels}, "
+                   f"stride_c={g.c * pixels}, batch={g.n})")
+        return
+    dtype = gx.type.dtype
+    count = _chunk(g.n, g.c * g.kh * g.kw * pixels * dtype.numpy.itemsize)
+    columns = count * pixels
+    cols = m.scratch("cols", dtype.numpy.name, (g.c * g.kh * g.kw, columns))
+    with _chunks(m, g, count, [out]) as (start, (gx_chunk,)):
+        for group in range(g.groups):
+            m.host(f"blas.gemm(stream, {w}, {gy}, {cols}, {depth}, {pixels}, {g.og}, "
+                   f"trans_a=True, lda={depth}, ldb={pixels}, ldc={columns}, "
+                   f"a_at={group * g.og * depth}, "
+                   f"b_at={_linear((start, g.cout * pixels), constant=group * g.og * pixels)}"
+                   f", c_at={group * depth * columns}, stride_b={g.cout * pixels}, "
+                   f"stride_c={pixels}, batch={count})")
+        _col2im(m, g, count, cols, gx_chunk, dtype)
+
+
+def _col2im(m: CudaModule, g: _Conv, count: int, cols: str, gx: str, dtype: DType
+            ) -> None:
+    """``gx[img, ci, ih, iw]``: the sum of ``cols[(ci, kh, kw), (img, oh, ow)]`` over
+    the taps whose window puts them on that pixel; each thread gathers one pixel's."""
+    total = count * g.c * g.h * g.w
+    pixels = g.oh * g.ow
+    with m.kernel("col2im") as (name, body):
+        element, acc = m.fresh("e"), m.fresh("acc")
+        with body.block(f"for {element} in range(cuda.grid(1), {total}, cuda.gridsize(1)):"):
+            img, ci, ih, iw = _unflatten(m, body, element, (count, g.c, g.h, g.w),
+                                         ("img", "ci", "ih", "iw"))
+            body.line(f"{acc} = {literal(0, dtype)}")
+            kh, kw = m.fresh("kh"), m.fresh("kw")
+            with body.block(f"for {kh} in range({g.kh}):"), \
+                    body.block(f"for {kw} in range({g.kw}):"):
+                oh, valid_h = _window_start(m, body, ih, kh, g.sh, g.pt, g.dh, g.kh, g.h,
+                                            g.oh, "oh")
+                ow, valid_w = _window_start(m, body, iw, kw, g.sw, g.pl, g.dw, g.kw, g.w,
+                                            g.ow, "ow")
+                row = _linear((ci, g.kh * g.kw), (kh, g.kw), (kw, 1))
+                column = _linear((img, pixels), (oh, g.ow), (ow, 1))
+                add = f"{acc} += {cols}[{row}, {column}]"
+                valid = valid_h + valid_w
+                if valid:
+                    with body.block(f"if {' and '.join(valid)}:"):
+                        body.line(add)
+                else:
+                    body.line(add)
+            body.line(f"{gx}[{img}, {ci}, {ih}, {iw}] = {acc}")
+    m.launch(name, blocks_for(total), THREADS)
+
+
+def _blas_conv2d_grad_weight(node: Node, m: CudaModule, arrays: dict[Value, str],
+                             out: str) -> None:
+    """Per group, ``gw[group] = gy^T[group] @ im2col(x)[group]^T`` summed over chunks of
+    images: each chunk's output gradient laid out as ``[co, (img, oh, ow)]`` beside its
+    im2col matrix, one product per group, added to the chunks' before."""
+    (x, gy), gw = (arrays[v] for v in node.inputs), node.outputs[0]
+    g = _conv(node.inputs[0].type.shape, gw.type.shape, node.inputs[1].type.shape,
+              node.attrs)
+    pixels, depth = g.oh * g.ow, g.cg * g.kh * g.kw
+    dtype = gw.type.dtype
+    count = _chunk(g.n, (g.c * g.kh * g.kw + g.cout) * pixels * dtype.numpy.itemsize)
+    columns = count * pixels
+    col = m.scratch("col", dtype.numpy.name, (g.c * g.kh * g.kw, columns))
+    gy_t = m.scratch("gy_t", dtype.numpy.name, (g.cout, columns))
+    with _chunks(m, g, count, [x, gy]) as (start, (x_chunk, gy_chunk)):
+        _im2col(m, g, count, x_chunk, col, dtype)
+        _transpose_images(m, g, count, gy_chunk, gy_t)
+        for group in range(g.groups):
+            m.host(f"blas.gemm(stream, {gy_t}, {col}, {out}, {g.og}, {depth}, {columns}, "
+                   f"trans_b=True, lda={columns}, ldb={columns}, ldc={depth}, "
+                   f"a_at={group * g.og * columns}, b_at={group * depth * columns}, "
+                   f"c_at={group * g.og * depth}, "
+                   f"accumulate={f'{start} > 0' if start != '0' else False})")
+
+
+def _transpose_images(m: CudaModule, g: _Conv, count: int, gy: str, gy_t: str) -> None:
+    """``gy_t[co, (img, oh, ow)] = gy[img, co, oh, ow]`` for ``count`` images."""
+    columns = count * g.oh * g.ow
+    total = g.cout * columns
+    with m.kernel("gy_t") as (name, body):
+        element = m.fresh("e")
+        with body.block(f"for {element} in range(cuda.grid(1), {total}, cuda.gridsize(1)):"):
+            co, column = m.fresh("co"), m.fresh("column")
+            body.line(f"{co} = {element} // {columns}")
+            body.line(f"{column} = {element} % {columns}")
+            img, oh, ow = _unflatten(m, body, column, (count, g.oh, g.ow), ("img", "oh", "ow"))
+            body.line(f"{gy_t}[{co}, {column}] = {gy}[{img}, {co}, {oh}, {ow}]")
+    m.launch(name, blocks_for(total), THREADS)
+
+
+# op -> fn(node, module, arrays, out): the op through cuBLAS, its product into ``out``
+BLAS_PRODUCTS: dict[str, Callable[[Node, CudaModule, dict[Value, str], str], None]] = {
+    "matmul": _blas_matmul,
+    "conv2d": _blas_conv2d,
+    "conv2d_grad_input": _blas_conv2d_grad_input,
+    "conv2d_grad_weight": _blas_conv2d_grad_weight,
+}
+
+
+# ---------------------------------------------------------------------------------------
 # Renderers.
 
 # op -> fn(node, module, arrays): the op as a product over the module's arrays
@@ -422,6 +634,9 @@ PRODUCTS: dict[str, Callable[[Node, CudaModule, dict[Value, str]], Gemm]] = {
 def render_product(node: Node, m: CudaModule) -> None:
     arrays = dict(zip(node.inputs, m.inputs)) | dict(zip(node.outputs, m.outputs))
     out = m.outputs[0]
+    if m.products == "cublas":
+        BLAS_PRODUCTS[node.op](node, m, arrays, out)
+        return
 
     def store(body: SourceBuilder, coords: list[str], acc: str) -> None:
         body.line(f"{out}[{_index(coords)}] = {acc}")
@@ -435,6 +650,9 @@ def render_epilogue(node: Node, m: CudaModule, arrays: dict[Value, str],
     as the anchor's output too when the fused node exports that."""
     anchor, members = node.body[0], node.body[1:]
     (product,) = anchor.outputs
+    if m.products == "cublas":
+        _blas_epilogue(node, m, arrays, outputs)
+        return
     stored = ([product] if product in node.outputs else []) + list(outputs)
     shape = product.type.shape
 
@@ -455,6 +673,21 @@ def render_epilogue(node: Node, m: CudaModule, arrays: dict[Value, str],
                      lambda value, text: f"{arrays[value]}[{_index(coords)}] = {text}",
                      _flat(coords, shape), given={product: acc})
     emit_gemm(m, PRODUCTS[anchor.op](anchor, m, arrays), m.inputs + m.outputs, store)
+
+
+def _blas_epilogue(node: Node, m: CudaModule, arrays: dict[Value, str],
+                   outputs: list[Value]) -> None:
+    """The product through cuBLAS, then the members as one loop over its elements. The
+    product goes to its own output if the fused node exports it, else to scratch
+    memory: not to an output of the loop, which the memory planner may have put where
+    an input of the loop is (a solver's update in place)."""
+    anchor, members = node.body[0], node.body[1:]
+    (product,) = anchor.outputs
+    held = (arrays[product] if product in node.outputs else
+            m.scratch("product", product.type.dtype.numpy.name, product.type.shape))
+    BLAS_PRODUCTS[anchor.op](anchor, m, arrays, held)
+    if outputs:
+        emit_loop_kernel(m, members, {**arrays, product: held}, outputs, "epilogue")
 
 
 EPILOGUES.update({op: render_epilogue for op in PRODUCTS

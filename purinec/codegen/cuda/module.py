@@ -42,8 +42,24 @@ THREADS = 256
 # the rest.
 MAX_BLOCKS = 4096
 
+# Scratch arrays of one module start at multiples of this many bytes.
+REGION_ALIGNMENT = 256
+
 # Device helper functions a kernel may ask for by name; emitted once per module.
 HELPERS: dict[str, str] = {}
+
+
+def _size(shape: Sequence[int]) -> int:
+    size = 1
+    for n in shape:
+        size *= n
+    return size
+
+
+def _itemsize(dtype: str) -> int:
+    import numpy as np
+
+    return np.dtype(dtype).itemsize
 
 
 def blocks_for(count: int, threads: int = THREADS) -> int:
@@ -60,11 +76,14 @@ class CudaModule:
     """
 
     def __init__(self, name: str, nodes: Sequence[Node], inputs: Sequence[Value],
-                 outputs: Sequence[Value], function: str | None = None):
+                 outputs: Sequence[Value], function: str | None = None,
+                 products: str = "tiled"):
         self.name = identifier(name)
+        self.products = products  # how products are rendered: see `blas.products`
         self.function = identifier(function or name)
         self.nodes = tuple(nodes)
-        self._taken: set[str] = {self.function, "np", "math", "cuda", "stream"}
+        self._taken: set[str] = {self.function, "np", "math", "cuda", "stream", "blas",
+                                 "work"}
         self._roles = _roles(self.nodes, inputs, outputs)
         self.inputs = [self.fresh(v.name) for v in inputs]
         self.outputs = [self.fresh(v.name) for v in outputs]
@@ -76,7 +95,11 @@ class CudaModule:
         self._kernels: list[tuple[str, list[str], SourceBuilder, tuple[str, ...]]] = []
         self._helpers: list[str] = []
         self._constants: list[str] = []
-        self._launches: list[tuple[str, str, str]] = []
+        # The host function's statements in order: (depth, kernel launch or line).
+        self._steps: list[tuple[int, tuple[str, str, str] | str]] = []
+        self._depth = 0
+        self._scratch: list[tuple[str, int, int, str, tuple[int, ...]]] = []
+        self._scratch_bytes = 0
 
     # -- used by renderers ----------------------------------------------------------
 
@@ -119,7 +142,44 @@ class CudaModule:
 
     def launch(self, kernel: str, blocks: int | tuple, threads: int | tuple) -> None:
         """Launch ``kernel`` on the host function's stream (in the order of calls)."""
-        self._launches.append((kernel, str(blocks), str(threads)))
+        self._steps.append((self._depth, (kernel, str(blocks), str(threads))))
+
+    def host(self, line: str) -> None:
+        """A statement of the host function, after the steps before it (it may call
+        `purinec.codegen.cuda.blas` as ``blas``)."""
+        self._steps.append((self._depth, line))
+
+    @contextmanager
+    def host_block(self, header: str) -> Iterator[None]:
+        """A compound statement of the host function (a loop over chunks, say): the
+        steps added inside it are its body."""
+        self.host(header)
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+
+    def local(self, hint: str, like: str, rank: int | None = None) -> str:
+        """A name for an array the host function makes (a slice of ``like``, one of the
+        module's arrays), which kernels may take as an argument."""
+        name = self.fresh(hint)
+        dtype, like_rank = self._types[like]
+        self._types[name] = (dtype, like_rank if rank is None else rank)
+        return name
+
+    def scratch(self, hint: str, dtype: str, shape: Sequence[int]) -> str:
+        """A C-contiguous array of ``shape`` in the stream's scratch memory
+        (`blas.scratch`), which the host function's steps and kernels may use; the
+        module's scratch arrays do not overlap."""
+        name = self.fresh(hint)
+        shape = tuple(int(n) for n in shape)
+        nbytes = _size(shape) * _itemsize(dtype)
+        start = -(-self._scratch_bytes // REGION_ALIGNMENT) * REGION_ALIGNMENT
+        self._scratch.append((name, start, nbytes, dtype, shape))
+        self._scratch_bytes = start + nbytes
+        self._types[name] = (dtype, len(shape))
+        return name
 
     def helper(self, name: str) -> str:
         """Ask for the device helper ``name`` (see `HELPERS`); returns its name."""
@@ -156,6 +216,9 @@ class CudaModule:
         """Parameter position -> shape, for each parameter that the kernels read only
         through one view: the runtime may hand it over in that shape from the start."""
         read = {a for arrays in self.kernel_arguments().values() for a in arrays}
+        read |= {a for a in self._types if any(re.search(rf"\b{a}\b", step)
+                                               for _, step in self._steps
+                                               if isinstance(step, str))}
         shapes: dict[str, list[tuple[int, ...]]] = {}
         for (array, shape), view in self._views.items():
             if view in read:
@@ -164,7 +227,7 @@ class CudaModule:
                 if len(shapes.get(name, ())) == 1 and name not in read}
 
     def text(self) -> str:
-        if not self._kernels:
+        if not self._steps:
             raise CodegenError(f"CUDA kernel module {self.name} has no kernel")
         out = SourceBuilder()
         out.lines(HEADER)
@@ -172,6 +235,9 @@ class CudaModule:
         out.line("import math")
         out.line("import numpy as np")
         out.line("from numba import cuda, float32, float64, int32, int64, uint64")
+        if self._scratch or any(isinstance(step, str) for _, step in self._steps):
+            out.line()
+            out.line("from purinec.codegen.cuda import blas")
         out.line()
         out.line("# Each kernel's arguments, (dtype, rank) of C-contiguous arrays: what it is")
         out.line("# compiled for ahead of time.")
@@ -197,13 +263,21 @@ class CudaModule:
         read = {a for arrays in arguments.values() for a in arrays}
         with out.block(f"def {self.function}({params}):"):
             with out.origin(*self.nodes):
+                if self._scratch:
+                    out.line(f"work = blas.scratch(stream, {self._scratch_bytes})")
+                for name, start, nbytes, dtype, shape in self._scratch:
+                    out.line(f"{name} = work[{start}:{start + nbytes}].view(np.{dtype})"
+                             f".reshape({shape!r})")
                 for (array, shape), view in self._views.items():
                     if view in read:
                         out.line(f"{view} = {array} if {array}.shape == {shape!r} else "
                                  f"{array}.reshape({shape!r})")
-                for kernel, blocks, threads in self._launches:
-                    out.line(f"{kernel}[{blocks}, {threads}, stream]"
-                             f"({', '.join(arguments[kernel])})")
+                for depth, step in self._steps:
+                    if isinstance(step, tuple):
+                        kernel, blocks, threads = step
+                        step = (f"{kernel}[{blocks}, {threads}, stream]"
+                                f"({', '.join(arguments[kernel])})")
+                    out.line("    " * depth + step)
         return out.text()
 
 
