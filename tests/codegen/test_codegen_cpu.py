@@ -748,6 +748,25 @@ def test_max_pool_grad_routes_ties_to_the_first_maximum():
 
 
 
+@pytest.mark.parametrize("shape, attrs", [
+    ((2, 3, 8, 8), {"kernel": [3, 3], "stride": [1, 1], "pad": [1, 1]}),
+    ((1, 2, 9, 19), {"kernel": [3, 3], "stride": [2, 2], "pad": [0, 0], "ceil_mode": True}),
+])
+def test_max_pool_grad_over_rows_of_8_to_15_windows(shape, attrs):
+    """Rows of windows 8 to 15 long loop a trip count hidden from LLVM (`SHORT_ROWS`):
+    the gradient still goes to each window's first maximum."""
+    from purinec.codegen.cpu_pool import SHORT_ROWS
+
+    rng = np.random.default_rng(3)
+    x = random_array(rng, shape, DType.f32)
+    (y,) = nnref.max_pool2d(x, **attrs)
+    assert SHORT_ROWS[0] <= y.shape[3] < SHORT_ROWS[1]
+    check("max_pool2d_grad", [x, y, random_array(rng, y.shape, DType.f32)], attrs)
+    x[:, :, ::2] = 0  # ties in every other row
+    (y,) = nnref.max_pool2d(x, **attrs)
+    check("max_pool2d_grad", [x, y, np.ones_like(y)], attrs, exact=True)
+
+
 @pytest.mark.slow  # a Numba compile per case
 @pytest.mark.parametrize("kernel, stride, pad, dilation", [
     ([6, 5], [2, 3], [2, 1], [1, 1]), ([2, 3], [1, 3], [1, 2], [1, 1]),
