@@ -11,7 +11,9 @@
    (medians, and purinec's time over each peer's);
 3. bandwidth: a fused elementwise kernel over 2**26 float32 elements, as a share of a
    device-to-device copy's bandwidth (both timed by CUDA events);
-4. CUDA graphs: replay of a captured iteration against launching kernel by kernel.
+4. CUDA graphs: training steps of lenet b64 and cifar_quick b100 replaying one captured
+   CUDA graph (``PURINEC_CUDA_GRAPHS=1``) against launching task by task, and their
+   losses after the same steps.
 
 It prints a table and writes everything as JSON (``--json``, default
 ``gpu_check.json``). A section that fails is reported and the others still run; one that
@@ -40,6 +42,7 @@ import numpy as np
 
 from benchmarks.bench_train import CheckData, PurinecTrainer, compare, solver
 from purinec.codegen.cuda import blas
+from purinec.runtime import gpu
 
 CHECK_STEPS = 3
 PEERS = ("torch", "torch.compile")
@@ -55,6 +58,8 @@ class Sizes:
         self.models = [TINY_NET] if smoke else sorted(ZOO)
         # checked and timed with the tiled GEMM kernels too (the default: cuBLAS)
         self.tiled = TINY_NET if smoke else "lenet"
+        # timed replaying a CUDA graph against launching task by task
+        self.graphs = [(TINY_NET, 2)] if smoke else [("lenet", 64), ("cifar_quick", 100)]
         self.check_batch = 2 if smoke else 4
         self.speed = ([(TINY_NET, 2)] if smoke else
                       [("lenet", 64), ("cifar_quick", 100), ("cifar_quick", 1024),
@@ -153,7 +158,6 @@ def _more_steps(check: CheckData, model: str, batch: int) -> CheckData:
 
 
 def check_speed(budget: Budget, sizes: Sizes) -> list[dict]:
-    import purinec
     from benchmarks import peers
 
     rows = []
@@ -162,13 +166,7 @@ def check_speed(budget: Budget, sizes: Sizes) -> list[dict]:
             rows.append({"model": model, "batch": batch, "skipped": "time budget"})
             continue
         row = {"model": model, "batch": batch}
-        program = purinec.compile(model, target="reference", train=solver(), batch=batch)
-        params = {k: np.array(v) for k, v in program.params.items()}
-        data_shape = program.ir.input("data").type.shape
-        classes = program.ir.value("logits").type.shape[1]
-        rng = np.random.default_rng(0)
-        x = rng.random(data_shape, dtype=np.float32)
-        y = rng.integers(0, classes, batch).astype(np.int32)
+        params, x, y = _problem(model, batch)
         contenders = {"purinec": lambda: PurinecTrainer(model, batch, "cuda", params)}
         if model == sizes.tiled:
             contenders["purinec tiled"] = lambda: _tiled(PurinecTrainer, model, batch,
@@ -190,19 +188,36 @@ def check_speed(budget: Budget, sizes: Sizes) -> list[dict]:
     return rows
 
 
+def _problem(model: str, batch: int):
+    """The reference target's initial weights of ``model``, and a random batch."""
+    import purinec
+
+    program = purinec.compile(model, target="reference", train=solver(), batch=batch)
+    params = {k: np.array(v) for k, v in program.params.items()}
+    classes = program.ir.value("logits").type.shape[1]
+    rng = np.random.default_rng(0)
+    x = rng.random(program.ir.input("data").type.shape, dtype=np.float32)
+    return params, x, rng.integers(0, classes, batch).astype(np.int32)
+
+
 @contextmanager
-def products(form: str | None):
-    """Compile the cuda target's products in ``form`` (None: the default)."""
-    saved = os.environ.get(blas.PRODUCTS_VAR)
-    if form:
-        os.environ[blas.PRODUCTS_VAR] = form
+def _environment(variable: str, value: str | None):
+    """``variable`` set to ``value`` meanwhile (None: left as it is)."""
+    saved = os.environ.get(variable)
+    if value is not None:
+        os.environ[variable] = value
     try:
         yield
     finally:
         if saved is None:
-            os.environ.pop(blas.PRODUCTS_VAR, None)
+            os.environ.pop(variable, None)
         else:
-            os.environ[blas.PRODUCTS_VAR] = saved
+            os.environ[variable] = saved
+
+
+def products(form: str | None):
+    """Compile the cuda target's products in ``form`` (None: the default)."""
+    return _environment(blas.PRODUCTS_VAR, form)
 
 
 def _tiled(make, *args):
@@ -215,7 +230,7 @@ def _solver_args() -> dict:
     return {"lr": sgd.lr, "momentum": sgd.momentum, "weight_decay": sgd.weight_decay}
 
 
-def _median_step_ms(trainer, x, y, sizes: Sizes) -> float:
+def _median_step_ms(trainer, x, y, sizes: Sizes, close: bool = True) -> float:
     batch = trainer.prepare(x, y)
     for _ in range(sizes.warmup):
         trainer.step(batch)  # (each step returns its loss: the GPU is done with it)
@@ -224,7 +239,7 @@ def _median_step_ms(trainer, x, y, sizes: Sizes) -> float:
         start = time.perf_counter()
         trainer.step(batch)
         times.append((time.perf_counter() - start) * 1e3)
-    if hasattr(trainer, "close"):
+    if close and hasattr(trainer, "close"):
         trainer.close()
     return float(np.median(times))
 
@@ -294,9 +309,34 @@ def _event_ms(work, stream, runs: int = 20) -> float:
 # -- 4. CUDA graphs -----------------------------------------------------------------
 
 
-def check_cuda_graphs() -> dict:
-    return {"skipped": "not built yet: the cuda target launches kernel by kernel; "
-                       "capturing an iteration as a CUDA graph is still to come"}
+def check_cuda_graphs(budget: Budget, sizes: Sizes) -> list[dict]:
+    """Training steps replaying one CUDA graph (``PURINEC_CUDA_GRAPHS=1``) against
+    launching task by task, from the same weights on the same batch: median ms, and
+    the losses of the two after the same steps (they must agree)."""
+    rows = []
+    for model, batch in sizes.graphs:
+        if budget.left() < sizes.reserve:
+            rows.append({"model": model, "batch": batch, "skipped": "time budget"})
+            continue
+        params, x, y = _problem(model, batch)
+        row: dict = {"model": model, "batch": batch}
+        for name, flag in (("launches", "0"), ("graph", "1")):
+            try:
+                with _environment(gpu.GRAPHS_VAR, flag):
+                    trainer = PurinecTrainer(model, batch, "cuda", params)
+                    row[f"{name}_ms"] = _median_step_ms(trainer, x, y, sizes, close=False)
+                    row[f"{name}_loss"] = trainer.step({"data": x, "label": y})
+                    row[f"{name}_status"] = trainer.program.cuda_graphs
+                    trainer.close()
+            except Exception as err:
+                row[f"{name}_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+        if "launches_ms" in row and "graph_ms" in row:
+            row["speedup"] = row["launches_ms"] / row["graph_ms"]
+            row["same_loss"] = bool(np.isclose(row["launches_loss"], row["graph_loss"],
+                                               rtol=1e-5))
+        say(f"cuda graphs {model} b{batch}: {row}")
+        rows.append(row)
+    return rows
 
 
 # -- the report ---------------------------------------------------------------------
@@ -325,7 +365,15 @@ def table(report: dict) -> str:
         lines += ["", f"fused elementwise, 2^26 f32: {bandwidth['fused_GBps']:.0f} GB/s, "
                       f"{bandwidth['share_of_copy']:.0%} of a device copy's "
                       f"{bandwidth['copy_GBps']:.0f} GB/s"]
-    lines += ["", f"CUDA graphs: {report.get('cuda_graphs')}"]
+    lines += ["", "CUDA graphs (replay / launches, median ms):"]
+    graphs = report.get("cuda_graphs", [])
+    for row in graphs if isinstance(graphs, list) else [graphs]:
+        if "speedup" in row:
+            lines.append(f"  {row['model']} b{row['batch']}: {row['graph_ms']:.2f} / "
+                         f"{row['launches_ms']:.2f} ({row['speedup']:.2f}x faster; same "
+                         f"loss: {row['same_loss']}; {row['graph_status']})")
+        else:
+            lines.append(f"  {row}")
     return "\n".join(lines)
 
 
@@ -349,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     sections = [("numerics", lambda: check_numerics(budget, sizes)),
                 ("bandwidth", lambda: check_bandwidth(sizes)),
                 ("speed", lambda: check_speed(budget, sizes)),
-                ("cuda_graphs", check_cuda_graphs)]
+                ("cuda_graphs", lambda: check_cuda_graphs(budget, sizes))]
     for name, run in sections:
         try:
             report[name] = run()

@@ -260,6 +260,14 @@ class Program:
                      if r is not None}.values())
 
     @property
+    def cuda_graphs(self) -> str | None:
+        """How the cuda target runs the training (or only) graph's calls: task by task,
+        or replaying one CUDA graph (``PURINEC_CUDA_GRAPHS=1``), and why not; None on
+        other targets."""
+        run = self._run_main
+        return getattr(getattr(run, "physical", run), "graph_status", None)
+
+    @property
     def communication(self) -> str | None:
         """How this rank exchanges data with other ranks: "shared memory" (ranks of one
         machine), "MPI", "shared memory and MPI", or None when it does not."""

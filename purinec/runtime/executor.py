@@ -173,18 +173,23 @@ class Executable:
         self._hold = hold
         self._held: weakref.finalize | None = None  # lets go when called, or if dropped
 
-    def __call__(self, env: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def __call__(self, env: Mapping[str, np.ndarray],
+                 runner: Callable[[Plan], None] | None = None) -> dict[str, np.ndarray]:
+        """Run the graph on ``env``; ``runner(plan)``, if given, runs the bound plan's
+        tasks instead of the counting executor (a CUDA graph's replay:
+        `purinec.runtime.gpu.CapturedStep`)."""
         if self._caller == threading.get_ident():
             raise ExecutionError(f"graph {self.graph.name} is already running on this "
                                  "thread: a kernel cannot run the graph it belongs to")
         with self._busy:
             self._caller = threading.get_ident()
             try:
-                return self._call(env)
+                return self._call(env, runner)
             finally:
                 self._caller = None
 
-    def _call(self, env: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _call(self, env: Mapping[str, np.ndarray],
+              runner: Callable[[Plan], None] | None) -> dict[str, np.ndarray]:
         if not self._ran:
             self._ran = True
             comm.check_injected_failure()
@@ -192,7 +197,10 @@ class Executable:
             self._held = weakref.finalize(self, self._hold())
         self.plan.bind(env)
         try:
-            self.executor.run(self.trace, self.order)
+            if runner is None:
+                self.executor.run(self.trace, self.order)
+            else:
+                runner(self.plan)
             return self.plan.outputs(env)
         finally:
             self.plan.unbind()

@@ -32,6 +32,7 @@ single-GPU machine.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from contextlib import nullcontext
@@ -47,6 +48,8 @@ from purinec.ir.types import Device
 from purinec.runtime.devices import Lane
 from purinec.runtime.memory import ALIGNMENT
 from purinec.runtime.plan import Plan, Task, aligned_start
+
+log = logging.getLogger(__name__)
 
 GPU = "gpu"
 MAP_VAR = "PURINEC_GPU_MAP"
@@ -275,13 +278,16 @@ class Transfer:
     def __init__(self, node: Node, gpus: Gpus):
         source, destination = node.inputs[0].device, node.device
         self.to_host = not is_gpu(destination)
+        self.from_host = not is_gpu(source)
         streams = gpus.devices[source if self.to_host else destination]
         self.stream = streams.copy_out if self.to_host else streams.copy_in
+        self.waits = True  # for a copy to the host; not while captured (`CapturedStep`)
 
     def launch(self, stream, source, destination) -> None:
         if self.to_host:
             source.copy_to_host(destination, stream=stream)
-            synchronize(stream)
+            if self.waits:
+                synchronize(stream)
         else:
             destination.copy_to_device(source, stream=stream)
 
@@ -405,6 +411,7 @@ def _on_stream(task: Task, stream, waits: list, record, launching,
             record.record(stream)
         if wait_each:
             stream.synchronize()
+    run.stream, run.kernel = stream, task.fn
     return run
 
 
@@ -445,6 +452,206 @@ def worker_setup(gpus: Gpus) -> Callable[[Lane], None]:
     return setup
 
 
+# -- an iteration as one CUDA graph ------------------------------------------------
+
+GRAPHS_VAR = "PURINEC_CUDA_GRAPHS"
+
+
+def graphs_wanted() -> bool:
+    """Whether ``PURINEC_CUDA_GRAPHS=1`` asks for iterations captured as CUDA graphs."""
+    value = os.environ.get(GRAPHS_VAR, "0").strip()
+    if value not in ("0", "1", ""):
+        raise PurinecError(f"{GRAPHS_VAR}={value!r}: 1 captures a cuda program's "
+                           f"iteration as a CUDA graph, 0 (the default) does not")
+    return value == "1"
+
+
+class CapturedStep:
+    """A plan's iteration captured once as a CUDA graph and replayed at every later
+    call: one launch instead of one per task, which bounds small networks on a big GPU.
+    It is the runner the executable is called with (`Executable.__call__`), given the
+    plan bound to the call's arrays.
+
+    Possible when every task is queued on streams of one GPU (no host kernel, no
+    collective; `refusal` says why not). A graph holds fixed addresses, so the graph's
+    inputs are copied from pinned staging buffers, which each call fills from the
+    caller's arrays first; its outputs are copied into pinned staging buffers, which
+    each call copies into the plan's arrays after the graph is done; and every other
+    array a task uses must be the one it was captured with (arena memory, variables kept
+    on the GPU). A call that binds another one (fresh memory) runs its tasks the usual
+    way instead, and the graph is given up (``given_up`` says why).
+
+    Captured by making each task's launches in the plan's serial order on the calling
+    thread while the first device's compute stream captures, with every other stream
+    forked from it by an event and joined back at the end: the tasks' own events between
+    streams become the graph's edges. In Numba's CUDA simulator, which has no graphs,
+    capturing records each task's call and a replay makes the calls again, in order,
+    with the same arguments: what a graph does, so the staging is tested there.
+    """
+
+    def __init__(self, executable, gpus: Gpus):
+        self.executable, self.gpus = executable, gpus
+        self.tasks = executable.plan.tasks
+        self.graph = None
+        self.given_up: str | None = None
+        self.staged_in: list[tuple[int, np.ndarray]] = []   # (task, pinned source)
+        self.staged_out: list[tuple[int, np.ndarray]] = []  # (task, pinned destination)
+        self.captured_args: list[list] = []
+
+    @staticmethod
+    def refusal(executable, gpus: Gpus) -> str | None:
+        """Why ``executable``'s iteration cannot be one graph, or None."""
+        if executable.trace is not None:
+            return "a trace times each task"
+        if os.environ.get(SYNC_VAR) == "1":
+            return f"{SYNC_VAR}=1 waits for each launch"
+        if len({streams.gpu for streams in gpus.devices.values()}) > 1:
+            return "its devices are on several GPUs"
+        for task in executable.plan.tasks:
+            if getattr(task.fn, "stream", None) is None:
+                return f"{task.describe()} runs on the host"
+        return None
+
+    def __call__(self, plan: Plan) -> None:
+        if self.graph is None:
+            self._capture()
+        elif not self._same_arrays():
+            self.given_up = ("a task was given other memory than it was captured with "
+                             "(a value in fresh memory each call)")
+            self.executable.executor.run(self.executable.trace, self.executable.order)
+            return
+        for index, pinned in self.staged_in:
+            np.copyto(pinned, self.tasks[index].args[0])
+        origin = self._streams()[0]
+        self.graph.launch(origin)
+        synchronize(origin)
+        for index, pinned in self.staged_out:
+            np.copyto(self.tasks[index].args[1], pinned)
+
+    def _streams(self) -> list:
+        """Every stream of the program's devices, the first device's compute first."""
+        return [stream for streams in self.gpus.devices.values()
+                for stream in (streams.compute, streams.copy_in, streams.copy_out)]
+
+    def _capture(self) -> None:
+        calls, waiting = [], []
+        for task in self.tasks:
+            args, transfer = list(task.args), task.fn.kernel
+            if isinstance(transfer, Transfer) and transfer.from_host:
+                args[0] = self.gpus.cuda.pinned_array(args[0].shape, args[0].dtype)
+                self.staged_in.append((task.index, args[0]))
+            elif isinstance(transfer, Transfer) and transfer.to_host:
+                args[1] = self.gpus.cuda.pinned_array(args[1].shape, args[1].dtype)
+                self.staged_out.append((task.index, args[1]))
+                waiting.append(transfer)
+            calls.append((task, args))
+        self.captured_args = [list(task.args) for task in self.tasks]
+        self.gpus.select(next(iter(self.gpus.devices)))
+        graph = (_SimulatedGraph if self.gpus.simulated else _DriverGraph)(
+            self._streams(), self.gpus)
+        for transfer in waiting:  # (no waiting while capturing: it would end the capture)
+            transfer.waits = False
+        try:
+            graph.capture(calls)
+        finally:
+            for transfer in waiting:
+                transfer.waits = True
+        self.graph = graph
+
+    def _same_arrays(self) -> bool:
+        staged = {(index, 0) for index, _ in self.staged_in} | {
+            (index, 1) for index, _ in self.staged_out}
+        return all(now is then or (task.index, k) in staged
+                   for task, captured in zip(self.tasks, self.captured_args)
+                   for k, (now, then) in enumerate(zip(task.args, captured)))
+
+
+def _call(task: Task, args: list) -> None:
+    try:
+        task.fn(*args)
+    except Exception as err:
+        raise ExecutionError(f"{task.describe()} failed in a CUDA graph's capture or "
+                             f"replay: {type(err).__name__}: {err}") from err
+
+
+class _DriverGraph:
+    """A CUDA graph captured from streams through the driver (cuda-bindings)."""
+
+    def __init__(self, streams: list, gpus: Gpus):
+        self.streams, self.exec = streams, None
+        self.fork = gpus.event()
+        self.joins = [gpus.event() for _ in streams[1:]]
+
+    def capture(self, calls: list) -> None:
+        from cuda.bindings import driver
+
+        origin = _driver_stream(self.streams[0])
+        _check(driver.cuStreamBeginCapture(
+            origin, driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED), "begin")
+        try:
+            self.fork.record(self.streams[0])
+            for stream in self.streams[1:]:
+                self.fork.wait(stream)
+            for task, args in calls:
+                _call(task, args)
+            for stream, join in zip(self.streams[1:], self.joins):
+                join.record(stream)
+                join.wait(self.streams[0])
+        except BaseException:
+            driver.cuStreamEndCapture(origin)
+            raise
+        graph = _check(driver.cuStreamEndCapture(origin), "end")
+        try:
+            self.exec = _check(driver.cuGraphInstantiate(graph, 0), "instantiate")
+        finally:
+            driver.cuGraphDestroy(graph)
+
+    def launch(self, stream) -> None:
+        from cuda.bindings import driver
+
+        _check(driver.cuGraphLaunch(self.exec, _driver_stream(stream)), "launch")
+
+    def __del__(self):
+        if self.exec is not None:
+            try:
+                from cuda.bindings import driver
+                driver.cuGraphExecDestroy(self.exec)
+            except Exception:  # (at interpreter exit the driver may be gone)
+                pass
+
+
+class _SimulatedGraph:
+    """The simulator's stand-in: the captured calls, made again at each launch."""
+
+    def __init__(self, streams: list, gpus: Gpus):
+        self.calls: list = []
+
+    def capture(self, calls: list) -> None:
+        self.calls = calls
+
+    def launch(self, stream) -> None:
+        for task, args in self.calls:
+            _call(task, args)
+
+
+def _driver_stream(stream):
+    from cuda.bindings import driver
+
+    return driver.CUstream(int(stream))
+
+
+def _check(result, what: str):
+    """The value of a cuda-bindings call, or an ExecutionError saying what failed."""
+    from cuda.bindings import driver
+
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(err)
+        raise ExecutionError(f"CUDA graph {what} failed: "
+                             f"{name.decode() if isinstance(name, bytes) else name}")
+    return values[0] if values else None
+
+
 # -- variables kept on the GPU between calls ----------------------------------------
 
 _NEVER = object()  # a variable never copied to its GPU, or changed on the host since
@@ -464,6 +671,11 @@ class GpuExecutable:
     def __init__(self, graph: Graph, build: Callable[[frozenset[str]], Any], gpus: Gpus):
         self.graph, self._build, self.gpus = graph, build, gpus
         self._inner = None
+        # How calls run: one by one, or replaying a CUDA graph (``PURINEC_CUDA_GRAPHS=1``;
+        # captured at the second call, after the first has compiled every kernel).
+        self.graph_status = "launching task by task"
+        self._captured: CapturedStep | None = None
+        self._calls = 0
         self.resident: frozenset[str] = frozenset()
         self._mirrors: dict[str, Any] = {}
         self._loaded: dict[str, Any] = {}  # name -> host array the GPU holds, None: newer
@@ -502,13 +714,38 @@ class GpuExecutable:
                 mirror.copy_to_device(np.ascontiguousarray(host))
                 self._loaded[name] = host
             bound[name] = mirror
-        outputs = inner(bound)
+        outputs = self._run(inner, bound)
         for name, mirror in self._mirrors.items():
             if name in outputs:
                 value = outputs.pop(name)
                 if value is not mirror:  # an update not made in place
                     mirror.copy_to_device(value)
                 self._loaded[name] = None
+        return outputs
+
+    def _run(self, inner, bound: dict) -> dict:
+        """One call: by the counting executor, or as a CUDA graph where asked and
+        possible (`CapturedStep`; why not, in ``graph_status`` and the log)."""
+        self._calls += 1
+        if self._captured is None and self._calls == 2 and graphs_wanted():
+            from purinec.runtime.executor import Executable
+
+            reason = (CapturedStep.refusal(inner, self.gpus) if isinstance(inner, Executable)
+                      else "it spans processes")
+            if reason is None:
+                self._captured = CapturedStep(inner, self.gpus)
+                self.graph_status = "replaying one CUDA graph per call"
+            else:
+                self.graph_status = f"launching task by task: not one CUDA graph, as {reason}"
+            log.info("graph %s: %s", self.graph.name, self.graph_status)
+        if self._captured is None:
+            return inner(bound)
+        outputs = inner(bound, self._captured)
+        if self._captured.given_up:
+            self.graph_status = (f"launching task by task: the CUDA graph was given up, as "
+                                 f"{self._captured.given_up}")
+            log.info("graph %s: %s", self.graph.name, self.graph_status)
+            self._captured = None
         return outputs
 
     def pull(self, arrays: Mapping[str, np.ndarray]) -> None:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 
@@ -102,6 +104,22 @@ def same_training(model, steps: int = 2, classes: int = 10, rtol: float = 2e-4,
     got, want = cuda.run(feeds), reference.run(feeds)
     np.testing.assert_allclose(got["logits"], want["logits"], rtol=rtol, atol=1e-5,
                                err_msg="inference logits")
+    return cuda
+
+
+def graphed_training(model, expect: str = "replaying one CUDA graph per call", **options):
+    """`same_training` with ``PURINEC_CUDA_GRAPHS=1``: the second step captures the
+    iteration as a CUDA graph, later ones replay it (the simulator's stand-in: the
+    captured calls with their captured arguments), on new batches each step; and the
+    program says it ran so (``expect``, the start of its ``cuda_graphs``)."""
+    from purinec.runtime.gpu import GRAPHS_VAR
+
+    os.environ[GRAPHS_VAR] = "1"
+    try:
+        program = same_training(model, steps=4, classes=3, **options)
+    finally:
+        del os.environ[GRAPHS_VAR]
+    assert program.cuda_graphs.startswith(expect), program.cuda_graphs
 
 
 def weights_stay_on_the_gpu(devices=None) -> None:
@@ -197,6 +215,46 @@ def same_outputs(text: str) -> None:
 PROGRAMS["program_mixed_cpu_and_gpu"] = lambda rng: same_outputs(MIXED)
 # Training steps with every product through cuBLAS's calls (the simulator's stand-in),
 # in one process and over two GPUs; the convolutions in chunks of images as well.
-PROGRAMS.update({f"{name}@{form}": PROGRAMS[name] for name, form in (
-    ("program_tiny_mlp_steps", "cublas"), ("program_tiny_convnet_steps", "cublas-chunked"),
-    ("program_tiny_onnx_cnn_data_parallel_2_gpus", "cublas-chunked"))})
+# Iterations captured as CUDA graphs: on one GPU, with products through cuBLAS's calls
+# (the simulator's stand-in) in chunks too; refused where a collective runs on the
+# host; two devices on one GPU with copies between them (`two_gpus_graphed`).
+PROGRAMS.update({
+    "program_tiny_mlp_graphed": lambda rng: graphed_training(tiny_mlp()),
+    "program_tiny_convnet_graphed@cublas-chunked": lambda rng: graphed_training(
+        tiny_convnet()),
+    "program_tiny_mlp_data_parallel_2_gpus_graphed@cublas": lambda rng: graphed_training(
+        tiny_mlp(), devices="gpu:0,gpu:1",
+        expect="launching task by task: not one CUDA graph, as node"),
+    "program_two_gpus_graphed": lambda rng: two_gpus_graphed(),
+    "program_tiny_mlp_steps@cublas": PROGRAMS["program_tiny_mlp_steps"],
+})
+
+TWO_GPUS = """graph t(%x: f32[4,3] @gpu:0, %b: f32[3] @gpu:1) {
+  %x1 = copy(%x) : f32[4,3] @gpu:1
+  %y = bias_add(%x1, %b) {axis=1} : f32[4,3] @gpu:1
+  %y0 = copy(%y) : f32[4,3] @gpu:0
+  %z = tanh(%y0) : f32[4,3] @gpu:0
+  return %z, %y
+}"""
+
+
+def two_gpus_graphed() -> None:
+    """A graph placed on gpu:0 and gpu:1 (one GPU here) with copies between them, run
+    four times on new inputs as one CUDA graph from the second call on."""
+    import purinec
+    from purinec.ir.parser import parse
+    from purinec.runtime.gpu import GRAPHS_VAR
+
+    rng = np.random.default_rng(3)
+    os.environ[GRAPHS_VAR] = "1"
+    try:
+        program = purinec.compile(parse(TWO_GPUS), target="cuda")
+        for _ in range(4):
+            x, b = rng.normal(size=(4, 3)).astype(np.float32), rng.normal(size=3).astype(
+                np.float32)
+            got = program.run({"x": x, "b": b})
+            np.testing.assert_allclose(got["y"], x + b, rtol=1e-6)
+            np.testing.assert_allclose(got["z"], np.tanh(x + b), rtol=1e-5, atol=1e-6)
+    finally:
+        del os.environ[GRAPHS_VAR]
+    assert program.cuda_graphs == "replaying one CUDA graph per call", program.cuda_graphs

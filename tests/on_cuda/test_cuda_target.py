@@ -82,6 +82,25 @@ def test_the_gpu_map(monkeypatch):
         gpu.gpu_map(1)
 
 
+def test_the_switches_of_cuda_graphs_and_products(monkeypatch):
+    monkeypatch.delenv(gpu.GRAPHS_VAR, raising=False)
+    assert not gpu.graphs_wanted()
+    monkeypatch.setenv(gpu.GRAPHS_VAR, "1")
+    assert gpu.graphs_wanted()
+    monkeypatch.setenv(gpu.GRAPHS_VAR, "yes")
+    with pytest.raises(PurinecError, match="PURINEC_CUDA_GRAPHS='yes': 1 captures"):
+        gpu.graphs_wanted()
+    monkeypatch.delenv(blas.PRODUCTS_VAR, raising=False)
+    missing = blas.cublas_missing()  # (without a GPU: cuBLAS did not load, and why)
+    assert blas.products() == ("tiled" if missing else "cublas")
+    assert missing is None or "did not load" in missing
+    monkeypatch.setenv(blas.PRODUCTS_VAR, "cublas")
+    assert blas.products() == "cublas"
+    monkeypatch.setenv(blas.PRODUCTS_VAR, "fast")
+    with pytest.raises(PurinecError, match="choose one of cublas, tiled"):
+        blas.products()
+
+
 def test_without_the_extra_the_target_says_how_to_get_it(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

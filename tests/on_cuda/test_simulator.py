@@ -111,4 +111,7 @@ def test_gpu_check_runs_every_section_in_the_simulator(tmp_path):
     assert result["bandwidth"]["share_of_copy"] > 0, result["bandwidth"]
     (speed,) = result["speed"]
     assert speed["purinec"] > 0 and speed["purinec tiled"] > 0, speed
+    (graphs,) = result["cuda_graphs"]
+    assert graphs["same_loss"] and graphs["speedup"] > 0, graphs
+    assert graphs["graph_status"] == "replaying one CUDA graph per call", graphs
     assert "numerics (3 steps vs reference)" in done.stdout
