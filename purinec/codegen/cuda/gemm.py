@@ -423,10 +423,17 @@ def _blas_matmul(node: Node, m: CudaModule, arrays: dict[Value, str], out: str) 
     a, b = (arrays[v] for v in node.inputs)
     (rows, cols), depth = node.outputs[0].type.shape, node.inputs[0].type.shape[
         0 if node.attrs["trans_a"] else 1]
-    m.host(f"blas.gemm(stream, {a}, {b}, {out}, {rows}, {cols}, {depth}, "
-           f"trans_a={node.attrs['trans_a']}, trans_b={node.attrs['trans_b']}, "
-           f"lda={node.inputs[0].type.shape[1]}, ldb={node.inputs[1].type.shape[1]}, "
-           f"ldc={cols})")
+    _gemm(m, a, b, out, rows, cols, depth, trans_a=node.attrs["trans_a"],
+          trans_b=node.attrs["trans_b"], lda=node.inputs[0].type.shape[1],
+          ldb=node.inputs[1].type.shape[1], ldc=cols)
+
+
+def _gemm(m: CudaModule, a: str, b: str, c: str, rows: int, cols: int, depth: int,
+          **options) -> None:
+    """A host step calling `blas.gemm` with these operands, sizes and keywords (numbers,
+    or source text evaluated on the host: a chunk's offset)."""
+    keywords = "".join(f", {name}={value}" for name, value in options.items())
+    m.host(f"blas.gemm(stream, {a}, {b}, {c}, {rows}, {cols}, {depth}{keywords})")
 
 
 def _pointwise(g: _Conv) -> bool:
@@ -486,10 +493,10 @@ def _blas_conv2d(node: Node, m: CudaModule, arrays: dict[Value, str], out: str) 
     pixels, depth = g.oh * g.ow, g.cg * g.kh * g.kw
     if _pointwise(g):
         for group in range(g.groups):
-            m.host(f"blas.gemm(stream, {w}, {x}, {out}, {g.og}, {pixels}, {depth}, "
-                   f"lda={depth}, ldb={pixels}, ldc={pixels}, a_at={group * g.og * depth}, "
-                   f"b_at={group * g.cg * pixels}, c_at={group * g.og * pixels}, "
-                   f"stride_b={g.c * pixels}, stride_c={g.cout * pixels}, batch={g.n})")
+            _gemm(m, w, x, out, g.og, pixels, depth, lda=depth, ldb=pixels, ldc=pixels,
+                  a_at=group * g.og * depth, b_at=group * g.cg * pixels,
+                  c_at=group * g.og * pixels, stride_b=g.c * pixels,
+                  stride_c=g.cout * pixels, batch=g.n)
         return
     dtype = y.type.dtype
     count = _chunk(g.n, g.c * g.kh * g.kw * pixels * dtype.numpy.itemsize)
@@ -498,11 +505,10 @@ def _blas_conv2d(node: Node, m: CudaModule, arrays: dict[Value, str], out: str) 
     with _chunks(m, g, count, [x]) as (start, (x_chunk,)):
         _im2col(m, g, count, x_chunk, col, dtype)
         for group in range(g.groups):
-            m.host(f"blas.gemm(stream, {w}, {col}, {out}, {g.og}, {pixels}, {depth}, "
-                   f"lda={depth}, ldb={columns}, ldc={pixels}, "
-                   f"a_at={group * g.og * depth}, b_at={group * depth * columns}, "
-                   f"c_at={_linear((start, g.cout * pixels), constant=group * g.og * pixels)}"
-                   f", stride_b={pixels}, stride_c={g.cout * pixels}, batch={count})")
+            _gemm(m, w, col, out, g.og, pixels, depth, lda=depth, ldb=columns, ldc=pixels,
+                  a_at=group * g.og * depth, b_at=group * depth * columns,
+                  c_at=_linear((start, g.cout * pixels), constant=group * g.og * pixels),
+                  stride_b=pixels, stride_c=g.cout * pixels, batch=count)
 
 
 def _blas_conv2d_grad_input(node: Node, m: CudaModule, arrays: dict[Value, str],
@@ -516,11 +522,10 @@ def _blas_conv2d_grad_input(node: Node, m: CudaModule, arrays: dict[Value, str],
     pixels, depth = g.oh * g.ow, g.cg * g.kh * g.kw
     if _pointwise(g):
         for group in range(g.groups):
-            m.host(f"blas.gemm(stream, {w}, {gy}, {out}, {g.cg}, {pixels}, {g.og}, "
-                   f"trans_a=True, lda={depth}, ldb={pixels}, ldc={pixels}, "
-                   f"a_at={group * g.og * depth}, b_at={group * g.og * pixels}, "
-                   f"c_at={group * g.cg * pixels}, stride_b={g.cout * pixels}, "
-                   f"stride_c={g.c * pixels}, batch={g.n})")
+            _gemm(m, w, gy, out, g.cg, pixels, g.og, trans_a=True, lda=depth, ldb=pixels,
+                  ldc=pixels, a_at=group * g.og * depth, b_at=group * g.og * pixels,
+                  c_at=group * g.cg * pixels, stride_b=g.cout * pixels,
+                  stride_c=g.c * pixels, batch=g.n)
         return
     dtype = gx.type.dtype
     count = _chunk(g.n, g.c * g.kh * g.kw * pixels * dtype.numpy.itemsize)
@@ -528,12 +533,11 @@ def _blas_conv2d_grad_input(node: Node, m: CudaModule, arrays: dict[Value, str],
     cols = m.scratch("cols", dtype.numpy.name, (g.c * g.kh * g.kw, columns))
     with _chunks(m, g, count, [out]) as (start, (gx_chunk,)):
         for group in range(g.groups):
-            m.host(f"blas.gemm(stream, {w}, {gy}, {cols}, {depth}, {pixels}, {g.og}, "
-                   f"trans_a=True, lda={depth}, ldb={pixels}, ldc={columns}, "
-                   f"a_at={group * g.og * depth}, "
-                   f"b_at={_linear((start, g.cout * pixels), constant=group * g.og * pixels)}"
-                   f", c_at={group * depth * columns}, stride_b={g.cout * pixels}, "
-                   f"stride_c={pixels}, batch={count})")
+            _gemm(m, w, gy, cols, depth, pixels, g.og, trans_a=True, lda=depth, ldb=pixels,
+                  ldc=columns, a_at=group * g.og * depth,
+                  b_at=_linear((start, g.cout * pixels), constant=group * g.og * pixels),
+                  c_at=group * depth * columns, stride_b=g.cout * pixels, stride_c=pixels,
+                  batch=count)
         _col2im(m, g, count, cols, gx_chunk, dtype)
 
 
@@ -587,11 +591,10 @@ def _blas_conv2d_grad_weight(node: Node, m: CudaModule, arrays: dict[Value, str]
         _im2col(m, g, count, x_chunk, col, dtype)
         _transpose_images(m, g, count, gy_chunk, gy_t)
         for group in range(g.groups):
-            m.host(f"blas.gemm(stream, {gy_t}, {col}, {out}, {g.og}, {depth}, {columns}, "
-                   f"trans_b=True, lda={columns}, ldb={columns}, ldc={depth}, "
-                   f"a_at={group * g.og * columns}, b_at={group * depth * columns}, "
-                   f"c_at={group * g.og * depth}, "
-                   f"accumulate={f'{start} > 0' if start != '0' else False})")
+            _gemm(m, gy_t, col, out, g.og, depth, columns, trans_b=True, lda=columns,
+                  ldb=columns, ldc=depth, a_at=group * g.og * columns,
+                  b_at=group * depth * columns, c_at=group * g.og * depth,
+                  accumulate=f"{start} > 0" if start != "0" else False)
 
 
 def _transpose_images(m: CudaModule, g: _Conv, count: int, gy: str, gy_t: str) -> None:
