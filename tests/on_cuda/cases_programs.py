@@ -78,10 +78,16 @@ def feeds_for(graph, rng, classes: int) -> dict:
     return feeds
 
 
-def same_training(model, steps: int = 2, classes: int = 10, rtol: float = 2e-4,
+def same_training(model, **options) -> None:
+    """`trained_alike` (a case returns nothing: it checks itself)."""
+    trained_alike(model, **options)
+
+
+def trained_alike(model, steps: int = 2, classes: int = 10, rtol: float = 2e-4,
                   devices=None, parallel=None, **model_options):
     """``steps`` SGD steps on cuda and on the reference target, from the same weights
-    and data: losses and every weight after them agree, and then inference."""
+    and data: losses and every weight after them agree, and then inference. Returns the
+    cuda program."""
     import purinec
 
     rng = np.random.default_rng(1)
@@ -108,7 +114,7 @@ def same_training(model, steps: int = 2, classes: int = 10, rtol: float = 2e-4,
 
 
 def graphed_training(model, expect: str = "replaying one CUDA graph per call", **options):
-    """`same_training` with ``PURINEC_CUDA_GRAPHS=1``: the second step captures the
+    """`trained_alike` with ``PURINEC_CUDA_GRAPHS=1``: the second step captures the
     iteration as a CUDA graph, later ones replay it (the simulator's stand-in: the
     captured calls with their captured arguments), on new batches each step; and the
     program says it ran so (``expect``, the start of its ``cuda_graphs``)."""
@@ -116,7 +122,7 @@ def graphed_training(model, expect: str = "replaying one CUDA graph per call", *
 
     os.environ[GRAPHS_VAR] = "1"
     try:
-        program = same_training(model, steps=4, classes=3, **options)
+        program = trained_alike(model, steps=4, classes=3, **options)
     finally:
         del os.environ[GRAPHS_VAR]
     assert program.cuda_graphs.startswith(expect), program.cuda_graphs
