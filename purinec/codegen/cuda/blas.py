@@ -124,9 +124,16 @@ _local = threading.local()  # each host thread's cuBLAS handle per GPU
 _SCALARS = {np.dtype(t): (np.zeros(1, t), np.ones(1, t)) for t in (np.float32, np.float64)}
 
 
+# cuBLAS's workspace per stream (its advice for Hopper: 32 MiB). Set explicitly, so
+# that cuBLAS allocates nothing of its own while a CUDA graph is captured.
+WORKSPACE_BYTES = 32 << 20
+_WORKSPACES: dict = {}
+
+
 def _handle(stream) -> int:
-    """This thread's cuBLAS handle for the current GPU, bound to ``stream`` (a handle
-    is not for two threads at once; binding a stream costs next to nothing)."""
+    """This thread's cuBLAS handle for the current GPU, bound to ``stream`` and its
+    workspace (a handle is not for two threads at once; binding costs next to
+    nothing, and binding a stream resets the workspace, so both are bound each call)."""
     from numba import cuda
     from nvmath.bindings import cublas
 
@@ -136,7 +143,11 @@ def _handle(stream) -> int:
     gpu = cuda.get_current_device().id
     if gpu not in handles:
         handles[gpu] = cublas.create()
+    key = _stream_key(stream)
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = cuda.device_array(WORKSPACE_BYTES, np.uint8)
     cublas.set_stream(handles[gpu], _address(stream))
+    cublas.set_workspace(handles[gpu], _pointer(_WORKSPACES[key], 0), WORKSPACE_BYTES)
     return handles[gpu]
 
 
