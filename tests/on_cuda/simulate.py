@@ -156,12 +156,18 @@ def check_fused(graph, rng, tolerance: float | None = None,
 
 def run_case(name: str, case) -> None:
     rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    from purinec.ir.graph import Graph
+
     with rendering(name) as products:
         spec = case(rng)
         if isinstance(spec, tuple):
             check_node(*spec, products=products)
-        elif spec is not None:
+        elif isinstance(spec, Graph):
             check_fused(spec, rng, products=products)
+        elif spec is not None:
+            raise TypeError(f"case {name} returned a {type(spec).__name__}: a case returns "
+                            f"(op, inputs, attrs), a Graph, or None (a program checks "
+                            f"itself)")
 
 
 def main(names: list[str]) -> int:
