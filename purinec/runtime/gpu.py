@@ -185,6 +185,8 @@ class Gpus:
             with cuda.gpus[gpu]:
                 self.devices[device] = Streams(gpu, cuda.stream(), cuda.stream(),
                                                cuda.stream())
+        if not self.simulated:
+            _enable_peer_access(sorted({streams.gpu for streams in self.devices.values()}))
 
     def allocate(self, device: Device, shape: tuple, dtype, what: str):
         """A device array on ``device``'s GPU, or an error saying what did not fit."""
@@ -210,6 +212,30 @@ def _simulated() -> bool:
     from numba import config
 
     return bool(config.ENABLE_CUDASIM)
+
+
+def _enable_peer_access(gpus: list[int]) -> None:
+    """Let each of these GPUs read the others' memory where the hardware can, so that a
+    copy between two goes straight over NVLink or PCIe instead of through host memory.
+    Where it cannot, or enabling fails, copies still work (through the driver): said
+    in the log, not raised."""
+    from numba import cuda
+
+    for here in gpus:
+        for there in gpus:
+            if here == there:
+                continue
+            try:
+                with cuda.gpus[there]:
+                    peer = cuda.current_context()
+                with cuda.gpus[here]:
+                    context = cuda.current_context()
+                    if context.can_access_peer(there):
+                        context.enable_peer_access(peer.handle)
+                        log.info("GPU %d reads GPU %d's memory directly", here, there)
+            except Exception as err:  # (enabled already, say: copies work either way)
+                log.info("peer access from GPU %d to GPU %d not enabled: %s", here, there,
+                         err)
 
 
 class PinnedArenas:
