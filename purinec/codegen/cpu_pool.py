@@ -23,6 +23,7 @@ from typing import Iterator
 
 import numpy as np
 
+from purinec.codegen.cpu_conv import VECTOR
 from purinec.codegen.cpu_module import KernelModule, literal, numpy_name, renders
 from purinec.codegen.cpu_ops import affine, dtype_name, span_of, split_loop
 from purinec.ir.graph import Node
@@ -196,9 +197,9 @@ def _window(g: _Pool, p: str, q: str, i: int | str, j: int | str) -> str:
 
 
 UNROLL_MAX = 25  # windows up to this size are unrolled (constant phases and offsets)
-# Rows of windows this long loop a trip count LLVM cannot see (f32: half a 64-byte
-# vector, up to one).
-SHORT_ROWS = (8, 16)
+# Rows of windows this long loop a trip count LLVM cannot see (from half a vector of
+# f32 up to one).
+SHORT_ROWS = (VECTOR // 2, VECTOR)
 
 
 def _window_elements(m: KernelModule, g: _Pool) -> Iterator[tuple[int | str, int | str]]:

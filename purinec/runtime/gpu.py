@@ -518,6 +518,9 @@ class CapturedStep:
     def __init__(self, executable, gpus: Gpus):
         self.executable, self.gpus = executable, gpus
         self.tasks = executable.plan.tasks
+        # every stream of the program's devices, the first device's compute first
+        self.streams = [stream for streams in gpus.devices.values()
+                        for stream in (streams.compute, streams.copy_in, streams.copy_out)]
         self.graph = None
         self.given_up: str | None = None
         self.staged_in: list[tuple[int, np.ndarray]] = []   # (task, pinned source)
@@ -548,16 +551,10 @@ class CapturedStep:
             return
         for index, pinned in self.staged_in:
             np.copyto(pinned, self.tasks[index].args[0])
-        origin = self._streams()[0]
-        self.graph.launch(origin)
-        synchronize(origin)
+        self.graph.launch(self.streams[0])
+        synchronize(self.streams[0])
         for index, pinned in self.staged_out:
             np.copyto(self.tasks[index].args[1], pinned)
-
-    def _streams(self) -> list:
-        """Every stream of the program's devices, the first device's compute first."""
-        return [stream for streams in self.gpus.devices.values()
-                for stream in (streams.compute, streams.copy_in, streams.copy_out)]
 
     def _capture(self) -> None:
         calls, waiting = [], []
@@ -574,7 +571,7 @@ class CapturedStep:
         self.captured_args = [list(task.args) for task in self.tasks]
         self.gpus.select(next(iter(self.gpus.devices)))
         graph = (_SimulatedGraph if self.gpus.simulated else _DriverGraph)(
-            self._streams(), self.gpus)
+            self.streams, self.gpus)
         for transfer in waiting:  # (no waiting while capturing: it would end the capture)
             transfer.waits = False
         try:

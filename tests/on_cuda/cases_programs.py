@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -118,14 +119,21 @@ def graphed_training(model, expect: str = "replaying one CUDA graph per call", *
     iteration as a CUDA graph, later ones replay it (the simulator's stand-in: the
     captured calls with their captured arguments), on new batches each step; and the
     program says it ran so (``expect``, the start of its ``cuda_graphs``)."""
+    with graphs_on():
+        program = trained_alike(model, steps=4, classes=3, **options)
+    assert program.cuda_graphs.startswith(expect), program.cuda_graphs
+
+
+@contextmanager
+def graphs_on():
+    """``PURINEC_CUDA_GRAPHS=1`` meanwhile."""
     from purinec.runtime.gpu import GRAPHS_VAR
 
     os.environ[GRAPHS_VAR] = "1"
     try:
-        program = trained_alike(model, steps=4, classes=3, **options)
+        yield
     finally:
         del os.environ[GRAPHS_VAR]
-    assert program.cuda_graphs.startswith(expect), program.cuda_graphs
 
 
 def weights_stay_on_the_gpu(devices=None) -> None:
@@ -249,11 +257,9 @@ def two_gpus_graphed() -> None:
     four times on new inputs as one CUDA graph from the second call on."""
     import purinec
     from purinec.ir.parser import parse
-    from purinec.runtime.gpu import GRAPHS_VAR
 
     rng = np.random.default_rng(3)
-    os.environ[GRAPHS_VAR] = "1"
-    try:
+    with graphs_on():
         program = purinec.compile(parse(TWO_GPUS), target="cuda")
         for _ in range(4):
             x, b = rng.normal(size=(4, 3)).astype(np.float32), rng.normal(size=3).astype(
@@ -261,6 +267,4 @@ def two_gpus_graphed() -> None:
             got = program.run({"x": x, "b": b})
             np.testing.assert_allclose(got["y"], x + b, rtol=1e-6)
             np.testing.assert_allclose(got["z"], np.tanh(x + b), rtol=1e-5, atol=1e-6)
-    finally:
-        del os.environ[GRAPHS_VAR]
     assert program.cuda_graphs == "replaying one CUDA graph per call", program.cuda_graphs

@@ -83,7 +83,7 @@ class CudaKernel:
         needed; not under the simulator, which has no compiler)."""
         from numba import cuda
 
-        if _simulated():
+        if blas.simulated():
             raise CodegenError("the CUDA simulator cannot compile to PTX; run without "
                                "NUMBA_ENABLE_CUDASIM")
         result = {}
@@ -100,12 +100,6 @@ class CudaKernel:
 
     def __repr__(self) -> str:
         return f"<CudaKernel {self.name} for {', '.join('%' + n.name for n in self.nodes)}>"
-
-
-def _simulated() -> bool:
-    from numba import config
-
-    return bool(config.ENABLE_CUDASIM)
 
 
 def render_module(node: Node, products: str | None = None) -> CudaModule:

@@ -48,9 +48,7 @@ def products() -> str:
 @functools.cache
 def cublas_missing() -> str | None:
     """Why cuBLAS cannot be called in this process, or None."""
-    from numba import config
-
-    if config.ENABLE_CUDASIM:
+    if simulated():
         return "Numba's CUDA simulator has no cuBLAS"
     try:
         from nvmath.bindings import cublas
@@ -72,7 +70,7 @@ def gemm(stream, a, b, c, rows: int, cols: int, depth: int, *, trans_a: bool = F
     ``lda`` apart; ``op(B_i)`` is ``depth x cols`` likewise. ``accumulate`` adds to C
     instead of overwriting it (C is not read otherwise)."""
     op_a, op_b = int(trans_a), int(trans_b)  # cuBLAS's N = 0, T = 1
-    call = _simulated_gemm if _simulated() else _cublas_gemm
+    call = _simulated_gemm if simulated() else _cublas_gemm
     # column-major: C^T (cols x rows) = op(B)^T (cols x depth) @ op(A)^T (depth x rows)
     call(stream, op_b, op_a, cols, rows, depth, b, b_at, ldb, stride_b, a, a_at, lda,
          stride_a, float(accumulate), c, c_at, ldc, stride_c, batch)
@@ -81,9 +79,18 @@ def gemm(stream, a, b, c, rows: int, cols: int, depth: int, *, trans_a: bool = F
 def scratch(stream, nbytes: int):
     """``nbytes`` of device memory for the kernels queued on ``stream``: one buffer per
     stream, grown when a kernel needs more. The work on one stream runs in order, so
-    each node may use all of it; growing waits for the stream's queued work first."""
+    each node may use all of it."""
+    return _stream_buffer(_SCRATCH, stream, nbytes, "scratch memory for matrix products")
+
+
+_SCRATCH: dict = {}
+
+
+def _stream_buffer(buffers: dict, stream, nbytes: int, what: str):
+    """The device buffer of ``buffers`` kept for ``stream``, at least ``nbytes`` long:
+    made, or grown once the stream's queued work (which may use the old one) is done."""
     key = _stream_key(stream)
-    held = _SCRATCH.get(key)
+    held = buffers.get(key)
     if held is None or held.size < nbytes:
         from numba import cuda
 
@@ -92,27 +99,24 @@ def scratch(stream, nbytes: int):
         try:
             held = cuda.device_array(max(nbytes, 1), np.uint8)
         except Exception as err:
-            raise ExecutionError(f"allocating {nbytes:,} bytes of scratch memory for "
-                                 f"matrix products failed: {type(err).__name__}: "
-                                 f"{err}") from err
-        _SCRATCH[key] = held
+            raise ExecutionError(f"allocating {nbytes:,} bytes of {what} failed: "
+                                 f"{type(err).__name__}: {err}") from err
+        buffers[key] = held
     return held
-
-
-_SCRATCH: dict = {}
 
 
 def _stream_key(stream):
     """A stream's identity across the Python objects that stand for it (Numba makes a
     new one for the default stream at every ``cuda.default_stream()``), per GPU."""
-    if _simulated():
+    if simulated():
         return 0  # the simulator runs each launch to its end: one buffer serves all
     from numba import cuda
 
     return cuda.get_current_device().id, _address(stream)
 
 
-def _simulated() -> bool:
+def simulated() -> bool:
+    """Whether Numba's CUDA simulator stands in for a GPU in this process."""
     from numba import config
 
     return bool(config.ENABLE_CUDASIM)
@@ -143,11 +147,9 @@ def _handle(stream) -> int:
     gpu = cuda.get_current_device().id
     if gpu not in handles:
         handles[gpu] = cublas.create()
-    key = _stream_key(stream)
-    if key not in _WORKSPACES:
-        _WORKSPACES[key] = cuda.device_array(WORKSPACE_BYTES, np.uint8)
+    workspace = _stream_buffer(_WORKSPACES, stream, WORKSPACE_BYTES, "cuBLAS's workspace")
     cublas.set_stream(handles[gpu], _address(stream))
-    cublas.set_workspace(handles[gpu], _pointer(_WORKSPACES[key], 0), WORKSPACE_BYTES)
+    cublas.set_workspace(handles[gpu], _pointer(workspace, 0), WORKSPACE_BYTES)
     return handles[gpu]
 
 

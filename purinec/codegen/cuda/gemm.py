@@ -33,6 +33,7 @@ from purinec.codegen.cuda.elementwise import emit_element, emit_loop_kernel
 from purinec.codegen.cuda.fused import EPILOGUES
 from purinec.codegen.cuda.module import (THREADS, CudaModule, blocks_for, literal,
                                          renders)
+from purinec.codegen.cuda.shape import grid_stride
 from purinec.codegen.elementwise import input_axes
 from purinec.codegen.kernel import CodegenError
 from purinec.codegen.source import SourceBuilder
@@ -472,8 +473,8 @@ def _im2col(m: CudaModule, g: _Conv, count: int, x: str, col: str, dtype: DType)
     total = g.c * g.kh * g.kw * count * g.oh * g.ow
     columns = count * g.oh * g.ow
     with m.kernel("im2col") as (name, body):
-        element = m.fresh("e")
-        with body.block(f"for {element} in range(cuda.grid(1), {total}, cuda.gridsize(1)):"):
+        header, element = grid_stride(m, total)
+        with body.block(header):
             tap, pixel = m.fresh("tap"), m.fresh("pixel")
             body.line(f"{tap} = {element} // {columns}")
             body.line(f"{pixel} = {element} % {columns}")
@@ -548,8 +549,8 @@ def _col2im(m: CudaModule, g: _Conv, count: int, cols: str, gx: str, dtype: DTyp
     total = count * g.c * g.h * g.w
     pixels = g.oh * g.ow
     with m.kernel("col2im") as (name, body):
-        element, acc = m.fresh("e"), m.fresh("acc")
-        with body.block(f"for {element} in range(cuda.grid(1), {total}, cuda.gridsize(1)):"):
+        (header, element), acc = grid_stride(m, total), m.fresh("acc")
+        with body.block(header):
             img, ci, ih, iw = _unflatten(m, body, element, (count, g.c, g.h, g.w),
                                          ("img", "ci", "ih", "iw"))
             body.line(f"{acc} = {literal(0, dtype)}")
@@ -602,8 +603,8 @@ def _transpose_images(m: CudaModule, g: _Conv, count: int, gy: str, gy_t: str) -
     columns = count * g.oh * g.ow
     total = g.cout * columns
     with m.kernel("gy_t") as (name, body):
-        element = m.fresh("e")
-        with body.block(f"for {element} in range(cuda.grid(1), {total}, cuda.gridsize(1)):"):
+        header, element = grid_stride(m, total)
+        with body.block(header):
             co, column = m.fresh("co"), m.fresh("column")
             body.line(f"{co} = {element} // {columns}")
             body.line(f"{column} = {element} % {columns}")

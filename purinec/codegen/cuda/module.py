@@ -19,9 +19,12 @@ time for a GPU that is not here (`cuda.compile_ptx`).
 
 from __future__ import annotations
 
+import math
 import re
 from contextlib import contextmanager
 from typing import Iterator, Sequence
+
+import numpy as np
 
 from purinec.codegen.cpu_module import _roles, identifier, literal, numpy_name
 from purinec.codegen.kernel import CodegenError
@@ -47,19 +50,6 @@ REGION_ALIGNMENT = 256
 
 # Device helper functions a kernel may ask for by name; emitted once per module.
 HELPERS: dict[str, str] = {}
-
-
-def _size(shape: Sequence[int]) -> int:
-    size = 1
-    for n in shape:
-        size *= n
-    return size
-
-
-def _itemsize(dtype: str) -> int:
-    import numpy as np
-
-    return np.dtype(dtype).itemsize
 
 
 def blocks_for(count: int, threads: int = THREADS) -> int:
@@ -160,12 +150,11 @@ class CudaModule:
         finally:
             self._depth -= 1
 
-    def local(self, hint: str, like: str, rank: int | None = None) -> str:
+    def local(self, hint: str, like: str) -> str:
         """A name for an array the host function makes (a slice of ``like``, one of the
-        module's arrays), which kernels may take as an argument."""
+        module's arrays: its dtype and rank), which kernels may take as an argument."""
         name = self.fresh(hint)
-        dtype, like_rank = self._types[like]
-        self._types[name] = (dtype, like_rank if rank is None else rank)
+        self._types[name] = self._types[like]
         return name
 
     def scratch(self, hint: str, dtype: str, shape: Sequence[int]) -> str:
@@ -174,7 +163,7 @@ class CudaModule:
         module's scratch arrays do not overlap."""
         name = self.fresh(hint)
         shape = tuple(int(n) for n in shape)
-        nbytes = _size(shape) * _itemsize(dtype)
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
         start = -(-self._scratch_bytes // REGION_ALIGNMENT) * REGION_ALIGNMENT
         self._scratch.append((name, start, nbytes, dtype, shape))
         self._scratch_bytes = start + nbytes
