@@ -25,6 +25,7 @@ execution order its dependency counts allow, not only the schedule's order.
 from __future__ import annotations
 
 import bisect
+import heapq
 import os
 import re
 from dataclasses import dataclass, field
@@ -217,28 +218,61 @@ def check_values_fit(values: Iterable[Value], what: str) -> None:
 
 
 def updates_after_readers(graph: Graph) -> list[Node]:
-    """Graph order, except that a node making a variable's next value that no node reads
-    moves to just after the variable's last other reader (a view's readers included):
-    the update may then be written over the variable in place (`_updates_in_place`).
-    A fused weight gradient + SGD node comes before the matrix product that reads the
-    same weight for the data gradient; in that order the new weight needed a fresh
-    array every step, and a copy into the program's own."""
+    """Graph order, except that a node making a variable's next value waits for the
+    variable's other readers (a view's readers included), and the nodes reading what it
+    makes wait with it: the update may then be written over the variable in place
+    (`_updates_in_place`). A fused weight gradient + SGD node comes before the matrix
+    product that reads the same weight for the data gradient; in that order the new
+    weight needed a fresh array every step, and a copy into the program's own. (A reader
+    that needs the update itself, through its other outputs, keeps it where it is.)"""
     order = list(graph.nodes)
-    read = {v for node in order for v in node.inputs}
+    producer = {v: node for node in order for v in node.outputs}
+    before = {node: {producer[v] for v in node.inputs if v in producer} for node in order}
     variables = {v.name: v for v in graph.inputs if v.role in VARIABLE_ROLES}
     for name, value in graph.outputs:
-        writer = next((n for n in order if value in n.outputs), None)
-        variable = variables.get(name)
-        if writer is None or variable is None or any(v in read for v in writer.outputs):
+        writer, variable = producer.get(value), variables.get(name)
+        if writer is None or variable is None:
             continue
         aliases = _aliases(order, variable)
-        last = max((i for i, node in enumerate(order)
-                    if node is not writer and any(v in aliases for v in node.inputs)),
-                   default=-1)
-        if last > order.index(writer):
-            order.remove(writer)
-            order.insert(last, writer)  # (after the removal, ``last`` is one lower)
-    return order
+        for reader in order:
+            if (reader is not writer and any(v in aliases for v in reader.inputs)
+                    and not _reaches(writer, reader, before)):
+                before[writer].add(reader)
+    return _stable_topological(order, before)
+
+
+def _reaches(source: Node, target: Node, before: dict[Node, set[Node]]) -> bool:
+    """Whether ``target`` depends on ``source`` (``before``: each node's predecessors)."""
+    seen, stack = set(), [target]
+    while stack:
+        node = stack.pop()
+        if node is source:
+            return True
+        for predecessor in before[node] - seen:
+            seen.add(predecessor)
+            stack.append(predecessor)
+    return False
+
+
+def _stable_topological(order: list[Node], before: dict[Node, set[Node]]) -> list[Node]:
+    """``order``'s nodes, each after its ``before``, otherwise as early as in ``order``."""
+    index = {node: i for i, node in enumerate(order)}
+    waiting = {node: len(before[node]) for node in order}
+    after: dict[Node, list[Node]] = {node: [] for node in order}
+    for node in order:
+        for predecessor in before[node]:
+            after[predecessor].append(node)
+    ready = [index[node] for node in order if not waiting[node]]
+    heapq.heapify(ready)
+    schedule = []
+    while ready:
+        node = order[heapq.heappop(ready)]
+        schedule.append(node)
+        for successor in after[node]:
+            waiting[successor] -= 1
+            if not waiting[successor]:
+                heapq.heappush(ready, index[successor])
+    return schedule
 
 
 def _aliases(order: list[Node], variable: Value) -> set[Value]:

@@ -20,6 +20,7 @@ from purinec.errors import PurinecError
 from purinec.ir.graph import Graph
 from purinec.ir.types import Device
 from purinec.passes.parallel import Parallel
+from purinec.passes.parallel.local import lower_local_collectives
 from purinec.passes.fuse import fuse
 from purinec.passes.pipeline import Pass
 from purinec.runtime.host import host_kernels, kernel_nodes
@@ -99,6 +100,9 @@ class CudaTarget(Target):
     def passes(self) -> list[Pass]:
         return [Pass("on_gpus", on_gpus, "run a graph placed on cpu devices only on the "
                                          "gpu devices of the same numbers"),
+                Pass("local_collectives", lower_local_collectives,
+                     "sum, broadcast, gather and slice among this process's GPUs with "
+                     "copies and kernels on them, not through host memory"),
                 Pass("fuse", fuse, "group nodes into fused kernels")]
 
     def generated(self, graph: Graph) -> dict:

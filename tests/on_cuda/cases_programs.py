@@ -210,7 +210,9 @@ MIXED = """graph t(%x: f32[4,3] @cpu:0, %b: f32[3] @gpu:0) {
 }"""
 
 
-def same_outputs(text: str) -> None:
+def same_outputs(text: str, expect_graphs: str | None = None) -> None:
+    """``text`` run on cuda (three times with ``expect_graphs``, the start of its
+    ``cuda_graphs`` after) as on the reference target."""
     import purinec
     from purinec.ir.parser import parse
 
@@ -218,28 +220,32 @@ def same_outputs(text: str) -> None:
     cuda = purinec.compile(parse(text), target="cuda")
     # (the reference target runs cpu devices only: the gpu's nodes go to another)
     reference = purinec.compile(parse(text.replace("@gpu:0", "@cpu:1")), target="reference")
-    feeds = feeds_for(reference.ir, rng, classes=1)
-    got, want = cuda.run(feeds), reference.run(feeds)
-    assert set(got) == set(want), (sorted(got), sorted(want))
-    for name in want:
-        np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-6,
-                                   err_msg=f"output {name}")
+    for _ in range(1 if expect_graphs is None else 3):
+        feeds = feeds_for(reference.ir, rng, classes=1)
+        got, want = cuda.run(feeds), reference.run(feeds)
+        assert set(got) == set(want), (sorted(got), sorted(want))
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-6,
+                                       err_msg=f"output {name}")
+    if expect_graphs is not None:
+        assert cuda.cuda_graphs.startswith(expect_graphs), cuda.cuda_graphs
 
 
 PROGRAMS["program_mixed_cpu_and_gpu"] = lambda rng: same_outputs(MIXED)
 # Training steps with every product through cuBLAS's calls (the simulator's stand-in),
 # in one process and over two GPUs; the convolutions in chunks of images as well.
 # Iterations captured as CUDA graphs: on one GPU, with products through cuBLAS's calls
-# (the simulator's stand-in) in chunks too; refused where a collective runs on the
-# host; two devices on one GPU with copies between them (`two_gpus_graphed`).
+# (the simulator's stand-in) in chunks too; data parallelism over two devices on one GPU
+# (its allreduces as copies and sums on the GPU); two devices with copies between them
+# (`two_gpus_graphed`); refused where a node runs on the host (`mixed_graphed`).
 PROGRAMS.update({
     "program_tiny_mlp_graphed": lambda rng: graphed_training(tiny_mlp()),
     "program_tiny_convnet_graphed@cublas-chunked": lambda rng: graphed_training(
         tiny_convnet()),
     "program_tiny_mlp_data_parallel_2_gpus_graphed@cublas": lambda rng: graphed_training(
-        tiny_mlp(), devices="gpu:0,gpu:1",
-        expect="launching task by task: not one CUDA graph, as node"),
+        tiny_mlp(), devices="gpu:0,gpu:1"),
     "program_two_gpus_graphed": lambda rng: two_gpus_graphed(),
+    "program_mixed_cpu_and_gpu_graphed": lambda rng: mixed_graphed(),
     "program_tiny_mlp_steps@cublas": PROGRAMS["program_tiny_mlp_steps"],
 })
 
@@ -268,3 +274,11 @@ def two_gpus_graphed() -> None:
             np.testing.assert_allclose(got["y"], x + b, rtol=1e-6)
             np.testing.assert_allclose(got["z"], np.tanh(x + b), rtol=1e-5, atol=1e-6)
     assert program.cuda_graphs == "replaying one CUDA graph per call", program.cuda_graphs
+
+
+def mixed_graphed() -> None:
+    """`MIXED` (a node on the cpu) asked to run as a CUDA graph: it runs task by task,
+    right, and says which node kept it from being one graph."""
+    with graphs_on():
+        same_outputs(MIXED, expect_graphs="launching task by task: not one CUDA graph, as "
+                                          "node %")

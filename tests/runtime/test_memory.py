@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from purinec.errors import MemoryLimitError
-from purinec.ir.graph import Graph
+from purinec.ir.graph import Graph, Node
 from purinec.ir.ops import REGISTRY, FusionKind
 from purinec.ir.types import DType, Device, TensorType
 from purinec.runtime.executor import Executable
@@ -55,12 +55,13 @@ def test_an_elementwise_chain_runs_in_one_buffer():
     assert_same(execute(graph, copied(env)), Executable(graph, reference_kernels(graph))(env))
 
 
-def independent_liveness(graph: Graph) -> tuple[dict, dict]:
-    """Live ranges recomputed from the graph alone: a value is live from the node that
-    writes its memory to its last reader (to the end for outputs)."""
-    position = {node: i for i, node in enumerate(graph.nodes)}
+def independent_liveness(graph: Graph, schedule: list[Node]) -> tuple[dict, dict]:
+    """Live ranges recomputed from the graph alone, run in ``schedule``: a value is
+    live from the node that writes its memory to its last reader (to the end for
+    outputs)."""
+    position = {node: i for i, node in enumerate(schedule)}
     start, end = {}, {}
-    for node in graph.nodes:
+    for node in schedule:
         for value in node.outputs:
             writer = node
             while is_view(writer) and writer.inputs[0].producer is not None:
@@ -92,7 +93,7 @@ def independent_liveness(graph: Graph) -> tuple[dict, dict]:
 def test_no_two_live_values_overlap(seed, n_nodes, n_devices):
     graph = random_graph(seed, n_nodes, n_devices)
     memory = plan_memory(graph)
-    start, end = independent_liveness(graph)
+    start, end = independent_liveness(graph, memory.schedule)
     arena = [v for v in start if memory.class_of[v].storage == ARENA]
     for v in arena:
         cls = memory.class_of[v]
@@ -177,6 +178,32 @@ def test_an_update_moves_after_the_variables_last_reader_to_be_made_in_place():
     outputs = exe(env)
     assert outputs["w"] is env["w"]
     assert_same(expected, outputs)  # the late reader saw the old weight
+
+
+def _with_a_reader_of_the_history(graph: Graph, op: str, old_weight: bool) -> Node:
+    """A node right after the update reading its new history (and the old weight):
+    what a fused sum + SGD exporting the sum for a copy looks like to the planner."""
+    w, sgd = graph.input("w"), graph.nodes[2]
+    node = graph.make_node(op, [w, sgd.outputs[1]] if old_weight else [sgd.outputs[1]])
+    graph.nodes.insert(3, node)
+    graph.set_outputs([*graph.outputs, ("after", node.outputs[0])])
+    return node
+
+
+@pytest.mark.parametrize("old_weight", [False, True])
+def test_an_update_whose_other_output_is_read_moves_with_its_reader(old_weight):
+    graph = sgd_graph(late_reader=True)
+    sgd, late = graph.nodes[2], graph.nodes[3]
+    after = _with_a_reader_of_the_history(graph, "add" if old_weight else "tanh", old_weight)
+    memory = plan_memory(graph)
+    if old_weight:  # it reads the old weight but needs the update: a fresh array
+        assert {o.name: o.mode for o in memory.outputs}["w"] == FRESH
+    else:
+        assert memory.schedule == graph.nodes[:2] + [late, sgd, after]
+        assert {o.name: o.mode for o in memory.outputs}["w"] == VARIABLE
+    exe = Executable(graph, reference_kernels(graph))
+    env = random_env(graph)
+    assert_same(execute(graph, copied(env)), exe(env))
 
 
 def test_an_unsafe_update_gets_a_fresh_array():
