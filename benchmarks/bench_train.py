@@ -192,10 +192,12 @@ def compare(check: CheckData, losses: list[float],
 class PurinecTrainer:
     """purinec's `Program` behind the peers' trainer interface (see benchmarks.peers)."""
 
-    def __init__(self, model: str, batch: int, target: str, params: dict):
+    def __init__(self, model: str, batch: int, target: str, params: dict,
+                 devices: str | None = None):
         import purinec
 
-        self.program = purinec.compile(model, target=target, train=solver(), batch=batch)
+        self.program = purinec.compile(model, target=target, train=solver(), batch=batch,
+                                       devices=devices)
         for name, value in params.items():
             self.program.params[name] = value
 

@@ -6,14 +6,17 @@
 1. numerics: every zoo model's training step, 3 steps on ``cuda`` from the reference
    target's initial weights and batches, against the reference (the tolerances of
    `benchmarks.bench_train`: each loss within 1e-4, each weight's change within 1e-2);
+   lenet also with the tiled GEMM kernels, and data-parallel over two devices on the
+   one GPU (its allreduces as copies and sums on the GPU);
 2. speed: a training step of lenet b64, cifar_quick b100 and b1024 and inception b64,
    against PyTorch eager and ``torch.compile`` on the same GPU from the same weights
    (medians, and purinec's time over each peer's);
 3. bandwidth: a fused elementwise kernel over 2**26 float32 elements, as a share of a
    device-to-device copy's bandwidth (both timed by CUDA events);
-4. CUDA graphs: training steps of lenet b64 and cifar_quick b100 replaying one captured
-   CUDA graph (``PURINEC_CUDA_GRAPHS=1``) against launching task by task, and their
-   losses after the same steps.
+4. CUDA graphs: training steps of lenet b64 and cifar_quick b100, and lenet b64 over
+   two devices on the one GPU, replaying one captured CUDA graph
+   (``PURINEC_CUDA_GRAPHS=1``) against launching task by task, and their losses after
+   the same steps.
 
 It prints a table and writes everything as JSON (``--json``, default
 ``gpu_check.json``). A section that fails is reported and the others still run; one that
@@ -47,6 +50,7 @@ from purinec.runtime import gpu
 CHECK_STEPS = 3
 PEERS = ("torch", "torch.compile")
 TINY_NET = str(Path(__file__).resolve().parents[1] / "tests" / "on_cuda" / "tiny_net.py")
+TWO_DEVICES = "gpu:0,gpu:1"  # data parallelism; both on GPU 0 where it is the only one
 
 
 class Sizes:
@@ -55,11 +59,17 @@ class Sizes:
     def __init__(self, smoke: bool = False):
         from purinec.models.zoo import ZOO
 
-        self.models = [TINY_NET] if smoke else sorted(ZOO)
-        # checked and timed with the tiled GEMM kernels too (the default: cuBLAS)
+        models = [TINY_NET] if smoke else sorted(ZOO)
+        # checked and timed with the tiled GEMM kernels too (the default: cuBLAS), and
+        # checked over two devices
         self.tiled = TINY_NET if smoke else "lenet"
-        # timed replaying a CUDA graph against launching task by task
-        self.graphs = [(TINY_NET, 2)] if smoke else [("lenet", 64), ("cifar_quick", 100)]
+        # (model, products form, devices): what the numerics check
+        self.variants = ([(model, None, None) for model in models]
+                         + [(self.tiled, "tiled", None), (self.tiled, None, TWO_DEVICES)])
+        # (model, batch, devices): timed replaying a CUDA graph against launching
+        self.graphs = ([(TINY_NET, 2, None), (TINY_NET, 2, TWO_DEVICES)] if smoke else
+                       [("lenet", 64, None), ("cifar_quick", 100, None),
+                        ("lenet", 64, TWO_DEVICES)])
         self.check_batch = 2 if smoke else 4
         self.speed = ([(TINY_NET, 2)] if smoke else
                       [("lenet", 64), ("cifar_quick", 100), ("cifar_quick", 1024),
@@ -114,7 +124,7 @@ def environment() -> dict:
 
 def check_numerics(budget: Budget, sizes: Sizes) -> list[dict]:
     rows = []
-    for model, form in [(m, None) for m in sizes.models] + [(sizes.tiled, "tiled")]:
+    for model, form, devices in sizes.variants:
         if budget.left() < sizes.reserve:
             rows.append({"model": model, "skipped": "time budget"})
             continue
@@ -123,13 +133,14 @@ def check_numerics(budget: Budget, sizes: Sizes) -> list[dict]:
             check = _more_steps(CheckData.compute(model, sizes.check_batch), model,
                                 sizes.check_batch)
             with products(form):
-                trainer = PurinecTrainer(model, sizes.check_batch, "cuda", check.init)
+                trainer = PurinecTrainer(model, sizes.check_batch, "cuda", check.init,
+                                         devices)
             losses = [trainer.step({"data": x, "label": y}) for x, y in check.batches]
             errors, problems = compare(check, losses, trainer.params())
             trainer.close()
             rows.append({"model": model, "batch": sizes.check_batch, **errors,
-                         "products": form or blas.products(), "problems": problems,
-                         "seconds": time.perf_counter() - start})
+                         "products": form or blas.products(), "devices": devices or "gpu:0",
+                         "problems": problems, "seconds": time.perf_counter() - start})
         except Exception:
             rows.append({"model": model, "error": traceback.format_exc(limit=-3)})
         say(f"numerics {model}: {rows[-1].get('problems', rows[-1].get('error', ''))}")
@@ -314,16 +325,16 @@ def check_cuda_graphs(budget: Budget, sizes: Sizes) -> list[dict]:
     launching task by task, from the same weights on the same batch: median ms, and
     the losses of the two after the same steps (they must agree)."""
     rows = []
-    for model, batch in sizes.graphs:
+    for model, batch, devices in sizes.graphs:
         if budget.left() < sizes.reserve:
             rows.append({"model": model, "batch": batch, "skipped": "time budget"})
             continue
         params, x, y = _problem(model, batch)
-        row: dict = {"model": model, "batch": batch}
+        row: dict = {"model": model, "batch": batch, "devices": devices or "gpu:0"}
         for name, flag in (("launches", "0"), ("graph", "1")):
             try:
                 with _environment(gpu.GRAPHS_VAR, flag):
-                    trainer = PurinecTrainer(model, batch, "cuda", params)
+                    trainer = PurinecTrainer(model, batch, "cuda", params, devices)
                     row[f"{name}_ms"] = _median_step_ms(trainer, x, y, sizes, close=False)
                     row[f"{name}_loss"] = trainer.step({"data": x, "label": y})
                     row[f"{name}_status"] = trainer.program.cuda_graphs
@@ -349,7 +360,8 @@ def table(report: dict) -> str:
         state = ("skipped: " + row["skipped"] if "skipped" in row else
                  "ERROR " + row["error"].splitlines()[-1] if "error" in row else
                  "ok" if not row["problems"] else "; ".join(row["problems"][:2]))
-        lines.append(f"  {row['model']:<12} {row.get('products', ''):<7} {state}")
+        lines.append(f"  {row['model']:<12} {row.get('products', ''):<7} "
+                     f"{row.get('devices', ''):<12} {state}")
     lines += ["", "training step, median ms (purinec / peer):"]
     for row in report.get("speed", []):
         if "skipped" in row:
@@ -369,7 +381,8 @@ def table(report: dict) -> str:
     graphs = report.get("cuda_graphs", [])
     for row in graphs if isinstance(graphs, list) else [graphs]:
         if "speedup" in row:
-            lines.append(f"  {row['model']} b{row['batch']}: {row['graph_ms']:.2f} / "
+            lines.append(f"  {row['model']} b{row['batch']} on {row['devices']}: "
+                         f"{row['graph_ms']:.2f} / "
                          f"{row['launches_ms']:.2f} ({row['speedup']:.2f}x faster; same "
                          f"loss: {row['same_loss']}; {row['graph_status']})")
         else:
@@ -390,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes, to check this script (in the CUDA simulator)")
     args = parser.parse_args(argv)
+    if args.smoke:  # in Numba's CUDA simulator: its threads take turns more often
+        sys.setswitchinterval(5e-4)  # (see tests/on_cuda/simulate.quicker_threads)
     budget = Budget(args.budget)
     sizes = Sizes(args.smoke)
     report: dict = {"environment": environment()}

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -481,15 +482,110 @@ def worker_setup(gpus: Gpus) -> Callable[[Lane], None]:
 # -- an iteration as one CUDA graph ------------------------------------------------
 
 GRAPHS_VAR = "PURINEC_CUDA_GRAPHS"
+GRAPH_MODES = ("0", "1", "auto")
+TRIAL_CALLS = 3  # calls timed each way before ``auto`` chooses
 
 
-def graphs_wanted() -> bool:
-    """Whether ``PURINEC_CUDA_GRAPHS=1`` asks for iterations captured as CUDA graphs."""
-    value = os.environ.get(GRAPHS_VAR, "0").strip()
-    if value not in ("0", "1", ""):
+def graphs_mode() -> str:
+    """``PURINEC_CUDA_GRAPHS``: ``0`` (the default) launches task by task, ``1`` replays
+    one CUDA graph per call, ``auto`` times both and keeps the faster (`GraphChoice`)."""
+    value = os.environ.get(GRAPHS_VAR, "0").strip() or "0"
+    if value not in GRAPH_MODES:
         raise PurinecError(f"{GRAPHS_VAR}={value!r}: 1 captures a cuda program's "
-                           f"iteration as a CUDA graph, 0 (the default) does not")
-    return value == "1"
+                           f"iteration as a CUDA graph and replays it, auto does where "
+                           f"that measures faster, 0 (the default) does not")
+    return value
+
+
+class GraphChoice:
+    """How a `GpuExecutable`'s calls run: task by task, or replaying one CUDA graph
+    (`CapturedStep`), captured at the second call, once the first has compiled every
+    kernel. With ``PURINEC_CUDA_GRAPHS=1`` every later call replays it. With ``auto``,
+    TRIAL_CALLS calls are first timed launching task by task and as many replaying the
+    graph, and the faster way runs from then on: a graph saves a launch per task, which
+    bounds small networks on a big GPU, but replays copy the inputs and outputs through
+    staging buffers. A capture that fails in ``auto`` is logged and that call runs
+    task by task; with ``1`` it raises. ``status`` says which way calls run, and why."""
+
+    clock = staticmethod(time.perf_counter)
+
+    def __init__(self, name: str, gpus: Gpus):
+        self.name, self.gpus, self.mode = name, gpus, graphs_mode()
+        self.status = "launching task by task"
+        self.phase = "launching"  # or "timing launches", "capturing", "timing replays",
+        self.captured: CapturedStep | None = None  # "replaying"
+        self.calls = 0
+        self.times: dict[str, list[float]] = {"launches": [], "replays": []}
+
+    def run(self, inner, bound: dict) -> dict:
+        self.calls += 1
+        if self.calls == 2 and self.mode != "0":
+            self._begin(inner)
+        if self.phase == "launching":
+            return inner(bound)
+        if self.phase == "timing launches":
+            outputs = self._timed("launches", inner, bound)
+            if len(self.times["launches"]) == TRIAL_CALLS:
+                self.phase = "capturing"
+            return outputs
+        if self.phase == "capturing":
+            return self._capture(inner, bound)
+        outputs = (self._timed("replays", inner, bound, self.captured)
+                   if self.phase == "timing replays" else inner(bound, self.captured))
+        if self.captured.given_up:
+            self._settle("launching", f"launching task by task: the CUDA graph was given "
+                                      f"up, as {self.captured.given_up}")
+        elif len(self.times["replays"]) == TRIAL_CALLS:
+            self._choose()
+        return outputs
+
+    def _begin(self, inner) -> None:
+        from purinec.runtime.executor import Executable
+
+        reason = (CapturedStep.refusal(inner, self.gpus) if isinstance(inner, Executable)
+                  else "it spans processes")
+        if reason is not None:
+            self._settle("launching", f"launching task by task: not one CUDA graph, as "
+                                      f"{reason}")
+        elif self.mode == "1":
+            self.captured = CapturedStep(inner, self.gpus)
+            self._settle("replaying", "replaying one CUDA graph per call")
+        else:
+            self.phase = "timing launches"
+            self.status = "timing launches task by task against a CUDA graph's replays"
+
+    def _capture(self, inner, bound: dict) -> dict:
+        self.captured = CapturedStep(inner, self.gpus)
+        try:
+            outputs = inner(bound, self.captured)
+        except Exception as err:  # (whatever the driver said: the launches still work)
+            self._settle("launching", f"launching task by task: capturing a CUDA graph "
+                                      f"failed ({type(err).__name__}: {err})")
+            return inner(bound)
+        self.phase = "timing replays"
+        return outputs
+
+    def _timed(self, way: str, inner, *args) -> dict:
+        start = self.clock()
+        outputs = inner(*args)
+        self.times[way].append(self.clock() - start)
+        return outputs
+
+    def _choose(self) -> None:
+        launches, replays = (1e3 * float(np.median(self.times[way]))
+                             for way in ("launches", "replays"))
+        if replays < launches:
+            self._settle("replaying", f"replaying one CUDA graph per call ({replays:.3g} "
+                                      f"ms a call against {launches:.3g} launching)")
+        else:
+            self._settle("launching", f"launching task by task ({launches:.3g} ms a call "
+                                      f"against {replays:.3g} replaying a CUDA graph)")
+
+    def _settle(self, phase: str, status: str) -> None:
+        self.phase, self.status = phase, status
+        if phase == "launching":
+            self.captured = None
+        log.info("graph %s: %s", self.name, status)
 
 
 class CapturedStep:
@@ -694,11 +790,7 @@ class GpuExecutable:
     def __init__(self, graph: Graph, build: Callable[[frozenset[str]], Any], gpus: Gpus):
         self.graph, self._build, self.gpus = graph, build, gpus
         self._inner = None
-        # How calls run: one by one, or replaying a CUDA graph (``PURINEC_CUDA_GRAPHS=1``;
-        # captured at the second call, after the first has compiled every kernel).
-        self.graph_status = "launching task by task"
-        self._captured: CapturedStep | None = None
-        self._calls = 0
+        self._graphs = GraphChoice(graph.name, gpus)
         self.resident: frozenset[str] = frozenset()
         self._mirrors: dict[str, Any] = {}
         self._loaded: dict[str, Any] = {}  # name -> host array the GPU holds, None: newer
@@ -737,7 +829,7 @@ class GpuExecutable:
                 mirror.copy_to_device(np.ascontiguousarray(host))
                 self._loaded[name] = host
             bound[name] = mirror
-        outputs = self._run(inner, bound)
+        outputs = self._graphs.run(inner, bound)
         for name, mirror in self._mirrors.items():
             if name in outputs:
                 value = outputs.pop(name)
@@ -746,30 +838,10 @@ class GpuExecutable:
                 self._loaded[name] = None
         return outputs
 
-    def _run(self, inner, bound: dict) -> dict:
-        """One call: by the counting executor, or as a CUDA graph where asked and
-        possible (`CapturedStep`; why not, in ``graph_status`` and the log)."""
-        self._calls += 1
-        if self._captured is None and self._calls == 2 and graphs_wanted():
-            from purinec.runtime.executor import Executable
-
-            reason = (CapturedStep.refusal(inner, self.gpus) if isinstance(inner, Executable)
-                      else "it spans processes")
-            if reason is None:
-                self._captured = CapturedStep(inner, self.gpus)
-                self.graph_status = "replaying one CUDA graph per call"
-            else:
-                self.graph_status = f"launching task by task: not one CUDA graph, as {reason}"
-            log.info("graph %s: %s", self.graph.name, self.graph_status)
-        if self._captured is None:
-            return inner(bound)
-        outputs = inner(bound, self._captured)
-        if self._captured.given_up:
-            self.graph_status = (f"launching task by task: the CUDA graph was given up, as "
-                                 f"{self._captured.given_up}")
-            log.info("graph %s: %s", self.graph.name, self.graph_status)
-            self._captured = None
-        return outputs
+    @property
+    def graph_status(self) -> str:
+        """Whether calls launch task by task or replay a CUDA graph, and why."""
+        return self._graphs.status
 
     def pull(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Copy the GPU's values of these variables into the host ``arrays``."""

@@ -125,15 +125,61 @@ def graphed_training(model, expect: str = "replaying one CUDA graph per call", *
 
 
 @contextmanager
-def graphs_on():
-    """``PURINEC_CUDA_GRAPHS=1`` meanwhile."""
+def graphs_on(mode: str = "1"):
+    """``PURINEC_CUDA_GRAPHS=mode`` meanwhile."""
     from purinec.runtime.gpu import GRAPHS_VAR
 
-    os.environ[GRAPHS_VAR] = "1"
+    os.environ[GRAPHS_VAR] = mode
     try:
         yield
     finally:
         del os.environ[GRAPHS_VAR]
+
+
+def graphs_chosen_by_time() -> None:
+    """``PURINEC_CUDA_GRAPHS=auto`` keeps the graph where replays time faster than
+    launches and launches where not (a clock that says so: every timed call takes
+    0.5 s, a replay ``extra`` more), and launches where capturing fails; training is
+    right in every case, on new batches each step through the trials and after (call
+    1 compiles, 2 is timed launching, 3 captures, 4 is timed replaying, 5 runs the
+    chosen way)."""
+    from purinec.runtime import gpu
+
+    clock, replay, capture = gpu.GraphChoice.clock, gpu.CapturedStep.__call__, \
+        gpu._SimulatedGraph.capture
+    now = [0.0]
+
+    def fake_clock():
+        now[0] += 0.5
+        return now[0]
+
+    def failing_capture(graph, calls):
+        raise gpu.ExecutionError("the driver refused (a stand-in)")
+
+    trials = gpu.TRIAL_CALLS
+    try:
+        gpu.TRIAL_CALLS = 1  # (the simulator is slow: one call timed each way)
+        gpu.GraphChoice.clock = staticmethod(fake_clock)
+        for extra, fails, expect in ((-0.25, False, "replaying one CUDA graph per call "
+                                                    "(250 ms a call against 500 launching"),
+                                     (0.5, False, "launching task by task (500 ms a call "
+                                                  "against 1e+03 replaying"),
+                                     (0.0, True, "launching task by task: capturing a "
+                                                 "CUDA graph failed (ExecutionError: the "
+                                                 "driver refused")):
+            def timed_replay(step, plan, extra=extra):
+                now[0] += extra
+                return replay(step, plan)
+            gpu.CapturedStep.__call__ = timed_replay
+            gpu._SimulatedGraph.capture = failing_capture if fails else capture
+            with graphs_on("auto"):
+                program = trained_alike(tiny_mlp(), steps=5, classes=3)
+            assert program.cuda_graphs.startswith(expect), program.cuda_graphs
+    finally:
+        gpu.TRIAL_CALLS = trials
+        gpu.GraphChoice.clock = staticmethod(clock)
+        gpu.CapturedStep.__call__ = replay
+        gpu._SimulatedGraph.capture = capture
 
 
 def weights_stay_on_the_gpu(devices=None) -> None:
@@ -246,6 +292,7 @@ PROGRAMS.update({
         tiny_mlp(), devices="gpu:0,gpu:1"),
     "program_two_gpus_graphed": lambda rng: two_gpus_graphed(),
     "program_mixed_cpu_and_gpu_graphed": lambda rng: mixed_graphed(),
+    "program_tiny_mlp_graphs_chosen_by_time": lambda rng: graphs_chosen_by_time(),
     "program_tiny_mlp_steps@cublas": PROGRAMS["program_tiny_mlp_steps"],
 })
 

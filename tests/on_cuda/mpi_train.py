@@ -12,6 +12,7 @@ import numpy as np
 import purinec
 from purinec.runtime import comm
 from tests.on_cuda.cases_programs import feeds_for, tiny_mlp
+from tests.on_cuda.simulate import quicker_threads
 
 
 def main(out: str) -> None:
@@ -41,4 +42,5 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
+    quicker_threads()
     main(sys.argv[1])

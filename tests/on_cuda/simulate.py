@@ -170,10 +170,22 @@ def run_case(name: str, case) -> None:
                             f"itself)")
 
 
+SWITCH_INTERVAL = 5e-4  # seconds
+
+
+def quicker_threads() -> None:
+    """Let the simulator's threads take turns every SWITCH_INTERVAL rather than Python's
+    5 ms: it runs each CUDA thread of a block as a Python thread, which a barrier makes
+    wait for all the others, while its launching thread polls them holding the lock.
+    Launches with barriers (reductions) run 3-4 times faster."""
+    sys.setswitchinterval(SWITCH_INTERVAL)
+
+
 def main(names: list[str]) -> int:
     if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1" or "numba" in sys.modules:
         print("set NUMBA_ENABLE_CUDASIM=1 before starting this", file=sys.stderr)
         return 2
+    quicker_threads()
     cases = all_cases()
     for name in names or list(cases):
         try:

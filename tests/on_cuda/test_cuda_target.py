@@ -84,12 +84,13 @@ def test_the_gpu_map(monkeypatch):
 
 def test_the_switches_of_cuda_graphs_and_products(monkeypatch):
     monkeypatch.delenv(gpu.GRAPHS_VAR, raising=False)
-    assert not gpu.graphs_wanted()
-    monkeypatch.setenv(gpu.GRAPHS_VAR, "1")
-    assert gpu.graphs_wanted()
+    assert gpu.graphs_mode() == "0"
+    for mode in ("1", "auto", "0"):
+        monkeypatch.setenv(gpu.GRAPHS_VAR, mode)
+        assert gpu.graphs_mode() == mode
     monkeypatch.setenv(gpu.GRAPHS_VAR, "yes")
     with pytest.raises(PurinecError, match="PURINEC_CUDA_GRAPHS='yes': 1 captures"):
-        gpu.graphs_wanted()
+        gpu.graphs_mode()
     monkeypatch.delenv(blas.PRODUCTS_VAR, raising=False)
     missing = blas.cublas_missing()  # (without a GPU: cuBLAS did not load, and why)
     assert blas.products() == ("tiled" if missing else "cublas")

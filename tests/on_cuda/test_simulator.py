@@ -105,13 +105,16 @@ def test_gpu_check_runs_every_section_in_the_simulator(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(report.read_text())
-    assert [row["products"] for row in result["numerics"]] == ["cublas", "tiled"]
+    assert [(row["products"], row["devices"]) for row in result["numerics"]] == [
+        ("cublas", "gpu:0"), ("tiled", "gpu:0"), ("cublas", "gpu:0,gpu:1")]
     for row in result["numerics"]:
         assert row["problems"] == [], row
     assert result["bandwidth"]["share_of_copy"] > 0, result["bandwidth"]
     (speed,) = result["speed"]
     assert speed["purinec"] > 0 and speed["purinec tiled"] > 0, speed
-    (graphs,) = result["cuda_graphs"]
-    assert graphs["same_loss"] and graphs["speedup"] > 0, graphs
+    assert [row["devices"] for row in result["cuda_graphs"]] == ["gpu:0", "gpu:0,gpu:1"]
+    for graphs in result["cuda_graphs"]:
+        assert graphs["same_loss"] and graphs["speedup"] > 0, graphs
+        assert graphs["graph_status"].startswith("replaying"), graphs
     assert graphs["graph_status"] == "replaying one CUDA graph per call", graphs
     assert "numerics (3 steps vs reference)" in done.stdout
