@@ -401,6 +401,24 @@ def run_job(job_path: str, work: Callable[[dict], dict]) -> int:
 # The parent: plan, run workers, print.
 
 
+def avx2_only() -> dict[str, str]:
+    """Variables that keep every contender to AVX2 on an AVX-512 machine (``--isa
+    avx2``): an AVX2 machine emulated on the same cores, not measured on one. LLVM
+    (purinec's kernels, through Numba) compiles for the host's features without
+    AVX-512 and for a CPU of the same maker without it; OpenBLAS takes its Haswell
+    kernels; PyTorch's kernels, oneDNN and Inductor's code, and XLA's stop at AVX2."""
+    import llvmlite.binding as llvm
+
+    features = llvm.get_host_cpu_features().flatten()
+    without = ",".join(("-" + f[1:]) if f[1:].startswith("avx512") else f
+                       for f in features.split(","))
+    host = llvm.get_host_cpu_name()
+    return {"NUMBA_CPU_NAME": "znver3" if host.startswith("znver") else "skylake",
+            "NUMBA_CPU_FEATURES": without, "OPENBLAS_CORETYPE": "Haswell",
+            "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+            "XLA_FLAGS": "--xla_cpu_max_isa=AVX2"}
+
+
 def child_env(threads: int, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update({var: str(threads) for var in THREAD_VARS})
@@ -806,6 +824,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the contenders take turns this many times, a fresh process each; "
                         "iterations and budget are split between the rounds (default 3)")
     p.add_argument("--threads", type=int, default=2, help="threads per contender (default 2)")
+    p.add_argument("--isa", choices=("host", "avx2"), default="host",
+                   help="avx2: every contender kept to AVX2 (an AVX2 machine emulated on "
+                        "an AVX-512 one; see avx2_only). Default: what the host has")
     p.add_argument("--startup-repeats", type=int,
                    help="fresh-process cold/warm starts per model and target (default 3)")
     p.add_argument("--no-startup", action="store_true", help="skip the cold/warm starts")
@@ -871,6 +892,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker_main(args.worker)
+    if args.isa == "avx2":  # (the workers inherit it; this process's BLAS has started)
+        os.environ.update(avx2_only())
     peers, notes = installed_peers(args.peers)
     from purinec.targets import TARGETS
 
@@ -879,6 +902,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"{', '.join(TARGETS)} measured")
     info = machine()
     info["sgemm_gflops"] = sgemm_rate(args.threads)
+    if args.isa == "avx2":
+        info["cpu"] += (" with every contender kept to AVX2 (--isa avx2, an emulation; "
+                        "the sgemm rate below is not kept to it)")
     contenders = [PURINEC + t for t in args.targets] + peers
     train_rows, startup_rows = [], []
     with tempfile.TemporaryDirectory(prefix="purinec-bench-") as workdir:

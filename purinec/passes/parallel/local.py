@@ -30,9 +30,6 @@ from purinec.ir.graph import Graph, Node, Value
 from purinec.ir.ops import get_op, spans_ranks
 from purinec.ir.types import Device
 
-LOWERED = ("allreduce", "reduce", "broadcast", "allgather", "slice")
-
-
 def lower_local_collectives(graph: Graph) -> Graph:
     """``graph`` with its in-process GPU collectives and slices as copies and kernels
     (see the module doc)."""
@@ -50,7 +47,7 @@ def lower_local_collectives(graph: Graph) -> Graph:
 
 
 def _lowered(node: Node) -> bool:
-    return (node.op in LOWERED and not spans_ranks(node)
+    return (node.op in _LOWERINGS and not spans_ranks(node)
             and all(v.device.kind == "gpu" for v in (*node.inputs, *node.outputs)))
 
 
