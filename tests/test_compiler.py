@@ -117,6 +117,9 @@ def _round_trip_check(name: str, seen: list[str]):
     return check
 
 
+CUDA_ONLY = ("on_gpus", "local_collectives")  # the cuda target's own stages
+
+
 @pytest.mark.parametrize("name", sorted(ZOO))
 @pytest.mark.parametrize("training", [False, True])
 def test_every_stage_of_every_zoo_model_round_trips(name, training):
@@ -126,7 +129,7 @@ def test_every_stage_of_every_zoo_model_round_trips(name, training):
     build_graph(load_source(name, batch=2), sgd, check, target="cpu")  # cpu: fuse runs too
     parallel_only = ("stages", "microbatch", "parallel", "partition")
     expected = [s for s in STAGES if (training or s not in ("autodiff", "optimizer"))
-                and s not in parallel_only and s != "on_gpus"]  # (the cuda target's)
+                and s not in parallel_only and s not in CUDA_ONLY]
     assert seen == expected
 
 
@@ -143,7 +146,7 @@ def test_every_parallel_stage_of_every_zoo_model_round_trips(name, strategy):
                           spread)
     get_target("cpu").pipeline().run_physical(logical, check)
     expected = [s for s in STAGES if (strategy == "pipeline" or
-                                      s not in ("stages", "microbatch")) and s != "on_gpus"]
+                                      s not in ("stages", "microbatch")) and s not in CUDA_ONLY]
     assert seen == expected
 
 

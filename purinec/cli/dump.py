@@ -35,6 +35,9 @@ stages, in pipeline order (autodiff and optimizer only with --train):
                 nodes on their pieces of the tensors
   on_gpus       --target cuda: a graph placed on cpu devices only moved to the gpu
                 devices of the same numbers
+  local_collectives
+                --target cuda: collectives and slices among the GPUs of one process
+                as copies between them and kernels on them (sums, concats)
   fuse          nodes grouped into fused kernels (cpu and cuda targets; the final IR)
   kernels       the generated Numba source of every kernel (cpu and cuda targets)
 """
