@@ -4,9 +4,12 @@ kernel of every zoo model. (Its numbers: `test_simulator`.)"""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import importlib.util
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -257,3 +260,22 @@ def test_memory_a_gpu_cannot_give_is_an_error_naming_what_and_where():
                                            r"bytes\) on GPU 0 failed: MemoryError: "
                                            r"CUDA_ERROR_OUT_OF_MEMORY"):
         gpus.allocate(Device("gpu", 1), (1000, 1000), np.float32, "param w")
+
+
+def test_a_threads_cublas_handles_are_destroyed_when_it_ends(monkeypatch):
+    """Each worker thread makes its own cuBLAS handles; a program's workers end when it
+    closes, and their handles must go with them (each holds GPU memory)."""
+    from numba import cuda
+    from nvmath.bindings import cublas
+
+    destroyed = []
+    monkeypatch.setattr(cublas, "destroy", destroyed.append)
+    monkeypatch.setattr(cuda, "gpus", [contextlib.nullcontext()] * 2, raising=False)
+
+    def worker():
+        blas._local.handles = blas._Handles({0: 11, 1: 12})
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    gc.collect()
+    assert sorted(destroyed) == [11, 12]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import weakref
 
 import numpy as np
 
@@ -83,14 +84,15 @@ def scratch(stream, nbytes: int):
     return _stream_buffer(_SCRATCH, stream, nbytes, "scratch memory for matrix products")
 
 
-_SCRATCH: dict = {}
+# Buffers live as long as their stream: a program's streams, and so its buffers, go
+# when the program does.
+_SCRATCH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _stream_buffer(buffers: dict, stream, nbytes: int, what: str):
+def _stream_buffer(buffers: weakref.WeakKeyDictionary, stream, nbytes: int, what: str):
     """The device buffer of ``buffers`` kept for ``stream``, at least ``nbytes`` long:
     made, or grown once the stream's queued work (which may use the old one) is done."""
-    key = _stream_key(stream)
-    held = buffers.get(key)
+    held = buffers.get(stream)
     if held is None or held.size < nbytes:
         from numba import cuda
 
@@ -101,18 +103,8 @@ def _stream_buffer(buffers: dict, stream, nbytes: int, what: str):
         except Exception as err:
             raise ExecutionError(f"allocating {nbytes:,} bytes of {what} failed: "
                                  f"{type(err).__name__}: {err}") from err
-        buffers[key] = held
+        buffers[stream] = held
     return held
-
-
-def _stream_key(stream):
-    """A stream's identity across the Python objects that stand for it (Numba makes a
-    new one for the default stream at every ``cuda.default_stream()``), per GPU."""
-    if simulated():
-        return 0  # the simulator runs each launch to its end: one buffer serves all
-    from numba import cuda
-
-    return cuda.get_current_device().id, _address(stream)
 
 
 def simulated() -> bool:
@@ -124,14 +116,30 @@ def simulated() -> bool:
 
 # -- cuBLAS -------------------------------------------------------------------------
 
-_local = threading.local()  # each host thread's cuBLAS handle per GPU
+_local = threading.local()  # each host thread's cuBLAS handles (`_Handles`)
 _SCALARS = {np.dtype(t): (np.zeros(1, t), np.ones(1, t)) for t in (np.float32, np.float64)}
 
 
 # cuBLAS's workspace per stream (its advice for Hopper: 32 MiB). Set explicitly, so
 # that cuBLAS allocates nothing of its own while a CUDA graph is captured.
 WORKSPACE_BYTES = 32 << 20
-_WORKSPACES: dict = {}
+_WORKSPACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class _Handles(dict):
+    """One host thread's cuBLAS handles, by GPU, destroyed when the thread ends (its
+    locals go then: a program's worker threads end when it closes)."""
+
+    def __del__(self):
+        from numba import cuda
+        from nvmath.bindings import cublas
+
+        for gpu, handle in self.items():
+            try:
+                with cuda.gpus[gpu]:
+                    cublas.destroy(handle)
+            except Exception:  # (at interpreter exit the driver may be gone)
+                pass
 
 
 def _handle(stream) -> int:
@@ -143,7 +151,7 @@ def _handle(stream) -> int:
 
     handles = getattr(_local, "handles", None)
     if handles is None:
-        handles = _local.handles = {}
+        handles = _local.handles = _Handles()
     gpu = cuda.get_current_device().id
     if gpu not in handles:
         handles[gpu] = cublas.create()
