@@ -10,12 +10,13 @@ import importlib.util
 import subprocess
 import sys
 import threading
+import types
 
 import numpy as np
 import pytest
 
 import purinec
-from purinec.errors import PurinecError
+from purinec.errors import ExecutionError, PurinecError
 from purinec.ir.parser import parse
 from purinec.ir.types import Device
 from purinec.models.zoo import ZOO
@@ -279,3 +280,95 @@ def test_a_threads_cublas_handles_are_destroyed_when_it_ends(monkeypatch):
     thread.join()
     gc.collect()
     assert sorted(destroyed) == [11, 12]
+
+
+class _FakeDriver:
+    """cuda-bindings' driver calls a capture makes, recorded; each checks its
+    arguments' types as the bindings do and answers (CUresult, value) like them."""
+
+    def __init__(self, driver, fail: str | None = None):
+        self.driver, self.fail, self.calls = driver, fail, []
+
+    def _answer(self, name, value=None):
+        self.calls.append(name)
+        ok = self.driver.CUresult.CUDA_SUCCESS
+        err = self.driver.CUresult.CUDA_ERROR_INVALID_VALUE if name == self.fail else ok
+        return (err, value) if value is not None else (err,)
+
+    def cuStreamBeginCapture(self, stream, mode):
+        assert isinstance(stream, self.driver.CUstream) and int(stream) == 7
+        assert mode == self.driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+        return self._answer("begin")
+
+    def cuStreamEndCapture(self, stream):
+        assert int(stream) == 7
+        return self._answer("end", "graph")
+
+    def cuGraphInstantiate(self, graph, flags):
+        assert graph == "graph" and flags == 0
+        return self._answer("instantiate", "exec")
+
+    def cuGraphDestroy(self, graph):
+        return self._answer("destroy graph")
+
+    def cuGraphLaunch(self, graph_exec, stream):
+        assert graph_exec == "exec" and int(stream) == 7
+        return self._answer("launch")
+
+    def cuGraphExecDestroy(self, graph_exec):
+        return self._answer("destroy exec")
+
+    def cuGetErrorName(self, err):
+        return self.driver.CUresult.CUDA_SUCCESS, err.name.encode()
+
+
+class _FakeEvent:
+    def __init__(self, log):
+        self.log = log
+
+    def record(self, stream):
+        self.log.append(f"record on {int(stream)}")
+
+    def wait(self, stream):
+        self.log.append(f"wait on {int(stream)}")
+
+
+@pytest.mark.parametrize("fail", [None, "instantiate", "task"])
+def test_a_capture_makes_the_drivers_calls_in_order(monkeypatch, fail):
+    """`_DriverGraph` against a stand-in for the driver (no GPU here): capture begins
+    in relaxed mode on the first stream, the others fork from it and join back before
+    it ends, the graph is instantiated and destroyed, launched on the stream asked;
+    a failure says which step failed, and a task failing mid-capture still ends it."""
+    from cuda.bindings import driver
+
+    fake = _FakeDriver(driver, fail if fail != "task" else None)
+    for name in ("cuStreamBeginCapture", "cuStreamEndCapture", "cuGraphInstantiate",
+                 "cuGraphDestroy", "cuGraphLaunch", "cuGraphExecDestroy", "cuGetErrorName"):
+        monkeypatch.setattr(driver, name, getattr(fake, name))
+    log = []
+    gpus = types.SimpleNamespace(event=lambda: _FakeEvent(log))
+    graph = gpu._DriverGraph([7, 8, 9], gpus)
+
+    def task_fn(*args):
+        if fail == "task":
+            raise RuntimeError("a launch failed")
+        log.append(f"task {args}")
+    task = types.SimpleNamespace(fn=task_fn, describe=lambda: "node %t")
+    if fail is None:
+        graph.capture([(task, [1, 2])])
+        graph.launch(7)
+        del graph
+        gc.collect()
+        assert fake.calls == ["begin", "end", "instantiate", "destroy graph", "launch",
+                              "destroy exec"]
+        assert log == ["record on 7", "wait on 8", "wait on 9", "task (1, 2)",
+                       "record on 8", "wait on 7", "record on 9", "wait on 7"]
+        return
+    with pytest.raises(ExecutionError) as caught:
+        graph.capture([(task, [1, 2])])
+    if fail == "instantiate":
+        assert "CUDA graph instantiate failed: CUDA_ERROR_INVALID_VALUE" in str(caught.value)
+        assert fake.calls == ["begin", "end", "instantiate", "destroy graph"]
+    else:
+        assert "node %t failed in a CUDA graph's capture" in str(caught.value)
+        assert fake.calls == ["begin", "end"]
