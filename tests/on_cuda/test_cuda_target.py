@@ -372,3 +372,51 @@ def test_a_capture_makes_the_drivers_calls_in_order(monkeypatch, fail):
     else:
         assert "node %t failed in a CUDA graph's capture" in str(caught.value)
         assert fake.calls == ["begin", "end"]
+
+
+class _FakeDeviceArray:
+    """What `blas` reads of a device array: its pointer, dtype and size."""
+
+    def __init__(self, address: int, dtype=np.float32, size: int = 1 << 20):
+        self.dtype, self.size = np.dtype(dtype), size
+        self.__cuda_array_interface__ = {"data": (address, False)}
+
+
+@pytest.mark.parametrize("dtype,beta", [(np.float32, 0.0), (np.float64, 1.0)])
+def test_a_cublas_product_hands_the_bindings_its_arguments_in_their_order(monkeypatch,
+                                                                          dtype, beta):
+    """`blas._cublas_gemm` against a stand-in for nvmath's cuBLAS bindings (no GPU here):
+    the handle, bound to the stream and a workspace of the stream's own; then the
+    strided batched call with offsets turned into addresses and alpha, beta as host
+    pointers to 1 and 0 or 1. (What the arguments compute: the simulator's cases.)"""
+    import ctypes
+
+    from numba import cuda
+    from nvmath.bindings import cublas
+
+    calls = []
+    monkeypatch.setattr(blas, "_local", threading.local())
+    monkeypatch.setattr(cuda, "get_current_device", lambda: types.SimpleNamespace(id=0))
+    monkeypatch.setattr(cuda, "device_array", lambda n, dt: _FakeDeviceArray(0x9000, dt, n))
+    monkeypatch.setattr(cublas, "create", lambda: 99)
+    monkeypatch.setattr(cublas, "set_stream", lambda *a: calls.append(("stream", *a)))
+    monkeypatch.setattr(cublas, "set_workspace", lambda *a: calls.append(("workspace", *a)))
+    name = "sgemm_strided_batched" if dtype == np.float32 else "dgemm_strided_batched"
+    scalars = []
+
+    def product(*args):
+        calls.append((name, *args))
+        ctype = ctypes.c_float if dtype == np.float32 else ctypes.c_double
+        scalars.extend(ctype.from_address(args[i]).value for i in (6, 13))
+    monkeypatch.setattr(cublas, name, product)
+    stream = type("Stream", (), {"__int__": lambda self: 0x5000})()  # (weakly keyable)
+    a, b, c = (_FakeDeviceArray(base, dtype) for base in (0x1000, 0x2000, 0x3000))
+    blas._cublas_gemm(stream, 1, 0, 5, 6, 7, a, 2, 8, 40, b, 3, 9, 50, beta, c, 4, 10,
+                      60, 3)
+    item = np.dtype(dtype).itemsize
+    assert calls[0] == ("stream", 99, 0x5000)
+    assert calls[1] == ("workspace", 99, 0x9000, blas.WORKSPACE_BYTES)
+    assert calls[2][:7] == (name, 99, 1, 0, 5, 6, 7)
+    assert calls[2][8:13] == (0x1000 + 2 * item, 8, 40, 0x2000 + 3 * item, 9)
+    assert calls[2][13] == 50 and calls[2][15:] == (0x3000 + 4 * item, 10, 60, 3)
+    assert scalars == [1.0, beta]
