@@ -1,8 +1,9 @@
-"""Data parallelism over MPI ranks that each drive a GPU, in Numba's CUDA simulator:
-``NUMBA_ENABLE_CUDASIM=1 mpiexec -n 2 python tests/on_cuda/mpi_train.py OUT_DIR``. Each
-rank trains the small mlp of `cases_programs` over r0/gpu:0 and r1/gpu:0 and one device
-of the reference target alongside, from the same weights and batches, and writes
-OUT_DIR/rank<R>.txt: "ok", or what differed."""
+"""Every strategy over MPI ranks that each drive a GPU, in Numba's CUDA simulator:
+``NUMBA_ENABLE_CUDASIM=1 mpiexec -n 2 python tests/on_cuda/mpi_train.py OUT_DIR
+STRATEGY...``. For each strategy, each rank trains the small mlp of `cases_programs`
+over r0/gpu:0 and r1/gpu:0 and one device of the reference target alongside, from the
+same weights and batches, and writes OUT_DIR/STRATEGY.rank<R>.txt: "ok", or what
+differed."""
 
 import sys
 import traceback
@@ -15,12 +16,18 @@ from tests.on_cuda.cases_programs import feeds_for, tiny_mlp
 from tests.on_cuda.simulate import quicker_threads
 
 
-def main(out: str) -> None:
-    rank = comm.world().rank
+def main(out: str, strategies: list[str]) -> None:
+    for strategy in strategies:
+        result = trained_alike(strategy)
+        with open(f"{out}/{strategy}.rank{comm.world().rank}.txt", "w") as f:
+            f.write(result)
+
+
+def trained_alike(strategy: str) -> str:
     try:
         sgd = purinec.SGD(lr=0.1, momentum=0.9, weight_decay=1e-3)
         many = purinec.compile(tiny_mlp(), target="cuda", train=sgd,
-                               devices="r0/gpu:0,r1/gpu:0")
+                               devices="r0/gpu:0,r1/gpu:0", parallel=strategy)
         one = purinec.compile(tiny_mlp(), target="reference", train=sgd)
         for name in one.params:
             many.params[name] = one.params[name].copy()
@@ -34,13 +41,11 @@ def main(out: str) -> None:
             np.testing.assert_allclose(many.params[name], one.params[name], rtol=2e-4,
                                        atol=1e-5, err_msg=name)
         many.close()
-        result = "ok"
+        return "ok"
     except Exception:
-        result = traceback.format_exc()
-    with open(f"{out}/rank{rank}.txt", "w") as f:
-        f.write(result)
+        return traceback.format_exc()
 
 
 if __name__ == "__main__":
     quicker_threads()
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])

@@ -74,21 +74,26 @@ def test_program_on_cuda_equals_the_reference_in_the_simulator(program_outcomes,
     assert error is None, error
 
 
+MPI_STRATEGIES = ("data", "ps", "model", "pipeline")
+
+
 @pytest.mark.slow
 @pytest.mark.mpi
-def test_data_parallel_over_mpi_ranks_each_driving_a_gpu_equals_one_device(tmp_path):
-    """Two ranks, r0/gpu:0 and r1/gpu:0, gradients allreduced through host memory
-    (shared memory between the ranks), against the reference target."""
+def test_every_strategy_over_mpi_ranks_each_driving_a_gpu_equals_one_device(tmp_path):
+    """Two ranks, r0/gpu:0 and r1/gpu:0, their collectives, sends and receives through
+    host memory (shared memory between the ranks), against the reference target."""
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1", "PURINEC_CACHE_DIR": str(tmp_path),
            "PYTHONPATH": str(ROOT)}
     mpiexec = Path(sys.executable).parent / "mpiexec"
     done = subprocess.run([str(mpiexec), "-n", "2", sys.executable,
-                           str(ROOT / "tests" / "on_cuda" / "mpi_train.py"), str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=300)
-    for rank in range(2):
-        report = tmp_path / f"rank{rank}.txt"
-        assert report.exists(), f"rank {rank} wrote nothing: {done.stderr[-2000:]}"
-        assert report.read_text() == "ok", report.read_text()
+                           str(ROOT / "tests" / "on_cuda" / "mpi_train.py"), str(tmp_path),
+                           *MPI_STRATEGIES], env=env, capture_output=True, text=True,
+                          timeout=600)
+    for strategy in MPI_STRATEGIES:
+        for rank in range(2):
+            report = tmp_path / f"{strategy}.rank{rank}.txt"
+            assert report.exists(), f"rank {rank} wrote nothing: {done.stderr[-2000:]}"
+            assert report.read_text() == "ok", f"{strategy}: {report.read_text()}"
     assert done.returncode == 0, done.stderr[-2000:]
 
 
