@@ -512,8 +512,9 @@ class GraphChoice:
     def __init__(self, name: str, gpus: Gpus):
         self.name, self.gpus, self.mode = name, gpus, graphs_mode()
         self.status = "launching task by task"
-        self.phase = "launching"  # or "timing launches", "capturing", "timing replays",
-        self.captured: CapturedStep | None = None  # "replaying"
+        # "launching", "timing launches", "capturing", "timing replays" or "replaying"
+        self.phase = "launching"
+        self.captured: CapturedStep | None = None
         self.calls = 0
         self.times: dict[str, list[float]] = {"launches": [], "replays": []}
 
