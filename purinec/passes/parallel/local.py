@@ -30,6 +30,7 @@ from purinec.ir.graph import Graph, Node, Value
 from purinec.ir.ops import get_op, spans_ranks
 from purinec.ir.types import Device
 
+
 def lower_local_collectives(graph: Graph) -> Graph:
     """``graph`` with its in-process GPU collectives and slices as copies and kernels
     (see the module doc)."""
