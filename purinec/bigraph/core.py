@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from purinec.errors import ModelError, PurinecError, ShapeError, UnknownOpError
-from purinec.ir.graph import NAME_RE
+from purinec.ir.graph import NAME_RE, stable_topological_order
 from purinec.ir.init import check_init
 from purinec.ir.types import DEVICE_KINDS, Device, DType
 
@@ -971,28 +971,17 @@ def analyze(net: Net) -> NetStructure:
 
 
 def _topo_order(ops: list[Op]) -> list[Op]:
-    """Kahn's algorithm, ties broken by creation order; a cycle is a ModelError."""
-    import heapq
-
-    indeg = {id(op): 0 for op in ops}
-    succs: dict[int, list[Op]] = {id(op): [] for op in ops}
-    for op in ops:
+    """A topological order, ties broken by creation order; a cycle is a ModelError."""
+    index = {id(op): i for i, op in enumerate(ops)}
+    succs: list[list[int]] = [[] for _ in ops]
+    for i, op in enumerate(ops):
         for b in op.inputs or []:
             if b.producer is not None:
-                indeg[id(op)] += 1
-                succs[id(b.producer)].append(op)
-    heap = [(op._serial, id(op), op) for op in ops if indeg[id(op)] == 0]
-    heapq.heapify(heap)
-    order: list[Op] = []
-    while heap:
-        _, _, op = heapq.heappop(heap)
-        order.append(op)
-        for s in succs[id(op)]:
-            indeg[id(s)] -= 1
-            if indeg[id(s)] == 0:
-                heapq.heappush(heap, (s._serial, id(s), s))
+                succs[index[id(b.producer)]].append(i)
+    order = [ops[i] for i in stable_topological_order([op._serial for op in ops], succs)]
     if len(order) != len(ops):
-        stuck = [op for op in ops if indeg[id(op)] > 0]
+        placed = {id(op) for op in order}
+        stuck = [op for op in ops if id(op) not in placed]
         raise ModelError("the net has a cycle through "
                          + ", ".join(op.blame() for op in stuck[:4])
                          + (" ..." if len(stuck) > 4 else ""))

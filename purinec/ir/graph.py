@@ -17,9 +17,10 @@ objects. Graph-level queries (`Graph.nodes`, `values`, `users`) see the fused no
 
 from __future__ import annotations
 
+import heapq
 import re
 from dataclasses import dataclass, field
-from typing import Any, Collection, Iterable
+from typing import Any, Collection, Iterable, Sequence
 
 from purinec.errors import VerifyError
 from purinec.ir.ops import get_op
@@ -281,6 +282,29 @@ def external_inputs(body: Iterable[Node]) -> list[Value]:
                 result.append(v)
         defined.update(id(v) for v in member.outputs)
     return result
+
+
+def stable_topological_order(keys: Sequence, successors: Sequence[Iterable[int]]
+                             ) -> list[int]:
+    """Items ``0..n-1`` in an order where each comes before its ``successors`` (an edge
+    listed twice counts twice), otherwise as early as its key allows: of the items ready
+    at each point, the one with the least key (Kahn's algorithm). Items on a cycle, or
+    after one, are left out: a caller checks that every item is there."""
+    waiting = [0] * len(keys)
+    for after in successors:
+        for item in after:
+            waiting[item] += 1
+    ready = [(keys[i], i) for i in range(len(keys)) if not waiting[i]]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, item = heapq.heappop(ready)
+        order.append(item)
+        for successor in successors[item]:
+            waiting[successor] -= 1
+            if not waiting[successor]:
+                heapq.heappush(ready, (keys[successor], successor))
+    return order
 
 
 def _copy_attrs(attrs: dict) -> dict:

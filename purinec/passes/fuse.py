@@ -61,12 +61,11 @@ opaque``).
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from dataclasses import dataclass
 
 from purinec.errors import PurinecError
-from purinec.ir.graph import FUSED, Graph, Node, Value, external_inputs
+from purinec.ir.graph import FUSED, Graph, Node, Value, external_inputs, stable_topological_order
 from purinec.ir.ops import FusionKind, Trait, get_op, op_has, spans_ranks
 
 DEFAULT_MAX_GROUP_SIZE = 64
@@ -377,22 +376,11 @@ def _group_order(groups: list[list[int]], group_of: dict[int, int], edges) -> li
     """The groups in a topological order, as close to the original order as it allows
     (Kahn's algorithm, taking the ready group whose first member comes first)."""
     succ: list[set[int]] = [set() for _ in groups]
-    indegree = [0] * len(groups)
     for p, c, _ in edges:
         a, b = group_of[p], group_of[c]
-        if a != b and b not in succ[a]:
+        if a != b:
             succ[a].add(b)
-            indegree[b] += 1
-    ready = [(groups[g][0], g) for g in range(len(groups)) if indegree[g] == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        _, g = heapq.heappop(ready)
-        order.append(g)
-        for h in succ[g]:
-            indegree[h] -= 1
-            if indegree[h] == 0:
-                heapq.heappush(ready, (groups[h][0], h))
+    order = stable_topological_order([members[0] for members in groups], succ)
     assert len(order) == len(groups), "fuse: groups in a cycle (the path check failed)"
     return order
 

@@ -25,14 +25,13 @@ execution order its dependency counts allow, not only the schedule's order.
 from __future__ import annotations
 
 import bisect
-import heapq
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from purinec.errors import MemoryLimitError, PurinecError, VerifyError
-from purinec.ir.graph import Graph, Node, Value
+from purinec.ir.graph import Graph, Node, Value, stable_topological_order
 from purinec.ir.ops import REGISTRY, FusionKind, Trait, op_has
 from purinec.ir.types import Device
 
@@ -257,22 +256,11 @@ def _reaches(source: Node, target: Node, before: dict[Node, set[Node]]) -> bool:
 def _stable_topological(order: list[Node], before: dict[Node, set[Node]]) -> list[Node]:
     """``order``'s nodes, each after its ``before``, otherwise as early as in ``order``."""
     index = {node: i for i, node in enumerate(order)}
-    waiting = {node: len(before[node]) for node in order}
-    after: dict[Node, list[Node]] = {node: [] for node in order}
+    after: list[list[int]] = [[] for _ in order]
     for node in order:
         for predecessor in before[node]:
-            after[predecessor].append(node)
-    ready = [index[node] for node in order if not waiting[node]]
-    heapq.heapify(ready)
-    schedule = []
-    while ready:
-        node = order[heapq.heappop(ready)]
-        schedule.append(node)
-        for successor in after[node]:
-            waiting[successor] -= 1
-            if not waiting[successor]:
-                heapq.heappush(ready, index[successor])
-    return schedule
+            after[index[predecessor]].append(index[node])
+    return [order[i] for i in stable_topological_order(range(len(order)), after)]
 
 
 def _aliases(order: list[Node], variable: Value) -> set[Value]:
