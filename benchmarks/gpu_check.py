@@ -37,9 +37,9 @@ import platform
 import sys
 import time
 import traceback
-from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 
@@ -211,19 +211,9 @@ def _problem(model: str, batch: int):
     return params, x, rng.integers(0, classes, batch).astype(np.int32)
 
 
-@contextmanager
 def _environment(variable: str, value: str | None):
     """``variable`` set to ``value`` meanwhile (None: left as it is)."""
-    saved = os.environ.get(variable)
-    if value is not None:
-        os.environ[variable] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(variable, None)
-        else:
-            os.environ[variable] = saved
+    return mock.patch.dict(os.environ, {} if value is None else {variable: value})
 
 
 def products(form: str | None):

@@ -262,8 +262,8 @@ class Program:
     @property
     def cuda_graphs(self) -> str | None:
         """How the cuda target runs the training (or only) graph's calls: task by task,
-        or replaying one CUDA graph (``PURINEC_CUDA_GRAPHS=1``), and why not; None on
-        other targets."""
+        or replaying one CUDA graph (``PURINEC_CUDA_GRAPHS=1`` or ``auto``), and why;
+        None on other targets."""
         run = self._run_main
         return getattr(getattr(run, "physical", run), "graph_status", None)
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
+from unittest import mock
 
 import numpy as np
 
@@ -124,16 +124,11 @@ def graphed_training(model, expect: str = "replaying one CUDA graph per call", *
     assert program.cuda_graphs.startswith(expect), program.cuda_graphs
 
 
-@contextmanager
 def graphs_on(mode: str = "1"):
     """``PURINEC_CUDA_GRAPHS=mode`` meanwhile."""
     from purinec.runtime.gpu import GRAPHS_VAR
 
-    os.environ[GRAPHS_VAR] = mode
-    try:
-        yield
-    finally:
-        del os.environ[GRAPHS_VAR]
+    return mock.patch.dict(os.environ, {GRAPHS_VAR: mode})
 
 
 def graphs_chosen_by_time() -> None:
@@ -145,8 +140,7 @@ def graphs_chosen_by_time() -> None:
     chosen way)."""
     from purinec.runtime import gpu
 
-    clock, replay, capture = gpu.GraphChoice.clock, gpu.CapturedStep.__call__, \
-        gpu._SimulatedGraph.capture
+    replay, capture = gpu.CapturedStep.__call__, gpu._SimulatedGraph.capture
     now = [0.0]
 
     def fake_clock():
@@ -156,30 +150,25 @@ def graphs_chosen_by_time() -> None:
     def failing_capture(graph, calls):
         raise gpu.ExecutionError("the driver refused (a stand-in)")
 
-    trials = gpu.TRIAL_CALLS
-    try:
-        gpu.TRIAL_CALLS = 1  # (the simulator is slow: one call timed each way)
-        gpu.GraphChoice.clock = staticmethod(fake_clock)
-        for extra, fails, expect in ((-0.25, False, "replaying one CUDA graph per call "
-                                                    "(250 ms a call against 500 launching"),
-                                     (0.5, False, "launching task by task (500 ms a call "
-                                                  "against 1e+03 replaying"),
-                                     (0.0, True, "launching task by task: capturing a "
-                                                 "CUDA graph failed (ExecutionError: the "
-                                                 "driver refused")):
-            def timed_replay(step, plan, extra=extra):
-                now[0] += extra
-                return replay(step, plan)
-            gpu.CapturedStep.__call__ = timed_replay
-            gpu._SimulatedGraph.capture = failing_capture if fails else capture
-            with graphs_on("auto"):
-                program = trained_alike(tiny_mlp(), steps=5, classes=3)
-            assert program.cuda_graphs.startswith(expect), program.cuda_graphs
-    finally:
-        gpu.TRIAL_CALLS = trials
-        gpu.GraphChoice.clock = staticmethod(clock)
-        gpu.CapturedStep.__call__ = replay
-        gpu._SimulatedGraph.capture = capture
+    for extra, fails, expect in ((-0.25, False, "replaying one CUDA graph per call "
+                                                "(250 ms a call against 500 launching"),
+                                 (0.5, False, "launching task by task (500 ms a call "
+                                              "against 1e+03 replaying"),
+                                 (0.0, True, "launching task by task: capturing a CUDA "
+                                             "graph failed (ExecutionError: the driver "
+                                             "refused")):
+        def timed_replay(step, plan, extra=extra):
+            now[0] += extra
+            return replay(step, plan)
+        # (the simulator is slow: one call timed each way)
+        with mock.patch.object(gpu, "TRIAL_CALLS", 1), \
+                mock.patch.object(gpu.GraphChoice, "clock", staticmethod(fake_clock)), \
+                mock.patch.object(gpu.CapturedStep, "__call__", timed_replay), \
+                mock.patch.object(gpu._SimulatedGraph, "capture",
+                                  failing_capture if fails else capture), \
+                graphs_on("auto"):
+            program = trained_alike(tiny_mlp(), steps=5, classes=3)
+        assert program.cuda_graphs.startswith(expect), program.cuda_graphs
 
 
 def weights_stay_on_the_gpu(devices=None) -> None:

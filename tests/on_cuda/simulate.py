@@ -27,6 +27,7 @@ import pkgutil
 import sys
 import traceback
 from contextlib import contextmanager
+from unittest import mock
 
 import numpy as np
 
@@ -46,18 +47,10 @@ def rendering(name: str):
     from purinec.codegen.cuda import blas, gemm
 
     products, chunk_bytes = form_of(name)
-    saved = gemm.CHUNK_BYTES, os.environ.get(blas.PRODUCTS_VAR)
-    gemm.CHUNK_BYTES = chunk_bytes or saved[0]
-    if products:  # (whole programs compile through the target, which reads it)
-        os.environ[blas.PRODUCTS_VAR] = products
-    try:
+    # (whole programs compile through the target, which reads the variable)
+    with mock.patch.object(gemm, "CHUNK_BYTES", chunk_bytes or gemm.CHUNK_BYTES), \
+            mock.patch.dict(os.environ, {blas.PRODUCTS_VAR: products} if products else {}):
         yield products
-    finally:
-        gemm.CHUNK_BYTES = saved[0]
-        if saved[1] is None:
-            os.environ.pop(blas.PRODUCTS_VAR, None)
-        else:
-            os.environ[blas.PRODUCTS_VAR] = saved[1]
 
 
 def all_cases(kinds=("CASES", "PROGRAMS")) -> dict:
