@@ -14,20 +14,13 @@ from purinec.compiler import build_graph, checked_layout, load_source
 from purinec.ir.graph import Graph
 from purinec.ir.ops import Trait, op_has
 from purinec.ir.parser import parse
-from purinec.ir.types import Device, DistKind, Distribution, DType, TensorType
+from purinec.ir.types import Device, DistKind, Distribution
 from purinec.ir.verify import verify
-from purinec.passes.parallel import convert, partition
+from purinec.passes.parallel import partition
 from purinec.passes.parallel.local import lower_local_collectives
 from purinec.runtime.reference import execute
 from purinec.targets import get_target
-
-KINDS = [("B", None), ("S", 0), ("S", 1), ("P", None)]
-
-
-def _dist(kind: str, axis, group) -> Distribution:
-    kinds = {"B": DistKind.replicated, "S": DistKind.split, "P": DistKind.partial}
-    return Distribution(kinds[kind], tuple(group), axis)
-
+from tests.passes.test_parallel import KINDS, _boxed, _dist
 
 def _host_work(graph: Graph) -> list[str]:
     """Host nodes other than copies between devices."""
@@ -44,20 +37,16 @@ def _same_bytes(before: Graph, after: Graph, rng) -> None:
         assert got[name].tobytes() == want[name].tobytes(), name
 
 
-def _conversion(src, dst, group, shape=(7, 5)) -> Graph:
-    g = Graph("box")
-    x = g.add_input("x", TensorType(shape, DType.f32), group[0], dist=src)
-    g.nodes = convert(g, x, dst, "the test")
-    g.set_outputs([("y", g.nodes[-1].outputs[0] if g.nodes else x)])
-    return partition(g, 0)
+def _conversion(src: Distribution, dst: Distribution) -> Graph:
+    return partition(_boxed(src, dst, (7, 5)), 0)
 
 
 @pytest.mark.parametrize("devices", [2, 3])
 @pytest.mark.parametrize("src,dst", [(s, d) for s, d in itertools.product(KINDS, KINDS)
                                      if d[0] != "P" or s[0] == "P"])
 def test_every_conversion_among_gpus_moves_the_same_bytes_without_the_host(src, dst, devices):
-    group = [Device("gpu", i) for i in range(devices)]
-    physical = _conversion(_dist(*src, group), _dist(*dst, group), group)
+    group = tuple(Device("gpu", i) for i in range(devices))
+    physical = _conversion(_dist(*src, group), _dist(*dst, group))
     lowered = lower_local_collectives(physical)
     verify(lowered)
     assert str(parse(str(lowered))) == str(lowered)
@@ -77,7 +66,7 @@ def test_a_parameter_servers_conversions_among_gpus_move_the_same_bytes(src, dst
         if "@" in text:
             return Distribution(DistKind.replicated, (group[int(text[-1])],))
         return _dist(text[0], int(text[1:]) if text[1:] else None, group)
-    physical = _conversion(dist(src), dist(dst), group)
+    physical = _conversion(dist(src), dist(dst))
     assert _host_work(physical)  # (what the pass takes away)
     lowered = lower_local_collectives(physical)
     verify(lowered)
