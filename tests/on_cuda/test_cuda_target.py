@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import types
+import unittest.mock
 
 import numpy as np
 import pytest
@@ -420,3 +421,41 @@ def test_a_cublas_product_hands_the_bindings_its_arguments_in_their_order(monkey
     assert calls[2][8:13] == (0x1000 + 2 * item, 8, 40, 0x2000 + 3 * item, 9)
     assert calls[2][13] == 50 and calls[2][15:] == (0x3000 + 4 * item, 10, 60, 3)
     assert scalars == [1.0, beta]
+
+
+def test_the_simulators_threads_get_one_shared_array_however_they_interleave():
+    """Two simulated threads of a block asking for the same shared array, the first
+    paused between finding none and storing the one it made (as a thread switch can
+    leave it): the second waits and gets the first's. Without `atomic_shared_arrays`
+    it makes its own, and the block's threads no longer share memory."""
+    from numba.cuda.simulator import kernelapi
+
+    from purinec.codegen.cuda.simulator import atomic_shared_arrays
+
+    atomic_shared_arrays()
+    first_is_making, second_asked = threading.Event(), threading.Event()
+
+    def empty(shape, dtype):  # the simulator makes a shared array with np.empty
+        if threading.current_thread() is first:
+            first_is_making.set()
+            second_asked.wait(timeout=10)
+        return np.zeros(shape, dtype)
+
+    shared = kernelapi.FakeCUDAShared(0)
+    arrays = {}
+
+    def ask(who):
+        arrays[who] = shared.array(4, np.float64)  # (one call site for both threads)
+
+    first = threading.Thread(target=ask, args=("first",))
+    second = threading.Thread(target=ask, args=("second",))
+    fake_numpy = types.SimpleNamespace(empty=empty, frombuffer=np.frombuffer)
+    with unittest.mock.patch.object(kernelapi, "np", fake_numpy):
+        first.start()
+        assert first_is_making.wait(timeout=10)
+        second.start()
+        second.join(timeout=0.5)  # (it waits for the first: the test goes on regardless)
+        second_asked.set()
+        first.join(timeout=10)
+        second.join(timeout=10)
+    assert arrays["first"] is arrays["second"]

@@ -16,7 +16,7 @@ Renderers live in `elementwise`, `fused`, `gemm` (matrix products and convolutio
 `pool`, `reduce` (sums, softmax and losses) and `shape` and are found through
 `RENDERERS`. The CUDA simulator (``NUMBA_ENABLE_CUDASIM=1`` before Numba is first
 imported) runs the same modules on the CPU, slowly: that is how they are tested on
-machines without a GPU.
+machines without a GPU (`simulator`: what it needs mended).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from purinec.codegen import cache
 from purinec.codegen.cuda import (blas, elementwise, fused, gemm, pool,  # noqa: F401
                                   reduce, shape)  # (renderers)
 from purinec.codegen.cuda.module import RENDERERS, CudaModule
+from purinec.codegen.cuda.simulator import atomic_shared_arrays, simulated
 from purinec.codegen.kernel import CodegenError
 from purinec.ir.graph import Graph, Node
 
@@ -83,7 +84,7 @@ class CudaKernel:
         needed; not under the simulator, which has no compiler)."""
         from numba import cuda
 
-        if blas.simulated():
+        if simulated():
             raise CodegenError("the CUDA simulator cannot compile to PTX; run without "
                                "NUMBA_ENABLE_CUDASIM")
         result = {}
@@ -132,6 +133,8 @@ def compile_kernels(graph: Graph, products: str | None = None) -> dict[Node, Cud
 
 
 def compile_module(module: CudaModule) -> CudaKernel:
+    if simulated():
+        atomic_shared_arrays()
     source = module.text()
     nodes = tuple(member for node in module.nodes for member in (node.body or [node]))
     try:

@@ -28,6 +28,7 @@ import weakref
 
 import numpy as np
 
+from purinec.codegen.cuda.simulator import simulated
 from purinec.errors import ExecutionError, PurinecError
 
 PRODUCTS_VAR = "PURINEC_CUDA_PRODUCTS"
@@ -105,13 +106,6 @@ def _stream_buffer(buffers: weakref.WeakKeyDictionary, stream, nbytes: int, what
                                  f"{type(err).__name__}: {err}") from err
         buffers[stream] = held
     return held
-
-
-def simulated() -> bool:
-    """Whether Numba's CUDA simulator stands in for a GPU in this process."""
-    from numba import config
-
-    return bool(config.ENABLE_CUDASIM)
 
 
 # -- cuBLAS -------------------------------------------------------------------------

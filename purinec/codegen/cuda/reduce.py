@@ -21,10 +21,10 @@ import math
 from typing import Callable, Sequence
 
 from purinec.codegen.cpu_ops import dtype_name
-from purinec.codegen.cuda.blas import simulated
 from purinec.codegen.cuda.module import (HELPERS, CudaModule, blocks_for, literal,
                                          numpy_name, renders)
 from purinec.codegen.cuda.shape import coordinates
+from purinec.codegen.cuda.simulator import simulated
 from purinec.codegen.source import SourceBuilder
 from purinec.ir.graph import Node
 from purinec.ir.types import DType
