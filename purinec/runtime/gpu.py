@@ -13,8 +13,10 @@ alike):
 * a task on the host (a CPU kernel, a collective, a copy to host memory) first waits
   for its predecessors on streams to finish, on their events.
 
-Copies to the host finish before their call returns, so everything a call returns is
-complete when the call does. A kernel that fails on the GPU (an illegal address) is
+Copies to and from host memory finish before their call returns, so everything a call
+returns is complete when the call does, and host memory is never read or written by a
+copy the host has stopped counting. Calls follow one another on the GPUs (`CallOrder`):
+each call's streams wait, on the GPU, for everything the previous call queued. A kernel that fails on the GPU (an illegal address) is
 found out at the next wait, by whichever task waits: the error says so, and with
 ``PURINEC_CUDA_SYNC=1`` every launch is waited for, which names the node that failed
 (slower: for finding faults only). Graph inputs and outputs live on the host
@@ -36,7 +38,7 @@ import logging
 import os
 import threading
 import time
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -200,9 +202,26 @@ class Gpus:
             raise ExecutionError(f"allocating {what} for {device} ({nbytes:,} bytes) on "
                                  f"GPU {gpu} failed: {type(err).__name__}: {err}") from err
 
-    def event(self):
-        """An event for ordering only (no timing, which costs on every record)."""
-        return self.cuda.event() if self.simulated else self.cuda.event(timing=False)
+    def event(self, gpu: int | None = None):
+        """An event for ordering only (no timing, which costs on every record), made on
+        physical GPU ``gpu`` (default: the current one): an event is recorded only on
+        streams of the GPU it was made on."""
+        if self.simulated:
+            return self.cuda.event()
+        with self.cuda.gpus[gpu] if gpu is not None else nullcontext():
+            return self.cuda.event(timing=False)
+
+    def gpu_of(self, stream) -> int:
+        """The physical GPU ``stream`` belongs to."""
+        for streams in self.devices.values():
+            if stream in (streams.compute, streams.copy_in, streams.copy_out):
+                return streams.gpu
+        raise PurinecError(f"stream {stream} belongs to none of the program's GPUs")
+
+    def streams(self) -> list:
+        """Every stream of the program's devices, the first device's compute first."""
+        return [stream for streams in self.devices.values()
+                for stream in (streams.compute, streams.copy_in, streams.copy_out)]
 
     def select(self, device: Device) -> None:
         """Make ``device``'s GPU current on the calling thread."""
@@ -299,8 +318,10 @@ def is_transfer(node: Node) -> bool:
 
 class Transfer:
     """A copy to, from or between GPU devices, on the copy stream of the GPU that
-    receives (or, to the host, sends) it. A copy to the host finishes before its call
-    returns."""
+    receives (or, to the host, sends) it. A copy to or from host memory finishes before
+    its call returns: the host's memory is the host's again at once (a copy from pinned
+    memory, the host arenas', would otherwise still be reading it while the next call's
+    host kernels, or the caller, write it)."""
 
     def __init__(self, node: Node, gpus: Gpus):
         source, destination = node.inputs[0].device, node.device
@@ -308,15 +329,16 @@ class Transfer:
         self.from_host = not is_gpu(source)
         streams = gpus.devices[source if self.to_host else destination]
         self.stream = streams.copy_out if self.to_host else streams.copy_in
-        self.waits = True  # for a copy to the host; not while captured (`CapturedStep`)
+        # for a copy to or from the host; not while captured (`CapturedStep`)
+        self.waits = self.to_host or self.from_host
 
     def launch(self, stream, source, destination) -> None:
         if self.to_host:
             source.copy_to_host(destination, stream=stream)
-            if self.waits:
-                synchronize(stream)
         else:
             destination.copy_to_device(source, stream=stream)
+        if self.waits:
+            synchronize(stream)
 
     def __call__(self, source, destination) -> None:
         self.launch(self.stream, source, destination)
@@ -401,7 +423,7 @@ def order_streams(plan: Plan, gpus: Gpus) -> None:
     for task in plan.tasks:
         stream = streams[task.index]
         if stream is not None and any(streams[s] is not stream for s in task.successors):
-            events[task.index] = gpus.event()
+            events[task.index] = gpus.event(gpus.gpu_of(stream))
     for task in plan.tasks:
         stream = streams[task.index]
         waits = [events[p] for p in predecessors[task.index]
@@ -615,9 +637,7 @@ class CapturedStep:
     def __init__(self, executable, gpus: Gpus):
         self.executable, self.gpus = executable, gpus
         self.tasks = executable.plan.tasks
-        # every stream of the program's devices, the first device's compute first
-        self.streams = [stream for streams in gpus.devices.values()
-                        for stream in (streams.compute, streams.copy_in, streams.copy_out)]
+        self.streams = gpus.streams()
         self.graph = None
         self.given_up: str | None = None
         self.staged_in: list[tuple[int, np.ndarray]] = []   # (task, pinned source)
@@ -663,6 +683,7 @@ class CapturedStep:
             elif isinstance(transfer, Transfer) and transfer.to_host:
                 args[1] = self.gpus.cuda.pinned_array(args[1].shape, args[1].dtype)
                 self.staged_out.append((task.index, args[1]))
+            if isinstance(transfer, Transfer) and transfer.waits:
                 waiting.append(transfer)
             calls.append((task, args))
         self.captured_args = [list(task.args) for task in self.tasks]
@@ -777,6 +798,35 @@ def _check(result, what: str):
 _NEVER = object()  # a variable never copied to its GPU, or changed on the host since
 
 
+class CallOrder:
+    """Each call's GPU work after all of the previous call's. A call returns once its
+    outputs are on the host, while kernels it launched (the solver's updates, say) may
+    still run; the next call's tasks are ordered after their predecessors of the same
+    call only, so, unordered, its first copy in could overwrite a batch still being
+    read, on another stream. So a call ends by joining every stream into one event
+    (`end`), and the next begins by making every stream wait for it (`begin`): the host
+    does not wait, and launches the next call while the GPUs finish this one."""
+
+    def __init__(self, gpus: Gpus):
+        self.streams = gpus.streams()
+        self.first, self.others = self.streams[0], self.streams[1:]
+        self.ends = [gpus.event(gpus.gpu_of(stream)) for stream in self.others]
+        self.joined = gpus.event(gpus.gpu_of(self.first))
+        self.after_call = False
+
+    def begin(self) -> None:
+        if self.after_call:
+            for stream in self.others:
+                self.joined.wait(stream)
+
+    def end(self) -> None:
+        for stream, event in zip(self.others, self.ends):
+            event.record(stream)
+            event.wait(self.first)
+        self.joined.record(self.first)
+        self.after_call = True
+
+
 class GpuExecutable:
     """A cuda program's executable, ``exe(env) -> outputs``, built at its first call.
 
@@ -792,6 +842,7 @@ class GpuExecutable:
         self.graph, self._build, self.gpus = graph, build, gpus
         self._inner = None
         self._graphs = GraphChoice(graph.name, gpus)
+        self._order = CallOrder(gpus)
         self.resident: frozenset[str] = frozenset()
         self._mirrors: dict[str, Any] = {}
         self._loaded: dict[str, Any] = {}  # name -> host array the GPU holds, None: newer
@@ -830,7 +881,14 @@ class GpuExecutable:
                 mirror.copy_to_device(np.ascontiguousarray(host))
                 self._loaded[name] = host
             bound[name] = mirror
-        outputs = self._graphs.run(inner, bound)
+        self._order.begin()
+        try:
+            outputs = self._graphs.run(inner, bound)
+        except BaseException:  # its kernels launched before the failure may still run
+            with suppress(Exception):  # (the failure is the error to see)
+                self._order.end()
+            raise
+        self._order.end()
         for name, mirror in self._mirrors.items():
             if name in outputs:
                 value = outputs.pop(name)

@@ -459,3 +459,113 @@ def test_the_simulators_threads_get_one_shared_array_however_they_interleave():
         first.join(timeout=10)
         second.join(timeout=10)
     assert arrays["first"] is arrays["second"]
+
+
+class _GpuLog:
+    """A stand-in for Numba's cuda module over two GPUs: each event knows the GPU that
+    was current when it was made, and records and waits go to one log."""
+
+    def __init__(self):
+        self.log, self.current, self.made = [], 0, []
+        self.gpus = self  # (``cuda.gpus[n]``: GPU n current for a while)
+
+    @contextlib.contextmanager
+    def __getitem__(self, n):
+        before, self.current = self.current, n
+        try:
+            yield
+        finally:
+            self.current = before
+
+    def event(self, timing=True):
+        name = f"e{len(self.made)}"
+        self.made.append(self.current)
+        log = self.log
+        return types.SimpleNamespace(
+            record=lambda stream: log.append(f"record {name} on {stream}"),
+            wait=lambda stream: log.append(f"{stream} waits for {name}"))
+
+
+def _two_gpus(cuda) -> gpu.Gpus:
+    gpus = object.__new__(gpu.Gpus)
+    gpus.cuda, gpus.simulated, gpus.launching = cuda, False, None
+    gpus.devices = {Device("gpu", n): gpu.Streams(n, f"c{n}", f"i{n}", f"o{n}")
+                    for n in (0, 1)}
+    return gpus
+
+
+def test_each_event_is_made_on_the_gpu_whose_stream_records_it():
+    """A GPU records only its own events: a task on gpu:1 whose successor runs on gpu:0
+    gets an event made on GPU 1, whichever GPU the planning thread has current."""
+    cuda = _GpuLog()
+    gpus = _two_gpus(cuda)
+
+    class Kernel:
+        def launch(self, stream, *arrays):
+            cuda.log.append(f"launch on {stream}")
+
+    tasks = [types.SimpleNamespace(index=0, fn=Kernel(), args=[], successors=(1,),
+                                   node=types.SimpleNamespace(device=Device("gpu", 1))),
+             types.SimpleNamespace(index=1, fn=Kernel(), args=[], successors=(),
+                                   node=types.SimpleNamespace(device=Device("gpu", 0)))]
+    gpu.order_streams(types.SimpleNamespace(tasks=tasks), gpus)
+    assert cuda.made == [1]
+    tasks[0].fn()
+    tasks[1].fn()
+    assert cuda.log == ["launch on c1", "record e0 on c1", "c0 waits for e0", "launch on c0"]
+
+
+def test_a_call_ends_by_joining_every_stream_and_the_next_begins_after_it(monkeypatch):
+    """Each call's GPU work after all of the last call's (`CallOrder`), the host never
+    waiting: every stream's end event is made on its own GPU and joined into the first
+    stream; the next call's streams wait for that before anything is launched on them,
+    also after a call that failed."""
+    cuda = _GpuLog()
+    gpus = _two_gpus(cuda)
+    graph = parse(MIXED)
+    calls = []
+
+    def inner(bound):
+        cuda.log.append("the call's launches")
+        calls.append(bound)
+        if bound.get("fail"):
+            raise ExecutionError("a kernel failed")
+        return {}
+
+    monkeypatch.setattr(gpu, "graphs_mode", lambda: "0")
+    executable = gpu.GpuExecutable(graph, lambda resident: inner, gpus)
+    assert cuda.made == [0, 0, 1, 1, 1, 0]  # i0, o0, c1, i1, o1; then the join on c0
+    executable({})
+    joined = [f"record e{k} on {s}" if step == "record" else f"c0 waits for e{k}"
+              for k, s in enumerate(["i0", "o0", "c1", "i1", "o1"])
+              for step in ("record", "wait")] + ["record e5 on c0"]
+    assert cuda.log == ["the call's launches"] + joined
+    cuda.log.clear()
+    with pytest.raises(ExecutionError):
+        executable({"fail": True})
+    waits = [f"{s} waits for e5" for s in ["i0", "o0", "c1", "i1", "o1"]]
+    assert cuda.log == waits + ["the call's launches"] + joined
+    cuda.log.clear()
+    executable({})
+    assert cuda.log == waits + ["the call's launches"] + joined
+
+
+@pytest.mark.parametrize("source,destination,waits", [
+    ("cpu:0", "gpu:0", True), ("gpu:0", "cpu:0", True), ("gpu:0", "gpu:1", False)])
+def test_a_copy_with_host_memory_at_one_end_finishes_before_its_call_returns(
+        source, destination, waits):
+    """The host's memory is the host's again when a copy's call returns (the next call
+    may write a pinned buffer still being read); a copy between GPUs is left queued."""
+    node = types.SimpleNamespace(inputs=[types.SimpleNamespace(device=Device.parse(source))],
+                                 device=Device.parse(destination))
+    transfer = gpu.Transfer(node, _two_gpus(_GpuLog()))
+    stream = FakeStream()
+
+    class Array:
+        def copy_to_device(self, array, stream):
+            stream.calls.append("copy")
+
+        copy_to_host = copy_to_device
+
+    transfer.launch(stream, Array(), Array())
+    assert stream.calls == ["copy"] + (["synchronize"] if waits else [])
