@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib.util
+import os
 import subprocess
 import sys
 import threading
@@ -35,6 +36,10 @@ MIXED = """graph t(%x: f32[4,3] @cpu:0, %b: f32[3] @gpu:0 {param}) {
   %yc = copy(%y) : f32[4,3] @cpu:0
   %z = relu(%yc) : f32[4,3] @cpu:0
   return %z, %y
+}"""
+ON_GPU = """graph t(%x: f32[4,3] @gpu:0, %b: f32[3] @gpu:0 {param}) {
+  %y = bias_add(%x, %b) {axis=1} : f32[4,3] @gpu:0
+  return %y
 }"""
 ON_CPU = """graph t(%x: f32[4,3] @cpu:0, %b: f32[3] @cpu:0 {param}) {
   %y = bias_add(%x, %b) {axis=1} : f32[4,3] @cpu:0
@@ -569,3 +574,33 @@ def test_a_copy_with_host_memory_at_one_end_finishes_before_its_call_returns(
 
     transfer.launch(stream, Array(), Array())
     assert stream.calls == ["copy"] + (["synchronize"] if waits else [])
+
+
+@pytest.mark.parametrize("asked", [None, "1"])
+def test_small_grids_launch_without_numbas_occupancy_warning_unless_asked(monkeypatch,
+                                                                          asked):
+    """A generated kernel's grid is sized to its data: Numba's warning at each launch of
+    fewer than 128 blocks is off once a module is loaded, unless the user's
+    NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS asks for it."""
+    import warnings
+
+    from numba import cuda
+    from numba.cuda.core import config
+
+    from purinec.codegen import cuda as codegen
+
+    monkeypatch.setattr(config, "CUDA_LOW_OCCUPANCY_WARNINGS", 1)
+    environment = {codegen.OCCUPANCY_WARNINGS_VAR: asked} if asked else {}
+    with unittest.mock.patch.dict(os.environ, environment):
+        if asked is None:
+            os.environ.pop(codegen.OCCUPANCY_WARNINGS_VAR, None)
+        codegen.compile_kernels(parse(ON_GPU))
+
+        @cuda.jit
+        def kernel(a):
+            pass
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            kernel[1, 32]  # (configured only: no GPU here)
+    assert bool(caught) == (asked == "1")

@@ -21,6 +21,7 @@ machines without a GPU (`simulator`: what it needs mended).
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,7 +133,25 @@ def compile_kernels(graph: Graph, products: str | None = None) -> dict[Node, Cud
     return {node: compile_module(render_module(node, products)) for node in graph.nodes}
 
 
+# Numba warns at each launch of fewer than 128 blocks, to catch a beginner's grid: a
+# generated kernel's grid is sized to its data, and a small network's data is small.
+OCCUPANCY_WARNINGS_VAR = "NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS"
+
+
+def quiet_occupancy_warnings() -> None:
+    """No warning of small grids in this process, unless
+    NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS asks for them. The variable is set too: Numba
+    reads its settings again whenever a NUMBA_ variable changes."""
+    if OCCUPANCY_WARNINGS_VAR in os.environ:
+        return
+    from numba.cuda.core import config
+
+    os.environ[OCCUPANCY_WARNINGS_VAR] = "0"
+    config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
+
+
 def compile_module(module: CudaModule) -> CudaKernel:
+    quiet_occupancy_warnings()
     if simulated():
         atomic_shared_arrays()
     source = module.text()
