@@ -174,9 +174,7 @@ class Gpus:
 
         self.cuda = cuda
         self.simulated = _simulated()
-        # Numba's simulator runs a launch's threads against module-wide state: two host
-        # threads launching at once (two devices' workers) would mix them up.
-        self.launching = threading.Lock() if self.simulated else None
+        self.launching = _SIMULATED_LAUNCHES if self.simulated else None
         visible = len(cuda.gpus)
         if visible == 0:
             raise PurinecError("no CUDA GPU is visible to this process")
@@ -226,6 +224,12 @@ class Gpus:
     def select(self, device: Device) -> None:
         """Make ``device``'s GPU current on the calling thread."""
         self.cuda.select_device(self.devices[device].gpu)
+
+
+# Numba's simulator runs a launch's threads against state of the whole process (the
+# kernel being launched, its grid): two host threads launching at once (two devices'
+# workers, or two programs') would mix them up.
+_SIMULATED_LAUNCHES = threading.Lock()
 
 
 def _simulated() -> bool:

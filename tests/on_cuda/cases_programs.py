@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from unittest import mock
 
 import numpy as np
@@ -232,6 +233,29 @@ PROGRAMS = {
     "program_tiny_onnx_cnn_data_parallel_2_gpus": lambda rng: same_training(
         tiny_onnx_cnn(), classes=3, devices="gpu:0,gpu:1"),
 }
+
+
+def two_programs_at_once() -> None:
+    """Two programs training in two threads at once: the simulator runs one launch at a
+    time in a process, whichever program it belongs to."""
+    failures = []
+
+    def train():
+        try:
+            trained_alike(tiny_mlp(), classes=3, steps=3)
+        except BaseException as err:  # (raised below, in the case's own thread)
+            failures.append(err)
+
+    threads = [threading.Thread(target=train) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
+
+
+PROGRAMS["program_two_programs_at_once"] = lambda rng: two_programs_at_once()
 
 
 # A graph placed by hand on a cpu and a gpu device, with copies between them.
