@@ -16,12 +16,13 @@ alike):
 Copies to and from host memory finish before their call returns, so everything a call
 returns is complete when the call does, and host memory is never read or written by a
 copy the host has stopped counting. Calls follow one another on the GPUs (`CallOrder`):
-each call's streams wait, on the GPU, for everything the previous call queued. A kernel that fails on the GPU (an illegal address) is
-found out at the next wait, by whichever task waits: the error says so, and with
-``PURINEC_CUDA_SYNC=1`` every launch is waited for, which names the node that failed
-(slower: for finding faults only). Graph inputs and outputs live on the host
-(`with_host_io`): each input a GPU reads is copied in by a task of its own, so copies
-of one layer's weights overlap the compute of the layers before it.
+each call's streams wait, on the GPU, for everything the previous call queued. A
+kernel that fails on the GPU (an illegal address) is found out at the next wait, by
+whichever task waits: the error says so, and with ``PURINEC_CUDA_SYNC=1`` every launch
+is waited for, which names the node that failed (slower: for finding faults only).
+Graph inputs and outputs live on the host (`with_host_io`): each input a GPU reads is
+copied in by a task of its own, so copies of one layer's weights overlap the compute
+of the layers before it.
 
 Logical devices map onto physical GPUs by `gpu_map`: ``gpu:N`` is GPU ``N`` modulo
 the GPUs visible (under mpiexec, the ranks of one machine take the GPUs in turn: the
