@@ -9,8 +9,9 @@
    lenet also with the tiled GEMM kernels, and data-parallel over two devices on the
    one GPU (its allreduces as copies and sums on the GPU);
 2. speed: a training step of lenet b64, cifar_quick b100 and b1024 and inception b64,
-   against PyTorch eager and ``torch.compile`` on the same GPU from the same weights
-   (medians, and purinec's time over each peer's);
+   launched task by task and replayed as one CUDA graph, against PyTorch eager and
+   ``torch.compile`` on the same GPU from the same weights (medians, and purinec's time
+   over each peer's);
 3. bandwidth: a fused elementwise kernel over 2**26 float32 elements, as a share of a
    device-to-device copy's bandwidth (both timed by CUDA events);
 4. CUDA graphs: training steps of lenet b64 and cifar_quick b100, and lenet b64 over
@@ -178,7 +179,9 @@ def check_speed(budget: Budget, sizes: Sizes) -> list[dict]:
             continue
         row = {"model": model, "batch": batch}
         params, x, y = _problem(model, batch)
-        contenders = {"purinec": lambda: PurinecTrainer(model, batch, "cuda", params)}
+        contenders = {"purinec": lambda: PurinecTrainer(model, batch, "cuda", params),
+                      "purinec graph": lambda: _graphed(PurinecTrainer, model, batch,
+                                                        "cuda", params)}
         if model == sizes.tiled:
             contenders["purinec tiled"] = lambda: _tiled(PurinecTrainer, model, batch,
                                                          "cuda", params)
@@ -193,8 +196,9 @@ def check_speed(budget: Budget, sizes: Sizes) -> list[dict]:
                 row[f"{name}_error"] = f"{type(err).__name__}: {str(err)[:300]}"
             say(f"speed {model} b{batch} {name}: {row[name]}")
         for peer in PEERS:
-            if row.get("purinec") and row.get(peer):
-                row[f"ratio_{peer}"] = row["purinec"] / row[peer]
+            for way, name in (("", "purinec"), ("graph_", "purinec graph")):
+                if row.get(name) and row.get(peer):
+                    row[f"ratio_{way}{peer}"] = row[name] / row[peer]
         rows.append(row)
     return rows
 
@@ -223,6 +227,12 @@ def products(form: str | None):
 
 def _tiled(make, *args):
     with products("tiled"):
+        return make(*args)
+
+
+def _graphed(make, *args):
+    """A program made to replay its step as one CUDA graph (captured at its second)."""
+    with _environment(gpu.GRAPHS_VAR, "1"):
         return make(*args)
 
 
@@ -357,9 +367,12 @@ def table(report: dict) -> str:
         if "skipped" in row:
             lines.append(f"  {row['model']} b{row['batch']}: skipped ({row['skipped']})")
             continue
-        cells = [f"{name} {_ms(row.get(name))}" for name in ("purinec", "purinec tiled", *PEERS)
+        cells = [f"{name} {_ms(row.get(name))}"
+                 for name in ("purinec", "purinec graph", "purinec tiled", *PEERS)
                  if name in row]
-        ratios = [f"{row[f'ratio_{p}']:.2f}x {p}" for p in PEERS if f"ratio_{p}" in row]
+        ratios = [f"{row[f'ratio_{way}{p}']:.2f}x {p}{label}" for p in PEERS
+                  for way, label in (("", ""), ("graph_", " (graph)"))
+                  if f"ratio_{way}{p}" in row]
         lines.append(f"  {row['model']} b{row['batch']}: " + ", ".join(cells)
                      + (f"  ({', '.join(ratios)})" if ratios else ""))
     bandwidth = report.get("bandwidth", {})
