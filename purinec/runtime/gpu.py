@@ -35,13 +35,14 @@ single-GPU machine.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import time
 from contextlib import nullcontext, suppress
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -810,7 +811,9 @@ class CallOrder:
     call only, so, unordered, its first copy in could overwrite a batch still being
     read, on another stream. So a call ends by joining every stream into one event
     (`end`), and the next begins by making every stream wait for it (`begin`): the host
-    does not wait, and launches the next call while the GPUs finish this one."""
+    does not wait, and launches the next call while the GPUs finish this one. What the
+    host itself copies between calls (a program's weights kept on the GPU, in or out)
+    waits for all of it first (`settle`)."""
 
     def __init__(self, gpus: Gpus):
         self.streams = gpus.streams()
@@ -824,12 +827,26 @@ class CallOrder:
             for stream in self.others:
                 self.joined.wait(stream)
 
-    def end(self) -> None:
+    def end(self, then: Sequence[Callable[[Any], None]] = ()) -> None:
+        """``then``: work to queue after all of the call's, each given the stream."""
         for stream, event in zip(self.others, self.ends):
             event.record(stream)
             event.wait(self.first)
+        for work in then:
+            work(self.first)
         self.joined.record(self.first)
         self.after_call = True
+
+    def settle(self) -> None:
+        """Wait, on the host, for everything the calls so far queued. (Copies outside
+        the streams, of one GPU's memory while another GPU is current, are ordered
+        after nothing on the streams.)"""
+        if self.after_call:
+            synchronize(self.joined)
+
+
+def _copy_on_stream(destination, source, stream) -> None:
+    destination.copy_to_device(source, stream=stream)
 
 
 class GpuExecutable:
@@ -851,6 +868,7 @@ class GpuExecutable:
         self.resident: frozenset[str] = frozenset()
         self._mirrors: dict[str, Any] = {}
         self._loaded: dict[str, Any] = {}  # name -> host array the GPU holds, None: newer
+        self._refreshes: list = []
 
     def keep_variables(self) -> frozenset[str]:
         """Keep the variables that live on GPUs there between calls; returns their names.
@@ -879,13 +897,13 @@ class GpuExecutable:
     def __call__(self, env: Mapping[str, np.ndarray]) -> dict:
         inner = self._built()
         bound = dict(env)
-        for name, mirror in self._mirrors.items():
-            host = env[name]
-            loaded = self._loaded.get(name, _NEVER)
-            if loaded is _NEVER or (loaded is not None and loaded is not host):
-                mirror.copy_to_device(np.ascontiguousarray(host))
-                self._loaded[name] = host
-            bound[name] = mirror
+        stale = [name for name in self._mirrors if self._stale(name, env[name])]
+        if stale:  # (the last call's kernels may still read or update these)
+            self._order.settle()
+        for name in stale:
+            self._mirrors[name].copy_to_device(np.ascontiguousarray(env[name]))
+            self._loaded[name] = env[name]
+        bound.update(self._mirrors)
         self._order.begin()
         try:
             outputs = self._graphs.run(inner, bound)
@@ -893,14 +911,21 @@ class GpuExecutable:
             with suppress(Exception):  # (the failure is the error to see)
                 self._order.end()
             raise
-        self._order.end()
+        refreshes = []
         for name, mirror in self._mirrors.items():
             if name in outputs:
                 value = outputs.pop(name)
-                if value is not mirror:  # an update not made in place
-                    mirror.copy_to_device(value)
+                if value is not mirror:  # an update not made in place: copied in after
+                    refreshes.append(functools.partial(_copy_on_stream, mirror, value))
                 self._loaded[name] = None
+        self._order.end(then=refreshes)
+        self._refreshes = refreshes  # (their arrays live until the copies have run)
         return outputs
+
+    def _stale(self, name: str, host: np.ndarray) -> bool:
+        """Whether the GPU's copy of variable ``name`` is not ``host``'s."""
+        loaded = self._loaded.get(name, _NEVER)
+        return loaded is _NEVER or (loaded is not None and loaded is not host)
 
     @property
     def graph_status(self) -> str:
@@ -909,6 +934,7 @@ class GpuExecutable:
 
     def pull(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Copy the GPU's values of these variables into the host ``arrays``."""
+        self._order.settle()
         for name, host in arrays.items():
             self._mirrors[name].copy_to_host(host)
             self._loaded[name] = host

@@ -258,6 +258,40 @@ def two_programs_at_once() -> None:
 PROGRAMS["program_two_programs_at_once"] = lambda rng: two_programs_at_once()
 
 
+def on_a_lazy_gpu(model, **options) -> None:
+    """`trained_alike` on streams that run only when waited for (`lazy_gpu`): every
+    order the runtime relies on must be one it asked the GPU for."""
+    from tests.on_cuda.lazy_gpu import lazy_gpu
+
+    with lazy_gpu():
+        trained_alike(model, steps=3, classes=3, **options)
+
+
+def lazy_gpu_finds_calls_unordered() -> None:
+    """Without `CallOrder`'s waits, a lazy GPU runs the last call's backward pass after
+    the next call's batch has been copied over its own: the weights come out wrong.
+    (That the lazy streams show what a GPU would.)"""
+    from purinec.runtime.gpu import CallOrder
+
+    with mock.patch.object(CallOrder, "begin", lambda self: None):
+        try:
+            on_a_lazy_gpu(tiny_mlp())
+        except AssertionError:
+            return
+    raise AssertionError("trained alike with calls unordered on a lazy GPU")
+
+
+PROGRAMS.update({
+    "program_tiny_mlp_on_a_lazy_gpu": lambda rng: on_a_lazy_gpu(tiny_mlp()),
+    "program_tiny_convnet_on_a_lazy_gpu": lambda rng: on_a_lazy_gpu(tiny_convnet()),
+    **{f"program_tiny_mlp_{strategy}_2_gpus_on_a_lazy_gpu": (
+        lambda rng, strategy=strategy: on_a_lazy_gpu(tiny_mlp(), devices="gpu:0,gpu:1",
+                                                     parallel=strategy))
+       for strategy in ("data", "ps", "model", "pipeline")},
+    "program_lazy_gpu_finds_calls_unordered": lambda rng: lazy_gpu_finds_calls_unordered(),
+})
+
+
 # A graph placed by hand on a cpu and a gpu device, with copies between them.
 MIXED = """graph t(%x: f32[4,3] @cpu:0, %b: f32[3] @gpu:0) {
   %xg = copy(%x) : f32[4,3] @gpu:0
@@ -291,6 +325,17 @@ def same_outputs(text: str, expect_graphs: str | None = None) -> None:
 
 
 PROGRAMS["program_mixed_cpu_and_gpu"] = lambda rng: same_outputs(MIXED)
+
+
+def mixed_on_a_lazy_gpu() -> None:
+    """`MIXED`, three calls, on streams that run only when waited for."""
+    from tests.on_cuda.lazy_gpu import lazy_gpu
+
+    with lazy_gpu():
+        same_outputs(MIXED, expect_graphs="launching")
+
+
+PROGRAMS["program_mixed_cpu_and_gpu_on_a_lazy_gpu"] = lambda rng: mixed_on_a_lazy_gpu()
 # Training steps with every product through cuBLAS's calls (the simulator's stand-in),
 # in one process and over two GPUs; the convolutions in chunks of images as well.
 # Iterations captured as CUDA graphs: on one GPU, with products through cuBLAS's calls

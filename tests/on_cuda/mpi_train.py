@@ -3,7 +3,8 @@
 STRATEGY...``. For each strategy, each rank trains the small mlp of `cases_programs`
 over r0/gpu:0 and r1/gpu:0 and one device of the reference target alongside, from the
 same weights and batches, and writes OUT_DIR/STRATEGY.rank<R>.txt: "ok", or what
-differed."""
+differed. ``lazy-STRATEGY`` trains on streams that run only when waited for
+(`tests.on_cuda.lazy_gpu`)."""
 
 import sys
 import traceback
@@ -13,14 +14,22 @@ import numpy as np
 import purinec
 from purinec.runtime import comm
 from tests.on_cuda.cases_programs import feeds_for, tiny_mlp
+from tests.on_cuda.lazy_gpu import lazy_gpu
 from tests.on_cuda.simulate import quicker_threads
 
 
 def main(out: str, strategies: list[str]) -> None:
     for strategy in strategies:
-        result = trained_alike(strategy)
+        if strategy.startswith(LAZY):  # on streams that run only when waited for
+            with lazy_gpu():
+                result = trained_alike(strategy[len(LAZY):])
+        else:
+            result = trained_alike(strategy)
         with open(f"{out}/{strategy}.rank{comm.world().rank}.txt", "w") as f:
             f.write(result)
+
+
+LAZY = "lazy-"
 
 
 def trained_alike(strategy: str) -> str:

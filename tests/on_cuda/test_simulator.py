@@ -74,7 +74,9 @@ def test_program_on_cuda_equals_the_reference_in_the_simulator(program_outcomes,
     assert error is None, error
 
 
-MPI_STRATEGIES = ("data", "ps", "model", "pipeline")
+# Each also on streams that run only when waited for (`tests.on_cuda.lazy_gpu`).
+MPI_STRATEGIES = tuple(f"{lazy}{strategy}" for lazy in ("", "lazy-")
+                       for strategy in ("data", "ps", "model", "pipeline"))
 
 
 @pytest.mark.slow
