@@ -289,7 +289,19 @@ PROGRAMS.update({
                                                      parallel=strategy))
        for strategy in ("data", "ps", "model", "pipeline")},
     "program_lazy_gpu_finds_calls_unordered": lambda rng: lazy_gpu_finds_calls_unordered(),
+    "program_tiny_mlp_graphed_on_a_lazy_gpu": lambda rng: graphed_on_a_lazy_gpu(),
+    "program_tiny_mlp_data_parallel_2_gpus_graphed_on_a_lazy_gpu":
+        lambda rng: graphed_on_a_lazy_gpu(devices="gpu:0,gpu:1"),
 })
+
+
+def graphed_on_a_lazy_gpu(**options) -> None:
+    """`graphed_training` on streams that run only when waited for: the replayed
+    graph's calls are ordered by the events captured with them."""
+    from tests.on_cuda.lazy_gpu import lazy_gpu
+
+    with lazy_gpu():
+        graphed_training(tiny_mlp(), **options)
 
 
 # A graph placed by hand on a cpu and a gpu device, with copies between them.
