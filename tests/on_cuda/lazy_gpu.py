@@ -9,10 +9,10 @@ until the host waits for it, or for an event recorded on it (`LazyStream`,
 event first running the recording stream up to the record. Whatever the runtime
 forgot to order runs late, on data that has moved on, and the numbers show it.
 
-What runs at once, as on a GPU: a copy with host memory at one end (`Transfer`: it
-finishes before its call returns) and the host's own work (staged collectives, which
-wait for their predecessors' events first). Copies the runtime queues on a stream
-itself (`gpu._copy_on_stream`) are queued there too.
+A copy given a stream (``copy_to_host``, ``copy_to_device``) is queued on it too, to
+run when the stream is waited for, as a GPU's copy engine would; one given none runs
+at once (the legacy default stream, as it orders nothing here). The host's own work
+runs when the host runs it.
 """
 
 from __future__ import annotations
@@ -114,10 +114,20 @@ def lazy_gpu():
         run.kernel = kernel
         return run
 
-    def queued_copy(destination, source, lazy: LazyStream):
-        lazy.enqueue(lambda: destination.copy_to_device(source, stream=lazy.real))
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+    copy_to_host, copy_to_device = FakeCUDAArray.copy_to_host, FakeCUDAArray.copy_to_device
+
+    def queued(copy):
+        def on_stream(self, array=None, stream=0):
+            if not isinstance(stream, LazyStream):
+                return copy(self, array, stream=stream)
+            stream.enqueue(lambda: copy(self, array, stream=stream.real))
+            return array
+        return on_stream
 
     with mock.patch.object(gpu.Gpus, "__init__", lazy_gpus), \
             mock.patch.object(gpu, "_on_stream", lazy_on_stream), \
-            mock.patch.object(gpu, "_copy_on_stream", queued_copy):
+            mock.patch.object(FakeCUDAArray, "copy_to_host", queued(copy_to_host)), \
+            mock.patch.object(FakeCUDAArray, "copy_to_device", queued(copy_to_device)):
         yield
