@@ -284,6 +284,8 @@ def lazy_gpu_finds_calls_unordered() -> None:
 PROGRAMS.update({
     "program_tiny_mlp_on_a_lazy_gpu": lambda rng: on_a_lazy_gpu(tiny_mlp()),
     "program_tiny_convnet_on_a_lazy_gpu": lambda rng: on_a_lazy_gpu(tiny_convnet()),
+    "program_tiny_convnet_hybrid_2_gpus_on_a_lazy_gpu": lambda rng: on_a_lazy_gpu(
+        tiny_convnet(), devices=2, parallel="hybrid"),
     **{f"program_tiny_mlp_{strategy}_2_gpus_on_a_lazy_gpu": (
         lambda rng, strategy=strategy: on_a_lazy_gpu(tiny_mlp(), devices="gpu:0,gpu:1",
                                                      parallel=strategy))
