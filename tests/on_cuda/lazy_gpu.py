@@ -99,18 +99,18 @@ def lazy_gpu():
                         for device, s in self.devices.items()}
         self.event = lambda physical=None: LazyEvent()
 
-    def lazy_on_stream(task, stream, waits, record, launching, wait_each):
-        launch, kernel = task.fn.launch, task.fn
+    def lazy_on_stream(task, stream, *rest):
+        """A kernel's launches queued on its stream (the simulator's launch runs at
+        once); a copy's are its own (its arrays queue them)."""
+        kernel = task.fn
+        if isinstance(kernel, gpu.Transfer):
+            return on_stream(task, stream, *rest)
 
         def deferred(lazy: LazyStream, *arrays):
-            lazy.enqueue(lambda: launch(lazy.real, *arrays))
-            if getattr(kernel, "waits", False):  # (a copy to or from host memory)
-                lazy.synchronize()
+            lazy.enqueue(lambda: kernel.launch(lazy.real, *arrays))
 
-        proxy = types.SimpleNamespace(launch=deferred, views=getattr(kernel, "views", {}),
-                                      stream=getattr(kernel, "stream", None))
-        run = on_stream(types.SimpleNamespace(fn=proxy, args=task.args), stream, waits,
-                        record, launching, wait_each)
+        proxy = types.SimpleNamespace(launch=deferred, views=getattr(kernel, "views", {}))
+        run = on_stream(types.SimpleNamespace(fn=proxy, args=task.args), stream, *rest)
         run.kernel = kernel
         return run
 
