@@ -946,4 +946,8 @@ class GpuExecutable:
 
     def close(self) -> None:
         if self._inner is not None:
+            # Its memory goes back once the GPU is done with it. (A GPU that failed has
+            # already said so, at the call that found it.)
+            with suppress(Exception):
+                self._order.settle()
             self._inner.close()

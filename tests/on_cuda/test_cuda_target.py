@@ -488,7 +488,8 @@ class _GpuLog:
         log = self.log
         return types.SimpleNamespace(
             record=lambda stream: log.append(f"record {name} on {stream}"),
-            wait=lambda stream: log.append(f"{stream} waits for {name}"))
+            wait=lambda stream: log.append(f"{stream} waits for {name}"),
+            synchronize=lambda: log.append(f"the host waits for {name}"))
 
 
 def _two_gpus(cuda) -> gpu.Gpus:
@@ -604,3 +605,53 @@ def test_small_grids_launch_without_numbas_occupancy_warning_unless_asked(monkey
             warnings.simplefilter("always")
             kernel[1, 32]  # (configured only: no GPU here)
     assert bool(caught) == (asked == "1")
+
+
+def test_kept_weights_and_memory_wait_for_what_the_calls_queued(monkeypatch):
+    """What the host does with a program's GPU memory between calls waits for the
+    calls' work (`CallOrder.settle`): copying kept weights in (new host arrays) and out
+    (`pull`), and giving the memory back (`close`); a variable's new value made in fresh
+    memory is copied into its kept array on the first stream, after the call's work."""
+    cuda = _GpuLog()
+    gpus = _two_gpus(cuda)
+    graph = parse(ON_GPU)
+
+    class Mirror:
+        def __init__(self, name):
+            self.name = name
+
+        def copy_to_device(self, source, stream=None):
+            where = f"on {stream}" if stream else "by the host"
+            cuda.log.append(f"{self.name} copied in {where}")
+
+        def copy_to_host(self, host):
+            cuda.log.append(f"{self.name} copied out")
+
+    class Inner:
+        def __call__(self, bound):
+            cuda.log.append("the call's launches")
+            return {"b": "a fresh array"}
+
+        def close(self):
+            cuda.log.append("memory given back")
+
+    monkeypatch.setattr(gpu, "graphs_mode", lambda: "0")
+    monkeypatch.setattr(gpu.Gpus, "allocate", lambda self, *args: Mirror("b"))
+    executable = gpu.GpuExecutable(graph, lambda resident: Inner(), gpus)
+    assert executable.keep_variables() == {"b"}
+    host = np.ones(3, np.float32)
+    executable({"x": None, "b": host})
+    joined = [line for k, s in enumerate(["i0", "o0", "c1", "i1", "o1"])
+              for line in (f"record e{k} on {s}", f"c0 waits for e{k}")]
+    assert cuda.log == (["b copied in by the host", "the call's launches"] + joined
+                        + ["b copied in on c0", "record e5 on c0"])
+    cuda.log.clear()
+    executable.pull({"b": host})
+    executable({"x": None, "b": np.ones(3, np.float32)})  # (a new host array: copied in)
+    executable.close()
+    waits = [f"{s} waits for e5" for s in ["i0", "o0", "c1", "i1", "o1"]]
+    assert cuda.log == (["the host waits for e5", "b copied out",
+                         "the host waits for e5", "b copied in by the host"] + waits
+                        + ["the call's launches"] + joined
+                        + ["b copied in on c0", "record e5 on c0",
+                           "the host waits for e5", "memory given back"])
