@@ -919,7 +919,8 @@ class GpuExecutable:
                     refreshes.append(functools.partial(_copy_on_stream, mirror, value))
                 self._loaded[name] = None
         self._order.end(then=refreshes)
-        self._refreshes = refreshes  # (their arrays live until the copies have run)
+        # Their arrays live until the next call has returned: its outputs come after them.
+        self._refreshes = refreshes
         return outputs
 
     def _stale(self, name: str, host: np.ndarray) -> bool:
