@@ -32,6 +32,7 @@ they report an error, as they would for a network they lack.)
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -179,12 +180,12 @@ def check_speed(budget: Budget, sizes: Sizes) -> list[dict]:
             continue
         row = {"model": model, "batch": batch}
         params, x, y = _problem(model, batch)
-        contenders = {"purinec": lambda: PurinecTrainer(model, batch, "cuda", params),
-                      "purinec graph": lambda: _graphed(PurinecTrainer, model, batch,
-                                                        "cuda", params)}
+        # purinec as it is, replaying one CUDA graph, and with the tiled GEMM kernels
+        ways = {"purinec": (gpu.GRAPHS_VAR, None), "purinec graph": (gpu.GRAPHS_VAR, "1")}
         if model == sizes.tiled:
-            contenders["purinec tiled"] = lambda: _tiled(PurinecTrainer, model, batch,
-                                                         "cuda", params)
+            ways["purinec tiled"] = (blas.PRODUCTS_VAR, "tiled")
+        contenders = {name: functools.partial(_purinec_with, *way, model, batch, params)
+                      for name, way in ways.items()}
         for peer in PEERS:
             contenders[peer] = (lambda peer=peer: peers.make_trainer(
                 peer, model, params, device="cuda", **_solver_args()))
@@ -225,15 +226,10 @@ def products(form: str | None):
     return _environment(blas.PRODUCTS_VAR, form)
 
 
-def _tiled(make, *args):
-    with products("tiled"):
-        return make(*args)
-
-
-def _graphed(make, *args):
-    """A program made to replay its step as one CUDA graph (captured at its second)."""
-    with _environment(gpu.GRAPHS_VAR, "1"):
-        return make(*args)
+def _purinec_with(variable: str, value: str | None, model: str, batch: int, params):
+    """purinec's trainer of ``model`` on cuda, made while ``variable`` is ``value``."""
+    with _environment(variable, value):
+        return PurinecTrainer(model, batch, "cuda", params)
 
 
 def _solver_args() -> dict:

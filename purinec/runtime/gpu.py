@@ -35,7 +35,6 @@ single-GPU machine.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
@@ -167,6 +166,9 @@ class Streams:
     copy_in: Any
     copy_out: Any
 
+    def each(self) -> tuple:
+        return self.compute, self.copy_in, self.copy_out
+
 
 class Gpus:
     """The logical GPU devices of a graph, each with its physical GPU and streams."""
@@ -214,14 +216,13 @@ class Gpus:
     def gpu_of(self, stream) -> int:
         """The physical GPU ``stream`` belongs to."""
         for streams in self.devices.values():
-            if stream in (streams.compute, streams.copy_in, streams.copy_out):
+            if stream in streams.each():
                 return streams.gpu
         raise PurinecError(f"stream {stream} belongs to none of the program's GPUs")
 
     def streams(self) -> list:
         """Every stream of the program's devices, the first device's compute first."""
-        return [stream for streams in self.devices.values()
-                for stream in (streams.compute, streams.copy_in, streams.copy_out)]
+        return [stream for streams in self.devices.values() for stream in streams.each()]
 
     def select(self, device: Device) -> None:
         """Make ``device``'s GPU current on the calling thread."""
@@ -827,13 +828,14 @@ class CallOrder:
             for stream in self.others:
                 self.joined.wait(stream)
 
-    def end(self, then: Sequence[Callable[[Any], None]] = ()) -> None:
-        """``then``: work to queue after all of the call's, each given the stream."""
+    def end(self, copies: Sequence[tuple[Any, Any]] = ()) -> None:
+        """``copies``: (destination, source) device arrays to copy after all of the
+        call's work."""
         for stream, event in zip(self.others, self.ends):
             event.record(stream)
             event.wait(self.first)
-        for work in then:
-            work(self.first)
+        for destination, source in copies:
+            destination.copy_to_device(source, stream=self.first)
         self.joined.record(self.first)
         self.after_call = True
 
@@ -843,10 +845,6 @@ class CallOrder:
         after nothing on the streams.)"""
         if self.after_call:
             synchronize(self.joined)
-
-
-def _copy_on_stream(destination, source, stream) -> None:
-    destination.copy_to_device(source, stream=stream)
 
 
 class GpuExecutable:
@@ -916,9 +914,9 @@ class GpuExecutable:
             if name in outputs:
                 value = outputs.pop(name)
                 if value is not mirror:  # an update not made in place: copied in after
-                    refreshes.append(functools.partial(_copy_on_stream, mirror, value))
+                    refreshes.append((mirror, value))
                 self._loaded[name] = None
-        self._order.end(then=refreshes)
+        self._order.end(copies=refreshes)
         # Their arrays live until the next call has returned: its outputs come after them.
         self._refreshes = refreshes
         return outputs

@@ -258,13 +258,18 @@ def two_programs_at_once() -> None:
 PROGRAMS["program_two_programs_at_once"] = lambda rng: two_programs_at_once()
 
 
-def on_a_lazy_gpu(model, **options) -> None:
-    """`trained_alike` on streams that run only when waited for (`lazy_gpu`): every
-    order the runtime relies on must be one it asked the GPU for."""
+def lazily(check, *args, **options) -> None:
+    """``check(*args, **options)`` on streams that run only when waited for
+    (`lazy_gpu`): every order the runtime relies on must be one it asked the GPU for."""
     from tests.on_cuda.lazy_gpu import lazy_gpu
 
     with lazy_gpu():
-        trained_alike(model, steps=3, classes=3, **options)
+        check(*args, **options)
+
+
+def on_a_lazy_gpu(model, **options) -> None:
+    """`trained_alike`, three steps, on lazy streams."""
+    lazily(trained_alike, model, steps=3, classes=3, **options)
 
 
 def lazy_gpu_finds_calls_unordered() -> None:
@@ -291,19 +296,12 @@ PROGRAMS.update({
                                                      parallel=strategy))
        for strategy in ("data", "ps", "model", "pipeline")},
     "program_lazy_gpu_finds_calls_unordered": lambda rng: lazy_gpu_finds_calls_unordered(),
-    "program_tiny_mlp_graphed_on_a_lazy_gpu": lambda rng: graphed_on_a_lazy_gpu(),
+    # (the replayed graph's calls are ordered by the events captured with them)
+    "program_tiny_mlp_graphed_on_a_lazy_gpu": lambda rng: lazily(graphed_training,
+                                                                 tiny_mlp()),
     "program_tiny_mlp_data_parallel_2_gpus_graphed_on_a_lazy_gpu":
-        lambda rng: graphed_on_a_lazy_gpu(devices="gpu:0,gpu:1"),
+        lambda rng: lazily(graphed_training, tiny_mlp(), devices="gpu:0,gpu:1"),
 })
-
-
-def graphed_on_a_lazy_gpu(**options) -> None:
-    """`graphed_training` on streams that run only when waited for: the replayed
-    graph's calls are ordered by the events captured with them."""
-    from tests.on_cuda.lazy_gpu import lazy_gpu
-
-    with lazy_gpu():
-        graphed_training(tiny_mlp(), **options)
 
 
 # A graph placed by hand on a cpu and a gpu device, with copies between them.
@@ -339,17 +337,8 @@ def same_outputs(text: str, expect_graphs: str | None = None) -> None:
 
 
 PROGRAMS["program_mixed_cpu_and_gpu"] = lambda rng: same_outputs(MIXED)
-
-
-def mixed_on_a_lazy_gpu() -> None:
-    """`MIXED`, three calls, on streams that run only when waited for."""
-    from tests.on_cuda.lazy_gpu import lazy_gpu
-
-    with lazy_gpu():
-        same_outputs(MIXED, expect_graphs="launching")
-
-
-PROGRAMS["program_mixed_cpu_and_gpu_on_a_lazy_gpu"] = lambda rng: mixed_on_a_lazy_gpu()
+PROGRAMS["program_mixed_cpu_and_gpu_on_a_lazy_gpu"] = lambda rng: lazily(
+    same_outputs, MIXED, expect_graphs="launching")  # (three calls)
 # Training steps with every product through cuBLAS's calls (the simulator's stand-in),
 # in one process and over two GPUs; the convolutions in chunks of images as well.
 # Iterations captured as CUDA graphs: on one GPU, with products through cuBLAS's calls

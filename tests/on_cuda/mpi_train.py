@@ -8,6 +8,7 @@ differed. ``lazy-STRATEGY`` trains on streams that run only when waited for
 
 import sys
 import traceback
+from contextlib import nullcontext
 
 import numpy as np
 
@@ -20,11 +21,9 @@ from tests.on_cuda.simulate import quicker_threads
 
 def main(out: str, strategies: list[str]) -> None:
     for strategy in strategies:
-        if strategy.startswith(LAZY):  # on streams that run only when waited for
-            with lazy_gpu():
-                result = trained_alike(strategy[len(LAZY):])
-        else:
-            result = trained_alike(strategy)
+        # lazy-: on streams that run only when waited for
+        with lazy_gpu() if strategy.startswith(LAZY) else nullcontext():
+            result = trained_alike(strategy.removeprefix(LAZY))
         with open(f"{out}/{strategy}.rank{comm.world().rank}.txt", "w") as f:
             f.write(result)
 
