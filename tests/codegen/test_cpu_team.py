@@ -44,12 +44,13 @@ def _fail_from(lo, hi, team, threads, first_failing, hits):
 @njit(nogil=True)
 def _meet(lo, hi, team, threads, flags, met):
     """Each block raises its flag, then waits (a while, not forever) for every other
-    block's: only blocks that run at the same time all meet."""
+    block's: only blocks that run at the same time all meet. (A while: seconds, not the
+    tenth of a second a busy machine may take to give a woken helper a core.)"""
     if run_blocks(team, threads, lo, hi, (flags, met)):
         return
     address = flags.ctypes.data
     cpu_runtime._store(address, lo, 1)
-    for _ in range(200_000_000):
+    for _ in range(5_000_000_000):
         everyone = 1
         for other in range(flags.size):
             everyone &= cpu_runtime._load(address, other)
@@ -88,8 +89,14 @@ def test_blocks_cover_the_items_once_on_the_threads_allowed():
 @pytest.mark.skipif(available_cpus() < 2, reason="needs a helper thread beside the caller")
 def test_blocks_run_side_by_side_on_the_helpers():
     flags, met = np.zeros(2, np.int64), np.zeros(2, np.int64)
-    with _threads(2):
-        Blocked(_meet, 2)(flags, met)
+    # Held, as a program holds it: else collecting a program an earlier test dropped
+    # (at any allocation, this call's own included) could stop the team under the call.
+    let_go = hold_team()
+    try:
+        with _threads(2):
+            Blocked(_meet, 2)(flags, met)
+    finally:
+        let_go()
     assert met.tolist() == [1, 1]
 
 
