@@ -102,9 +102,12 @@ def test_the_switches_of_cuda_graphs_and_products(monkeypatch):
     with pytest.raises(PurinecError, match="PURINEC_CUDA_GRAPHS='yes': 1 captures"):
         gpu.graphs_mode()
     monkeypatch.delenv(blas.PRODUCTS_VAR, raising=False)
-    missing = blas.cublas_missing()  # (without a GPU: cuBLAS did not load, and why)
-    assert blas.products() == ("tiled" if missing else "cublas")
-    assert missing is None or "did not load" in missing
+    missing = blas.cublas_missing()
+    if not gpu_here():  # cuBLAS cannot load, and says why
+        assert missing is not None and "did not load" in missing, missing
+        assert blas.products() == "tiled"
+    else:
+        assert blas.products() == ("tiled" if missing else "cublas")
     monkeypatch.setenv(blas.PRODUCTS_VAR, "cublas")
     assert blas.products() == "cublas"
     monkeypatch.setenv(blas.PRODUCTS_VAR, "fast")
@@ -604,7 +607,8 @@ def test_small_grids_launch_without_numbas_occupancy_warning_unless_asked(monkey
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             kernel[1, 32]  # (configured only: no GPU here)
-    assert bool(caught) == (asked == "1")
+    occupancy = [w for w in caught if "under-utilization due to low occupancy" in str(w.message)]
+    assert len(occupancy) == (asked == "1"), [str(w.message) for w in caught]
 
 
 def test_kept_weights_and_memory_wait_for_what_the_calls_queued(monkeypatch):
