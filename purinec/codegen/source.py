@@ -11,7 +11,7 @@ numbers back to nodes, for error messages that point into generated code.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from purinec.ir.graph import Node
 from purinec.ir.printer import format_node
@@ -86,6 +86,25 @@ class SourceBuilder:
             yield
         finally:
             self._origin = saved
+
+    def rewrite_loops(self, rewrite: Callable[[str, list[str]], str]) -> None:
+        """Replace each ``for`` line by ``rewrite(line, inner)``, ``inner`` the ``for``
+        lines in its body as already rewritten (inner loops go first)."""
+        for index in reversed(range(len(self._lines))):
+            depth, text, origin = self._lines[index]
+            if text.startswith("for "):
+                self._lines[index] = (depth, rewrite(text, self._loops_in(index, depth)),
+                                      origin)
+
+    def _loops_in(self, index: int, depth: int) -> list[str]:
+        """The ``for`` lines in the body of the block that line ``index`` opens."""
+        inner = []
+        for inner_depth, text, _ in self._lines[index + 1:]:
+            if text and inner_depth <= depth:
+                break
+            if text.startswith("for "):
+                inner.append(text)
+        return inner
 
     # -- reading --------------------------------------------------------------------
 

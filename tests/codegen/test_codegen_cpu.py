@@ -19,7 +19,7 @@ from numba import njit
 from numba.core.errors import TypingError
 
 from purinec.codegen import CodegenError, cpu
-from purinec.codegen.cpu_module import RENDERERS, CpuOptions
+from purinec.codegen.cpu_module import RENDERERS, CpuOptions, KernelModule
 from purinec.codegen.cpu_runtime import Blocked, copy_run, empty, opaque, set_threads, view
 from purinec.errors import ShapeError
 from purinec.ir import nnref
@@ -361,6 +361,35 @@ def test_copy_run_copies_a_run_between_indexed_elements_and_opaque_is_its_count(
     expected = np.zeros(15, np.float32)
     expected[7:13] = src[1].ravel()[4:10]  # from src[1, 1, 0] on, into dst[1, 2] on
     np.testing.assert_array_equal(dst.ravel(), expected)
+
+
+def test_loops_around_loops_llvm_keeps_get_hidden_trip_counts():
+    """A literal-count loop holding a loop that stays a loop (opaque or known at run
+    time), or heading a nest of more than UNROLLED_NEST trips, gets its count from
+    `opaque`; a small nest of literal loops (a pool's window) and innermost loops keep
+    theirs; writing the text again changes nothing."""
+    graph = Graph("t")
+    (x,) = graph.add_node("fill", [], {"shape": [4], "value": 1.0}).outputs
+    module = KernelModule("k", [x.producer], [], [x])
+    out = module.params[0][0]
+    body = module.body
+    for header, inner in (("for a in range(12):", "for b in range(opaque(8)):"),
+                          ("for c in range(2, 40, 2):", "for d in range(40):"),
+                          ("for e in range(3):", "for f in range(3):"),
+                          ("for g in range(1):", "for h in range(n):")):
+        with body.block(header), body.block(inner):
+            body.line(f"{out}[0] += 1")
+    with body.block("for i in range(64):"):
+        body.line(f"{out}[1] += 1")
+    text = module.text()
+    assert module.text() == text
+    loops = [line.strip() for line in text.splitlines() if line.strip().startswith("for ")]
+    assert loops == ["for a in range(opaque(12)):", "for b in range(opaque(8)):",
+                     "for c in range(2, opaque(40), 2):", "for d in range(40):",
+                     "for e in range(3):", "for f in range(3):",
+                     "for g in range(opaque(1)):", "for h in range(n):",
+                     "for i in range(64):"]
+    assert "from purinec.codegen.cpu_runtime import opaque" in text
 
 
 def test_copy_run_refuses_other_dtypes_and_indexes_of_another_rank():
