@@ -63,15 +63,13 @@ BLOCKED_NAMES = ("team", "threads", "run_blocks")
 
 # A loop over a range whose bounds are literals (LLVM knows how many trips it makes).
 _LITERAL_RANGE = re.compile(
-    r"for (?P<name>\w+) in range\((?P<start>(?:\d+, )?)(?P<stop>\d+)(?P<step>(?:, \d+)?)\):")
+    r"for (?P<name>\w+) in range\((?:(?P<start>\d+), )?(?P<stop>\d+)(?:, (?P<step>\d+))?\):")
 # Trips of a nest of such loops that LLVM may unroll whole (`_hide_outer_trip_counts`).
 UNROLLED_NEST = 256
 
 
 def _trips(loop: re.Match) -> int:
-    start, stop, step = (int(loop[part].strip(", ") or default)
-                         for part, default in (("start", 0), ("stop", 0), ("step", 1)))
-    return len(range(start, stop, step))
+    return len(range(int(loop["start"] or 0), int(loop["stop"]), int(loop["step"] or 1)))
 
 # Numba-side helper functions a body may ask for by name; emitted once per module.
 HELPERS: dict[str, str] = {}
@@ -317,8 +315,8 @@ class KernelModule:
             nest = [_LITERAL_RANGE.fullmatch(i) for i in (line, *inner)]
             if all(nest) and math.prod(map(_trips, nest)) <= UNROLLED_NEST:
                 return line
-            start, stop, step = loop.group("start", "stop", "step")
-            return f"for {loop['name']} in range({start}{self.opaque(int(stop))}{step}):"
+            bounds = [loop["start"], self.opaque(int(loop["stop"])), loop["step"]]
+            return f"for {loop['name']} in range({', '.join(filter(None, bounds))}):"
 
         self.body.rewrite_loops(hidden)
         self.after.rewrite_loops(hidden)
