@@ -607,7 +607,8 @@ def test_small_grids_launch_without_numbas_occupancy_warning_unless_asked(monkey
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             kernel[1, 32]  # (configured only: no GPU here)
-    occupancy = [w for w in caught if "under-utilization due to low occupancy" in str(w.message)]
+    occupancy = [w for w in caught
+                 if "under-utilization due to low occupancy" in str(w.message)]
     assert len(occupancy) == (asked == "1"), [str(w.message) for w in caught]
 
 
