@@ -31,7 +31,7 @@ computed, while it is in cache.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 from purinec.codegen.cpu_module import KernelModule, literal, renders
@@ -212,6 +212,18 @@ def _conv(x_shape, w_shape, y_shape, attrs) -> _Conv:
                  *pad_edges(attrs["pad"]), *attrs["dilation"], y_shape[2], y_shape[3])
 
 
+def _read_sizes(m: KernelModule, g: _Conv, images: tuple[str, int],
+                channels: tuple[str, int], filters: tuple[str, int]) -> _Conv:
+    """``g`` with its batch, input channels and output channels read from the kernel's
+    arrays (array, axis) at run time (`KernelModule.extent`): convolutions that differ
+    in those only (an inception module's branches, one layer at two batch sizes)
+    share their code. The image and kernel sizes stay constants, which LLVM unrolls
+    and vectorizes the copies by."""
+    return replace(g, n=m.extent(*images, g.n, "images"),
+                   c=m.extent(*channels, g.c, "channels"),
+                   cout=m.extent(*filters, g.cout, "filters"))
+
+
 def _times(var: str, factor: int) -> str:
     return var if factor == 1 else f"{var} * {factor}"
 
@@ -231,7 +243,7 @@ def _pad_image(m: KernelModule, g: _Conv, x: str, n: str, c0: str,
     index the (padded) image: a prefix taking ``[c, row, column]``."""
     if not g.padded:
         return f"{x}[{n}, {c0} + " if c0 != "0" else f"{x}[{n}, "
-    b, c, h, w = m.body, m.fresh("c"), m.fresh("h"), m.fresh("w")
+    b, c, h = m.body, m.fresh("c"), m.fresh("h")
     channel = c if c0 == "0" else f"{c0} + {c}"
     span = str(g.h)
     if rows is not None and rows[0] != "0":
@@ -312,22 +324,25 @@ def render_conv2d(node: Node, m: KernelModule) -> None:
 
 
 def emit_conv2d(node: Node, m: KernelModule, x: str, w: str, y: str | None,
-                epilogue: Callable[[str, str | None, tuple[str, str]], None] | None = None
+                epilogue: Callable[[str, str | None, tuple[str, str], tuple], None] | None = None
                 ) -> None:
     g = _conv(node.inputs[0].type.shape, node.inputs[1].type.shape,
               node.outputs[0].type.shape, node.attrs)
+    if not _direct(m, g):  # (a direct nest unrolls its channels' loops: they stay constants)
+        g = _read_sizes(m, g, images=(x, 0), channels=(x, 1), filters=(w, 0))
     m.body.line(f"w_mat = {m.view(w, (g.cout, g.K))}")
     _conv_forward(node, m, g, x, "w_mat", y, epilogue)
 
 
 def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: str | None,
-                  epilogue: Callable[[str, str | None, tuple[str, str]], None] | None = None
+                  epilogue: Callable[[str, str | None, tuple[str, str], tuple], None] | None = None
                   ) -> None:
     """Per image and group: ``y[n, group] = w_mat[group] @ im2col(x[n, group])``, or a
     direct loop nest for few channels per group (`_direct`), in blocks of output rows
     (`_image_rows`): a block copies, multiplies and stores only its rows' columns. Then
-    ``epilogue(n, scratch, rows)``, if given, on those rows while they are in cache;
-    with ``y`` None the output lives only in the per-image ``scratch`` it is given."""
+    ``epilogue(n, scratch, rows, sizes)``, if given, on those rows while they are in
+    cache (``sizes``: the output's shape as the code reads it, `_read_sizes`); with
+    ``y`` None the output lives only in the per-image ``scratch`` it is given."""
     b, direct, by_rows = m.body, _direct(m, g), _by_kernel_rows(g)
     if y is None:
         b.line(f"y_img = {m.empty((g.cout, g.P), dtype_name(node))}")
@@ -367,7 +382,7 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
                     _gemm(m, node, row_slice(w_mat, o0, g.og, g.cout), _from_column(col, s),
                           _from_column(out, s), g.og, width, g.K, g.K, g.P, g.P)
         if epilogue is not None:
-            epilogue(n, "y_img" if y is None else None, rows)
+            epilogue(n, "y_img" if y is None else None, rows, (g.n, g.cout, g.oh, g.ow))
 
 
 @contextmanager
@@ -419,14 +434,15 @@ def _chunks(m: KernelModule, rows: int, inner: int, count, at_most: int
     """A loop over columns ``0:count`` (``at_most`` of them) of a product of ``rows`` by
     ``inner`` by ``count`` in chunks the BLAS multiplies without packing
     (`CpuOptions.small_gemm_macs`), when they are at least `MIN_CHUNK` wide; yields the
-    first column of a chunk and its width (``"0"`` and ``count``: one product of all)."""
-    most = m.options.small_gemm_macs // max(1, rows * inner) // VECTOR * VECTOR
+    first column of a chunk and its width (``"0"`` and ``count``: one product of all).
+    The width is a constant, also where the sizes it comes from are `_read_sizes`'."""
+    most = m.options.small_gemm_macs // max(1, int(rows) * int(inner)) // VECTOR * VECTOR
     if most < MIN_CHUNK or at_most <= most:
         yield "0", count
         return
     b, s = m.body, m.fresh("s")
     if isinstance(count, int):
-        step = _even_step(count, most)
+        step = _even_step(int(count), most)
     else:
         chunks, step = m.fresh("chunks"), m.fresh("step")
         b.line(f"{chunks} = max(1, ({count} + {most - 1}) // {most})")
@@ -550,6 +566,9 @@ def render_conv2d_grad_input(node: Node, m: KernelModule) -> None:
     as many channels out as in)."""
     g = _conv(node.attrs["input_shape"], node.inputs[1].type.shape,
               node.inputs[0].type.shape, node.attrs)
+    (gy, w), (gx,) = m.inputs, m.outputs
+    if not _direct(m, g):
+        g = _read_sizes(m, g, images=(gy, 0), channels=(gx, 1), filters=(w, 0))
     reach_h, reach_w = g.dh * (g.kh - 1), g.dw * (g.kw - 1)
     flipped_pad = (reach_h - g.pt, reach_w - g.pl, reach_h - g.pb, reach_w - g.pr)
     if (g.sh, g.sw) == (1, 1) and min(flipped_pad) >= 0 and \
@@ -659,8 +678,9 @@ def render_conv2d_grad_weight(node: Node, m: KernelModule) -> None:
     that multiplies small products unpacked, ``gy[n]^T`` is copied first, so that
     the products take it as stored, in chunks that small (`_unpacked`)."""
     (x, gy), (gw,), b = m.inputs, m.outputs, m.body
-    g = _conv(node.inputs[0].type.shape, node.outputs[0].type.shape,
-              node.inputs[1].type.shape, node.attrs)
+    g = _read_sizes(m, _conv(node.inputs[0].type.shape, node.outputs[0].type.shape,
+                             node.inputs[1].type.shape, node.attrs),
+                    images=(x, 0), channels=(x, 1), filters=(gy, 1))
     by_rows = _by_kernel_rows(g)
     b.line(f"gy_mat = {m.view(gy, (g.n, g.cout, g.P))}")
     if g.pointwise:

@@ -85,13 +85,14 @@ def _conv2d_epilogue(node: Node, m: KernelModule, arrays: dict[Value, str],
     (produced,) = anchor.outputs
     exported = produced in node.outputs
 
-    def epilogue(n: str, scratch: str | None, rows: tuple[str, str]) -> None:
+    def epilogue(n: str, scratch: str | None, rows: tuple[str, str],
+                 sizes: tuple[int, ...]) -> None:
         local = dict(arrays)
         if scratch is not None:
             local[produced] = scratch
         emit_loop(m, rest, local, outputs, outer=n,
                   local=frozenset([produced]) if scratch else frozenset(),
-                  block=(2, *rows) if rows[0] != "0" else None)
+                  block=(2, *rows) if rows[0] != "0" else None, sizes=sizes)
     with m.body.origin(anchor):
         emit_conv2d(anchor, m, *[arrays[v] for v in anchor.inputs],
                     arrays[produced] if exported else None, epilogue)

@@ -3,7 +3,9 @@
 A renderer writes the body of one Numba function into a `KernelModule`; the module adds
 the header (which IR it came from), the imports, any helper functions the body asked
 for, the ``@njit`` decorator and argument checks. Shapes and attributes are baked into
-the text as constants, so each kernel is specialised to its node.
+the text as constants, so each kernel is specialised to its node, except the sizes a
+renderer reads from its arrays at run time (`KernelModule.extent`, `KernelModule.split`
+with an ``extent``), so that nodes differing in those only share their code.
 
 Names of IR values and fused kernels appear in comments only: the code calls values by
 their role (``in0``, ``out1``, ``v2`` for a fused node's internal values) and the
@@ -19,6 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
+from purinec.codegen.extent import Extent
 from purinec.codegen.kernel import ArgumentCheck, CodegenError
 from purinec.codegen.source import SourceBuilder, ir_header
 from purinec.ir.graph import Node, Value
@@ -132,12 +135,14 @@ class KernelModule:
         self._imports: list[str] = []
         self._helpers: list[str] = []
         self._constants: list[str] = []
+        self._extents: dict[tuple[str, int], Extent] = {}  # (array, axis) -> its local
         self._taken: set[str] = {self.function, "np", "math", "njit", "sgemm", "dgemm", "empty",
                                  "view", "lo", "hi", *BLOCKED_NAMES}
         self._roles = _roles(self.nodes, inputs, outputs)
         self.inputs = [self.fresh(v.name) for v in inputs]
         self.outputs = [self.fresh(v.name) for v in outputs]
         self.params = list(zip(self.inputs + self.outputs, list(inputs) + list(outputs)))
+        self._params_by_name = dict(self.params)
 
     # -- used by renderers ----------------------------------------------------------
 
@@ -159,6 +164,19 @@ class KernelModule:
             return hint
         value = max(named, key=len)
         return self._roles[value] + hint[len(value):]
+
+    def extent(self, array: str, axis: int, size: int, hint: str) -> int:
+        """``size``, the length of axis ``axis`` of the kernel's array ``array``, as the
+        renderer computes with it: an `Extent`, which the code reads from the array at
+        run time (a local named after ``hint``), so that nodes differing in that size
+        only render to the same code and share one compiled kernel. ``size`` itself
+        (a literal in the code) if ``array`` is not one of the kernel's arrays."""
+        if array not in self._params_by_name:
+            return size
+        key = (array, axis)
+        if key not in self._extents:
+            self._extents[key] = Extent(size, self.fresh(hint))
+        return self._extents[key]
 
     def import_line(self, line: str) -> None:
         if line not in self._imports:
@@ -203,7 +221,7 @@ class KernelModule:
         (`purinec.codegen.cpu.WithScratch`): the blocks run the kernel's function
         itself, so it cannot make it. Returns its name."""
         name = self.fresh(hint)
-        self.shared.append((name, tuple(shape), dtype))
+        self.shared.append((name, tuple(map(int, shape)), dtype))
         return name
 
     def view(self, array: str, shape: Sequence) -> str:
@@ -239,7 +257,7 @@ class KernelModule:
         worth = count >= 2 and work >= least
         if self.blocks == count or (self.blocks is None and not self.serial
                                     and (worth or extent is not None)):
-            self.blocks = count
+            self.blocks = int(count)
             self.parallel = self.parallel or worth
             self.import_line("from purinec.codegen.cpu_runtime import run_blocks")
             return "lo", "hi"
@@ -279,6 +297,8 @@ class KernelModule:
         with out.origin(*self.nodes):  # the kernel's own IR line heads it
             out.line(f"def {self.function}({', '.join(params)}):")
         with out.indent():
+            for (array, axis), local in self._extents.items():
+                out.line(f"{local} = {array}.shape[{axis}]")
             if not blocked:
                 out.extend(self.body)
                 out.extend(self.after)

@@ -119,7 +119,8 @@ class _Operand:
 def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value, str],
               outputs: Sequence[Value], outer: str | None = None,
               local: frozenset[Value] = frozenset(),
-              block: tuple[int, str, str] | None = None) -> None:
+              block: tuple[int, str, str] | None = None,
+              sizes: tuple[int, ...] | None = None) -> None:
     """Write into ``module.body`` one loop nest computing ``outputs`` from ``members``.
 
     ``members`` are elementwise/broadcast nodes in dependency order, each with a scalar
@@ -133,13 +134,15 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
     indices ``lo:hi`` along output axis ``axis``: the block of a row a matmul computed
     by columns, or of an image's output rows a convolution computed. Otherwise the
     outermost loop may become the kernel's blocked loop (`KernelModule.split`).
+    ``sizes``: the outputs' shape as the producer computed with it, some of it
+    `purinec.codegen.extent.Extent`s read from its arrays (default: the outputs' type).
     """
-    shape = outputs[0].type.shape
+    shape = sizes or outputs[0].type.shape
     _check_group(members, outputs, shape)
     first = 1 if outer is not None else 0  # loops run over shape[first:]
 
     def operand(value: Value, axes: frozenset[int]) -> _Operand:
-        array, shape = arrays[value], value.type.shape
+        array, shape = arrays[value], _shape_along(value.type.shape, axes, sizes)
         if first and 0 in axes and value not in local:
             array, shape = f"{array}[{outer}]", shape[1:]
         return _Operand(array, value.name, frozenset(a - first for a in axes if a >= first),
@@ -357,6 +360,22 @@ def _check_group(members: Sequence[Node], outputs: Sequence[Value], shape) -> No
         if value.type.shape != shape:
             raise CodegenError(f"loop outputs differ in shape: %{value.name}: {value.type} "
                                f"vs {list(shape)}")
+
+
+def _shape_along(shape: tuple[int, ...], axes: frozenset[int],
+                 sizes: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The shape of an operand varying along the loop's ``axes``, its sizes taken from
+    the loop's ``sizes`` (which may be `Extent`s): the operand's axes longer than 1
+    run along those loop axes longer than 1, in order. Where a size differs from the
+    operand's own (a mismatch this rule did not foresee) the operand's stays."""
+    if sizes is None:
+        return shape
+    along = iter(a for a in sorted(axes) if sizes[a] != 1)
+    sized = []
+    for size in shape:
+        axis = next(along, None) if size != 1 else None
+        sized.append(sizes[axis] if axis is not None and sizes[axis] == size else size)
+    return tuple(sized)
 
 
 def varying_axes(node: Node, i: int) -> frozenset[int]:

@@ -381,6 +381,69 @@ def test_pooling_at_every_batch_shares_its_compiled_code(cache_dir, options):
         np.testing.assert_allclose(gx, want_gx, rtol=1e-6, atol=1e-6)
 
 
+def conv_graph(sizes) -> Graph:
+    """For each (batch, channels in, channels out): a 3x3 "same" convolution of 6x6
+    images fused with its bias and relu, and both its gradients."""
+    g = Graph("convolved")
+    outputs = []
+    attrs = {"stride": [1, 1], "pad": [1, 1], "groups": 1, "dilation": [1, 1]}
+    for k, (n, c, o) in enumerate(sizes):
+        x = g.add_input(f"x{k}", TensorType((n, c, 6, 6), DType.f32))
+        w = g.add_input(f"w{k}", TensorType((o, c, 3, 3), DType.f32))
+        b = g.add_input(f"b{k}", TensorType((o,), DType.f32))
+        conv = g.make_node("conv2d", [x, w], attrs, names=[f"conv{k}"])
+        biased = g.make_node("bias_add", [conv.outputs[0], b], {}, names=[f"biased{k}"])
+        relu = g.make_node("relu", biased.outputs, {}, names=[f"relu{k}"])
+        g.add_fused([conv, biased, relu], [x, w, b], relu.outputs, "fused_conv2d_relu")
+        gy = g.add_input(f"gy{k}", conv.outputs[0].type)
+        gx = g.add_node("conv2d_grad_input", [gy, w],
+                        {**attrs, "input_shape": [n, c, 6, 6]}, names=[f"gx{k}"])
+        gw = g.add_node("conv2d_grad_weight", [x, gy], {**attrs, "kernel": [3, 3]},
+                        names=[f"gw{k}"])
+        outputs += [(f"relu{k}", relu.outputs[0]), (f"gx{k}", gx.outputs[0]),
+                    (f"gw{k}", gw.outputs[0])]
+    g.set_outputs(outputs)
+    return g
+
+
+@pytest.mark.parametrize("options", [cpu.CpuOptions(), cpu.CpuOptions(
+    parallel_min=0, parallel_min_products=0)], ids=["whole", "blocked"])
+def test_convolutions_at_every_batch_and_channel_count_share_their_code(cache_dir,
+                                                                         options):
+    """A convolution reads its batch and channel counts from its arrays (the image and
+    kernel sizes are in the code): convolutions differing in those only, as an
+    inception module's branches do, are one file and one compile for the fused
+    forward, one for each gradient, each node run over its own sizes."""
+    sizes = [(2, 3, 7), (3, 5, 8), (2, 4, 11)]  # more channels out than in, fewer than 4
+    graph = conv_graph(sizes)                     # images: the same algorithms for all
+    kernels = cpu.compile_kernels(graph, options)
+    assert cache.STATS.compiles == 3
+    assert len({kernels[node].path for node in graph.nodes}) == 3
+    rng = np.random.default_rng(11)
+    attrs = {"stride": [1, 1], "pad": [1, 1], "dilation": [1, 1], "groups": 1}
+    for k, (n, c, o) in enumerate(sizes):
+        fused, grad_input, grad_weight = graph.nodes[3 * k:3 * k + 3]
+        x, gy = (rng.standard_normal(shape).astype(np.float32)
+                 for shape in ((n, c, 6, 6), (n, o, 6, 6)))
+        w, b = rng.standard_normal((o, c, 3, 3)).astype(np.float32), rng.standard_normal(o)
+        (conv,) = nnref.conv2d(x, w, **attrs)
+        results = {}
+        for node, inputs, shape in ((fused, (x, w, b.astype(np.float32)), (n, o, 6, 6)),
+                                    (grad_input, (gy, w), (n, c, 6, 6)),
+                                    (grad_weight, (x, gy), (o, c, 3, 3))):
+            results[node] = np.full(shape, np.nan, np.float32)
+            kernels[node].fn(*inputs, results[node])
+        np.testing.assert_allclose(results[fused],
+                                   np.maximum(conv + b[:, None, None], 0), rtol=1e-4,
+                                   atol=1e-4)
+        (want_gx,) = nnref.conv2d_grad_input(gy, w, input_shape=[n, c, 6, 6], **attrs)
+        np.testing.assert_allclose(results[grad_input], want_gx, rtol=1e-4, atol=1e-4)
+        (want_gw,) = nnref.conv2d_grad_weight(x, gy, kernel=[3, 3], **attrs)
+        np.testing.assert_allclose(results[grad_weight], want_gw, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="must be"):  # each checks its own node's shapes
+        kernels[graph.nodes[1]].fn(gy, w, np.zeros((2, 3, 6, 6), np.float32))
+
+
 def updates_graph(shapes) -> Graph:
     """One horizontal group: an sgd update of a parameter of each shape."""
     g = Graph("updates")
