@@ -435,14 +435,16 @@ def _chunks(m: KernelModule, rows: int, inner: int, count, at_most: int
     ``inner`` by ``count`` in chunks the BLAS multiplies without packing
     (`CpuOptions.small_gemm_macs`), when they are at least `MIN_CHUNK` wide; yields the
     first column of a chunk and its width (``"0"`` and ``count``: one product of all).
-    The width is a constant, also where the sizes it comes from are `_read_sizes`'."""
-    most = m.options.small_gemm_macs // max(1, int(rows) * int(inner)) // VECTOR * VECTOR
+    A constant ``count`` makes the width a constant (LLVM then knows the trip count);
+    a ``count`` computed at run time (a block's) computes it too, from the sizes the
+    code reads (`_read_sizes`)."""
+    most = m.options.small_gemm_macs // max(1, rows * inner) // VECTOR * VECTOR
     if most < MIN_CHUNK or at_most <= most:
         yield "0", count
         return
     b, s = m.body, m.fresh("s")
     if isinstance(count, int):
-        step = _even_step(int(count), most)
+        step = _even_step(int(count), int(most))
     else:
         chunks, step = m.fresh("chunks"), m.fresh("step")
         b.line(f"{chunks} = max(1, ({count} + {most - 1}) // {most})")

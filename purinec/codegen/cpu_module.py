@@ -135,7 +135,7 @@ class KernelModule:
         self._imports: list[str] = []
         self._helpers: list[str] = []
         self._constants: list[str] = []
-        self._extents: dict[tuple[str, int], Extent] = {}  # (array, axis) -> its local
+        self._extents: dict[tuple[str, int | None], Extent] = {}  # (array, axis) -> local
         self._taken: set[str] = {self.function, "np", "math", "njit", "sgemm", "dgemm", "empty",
                                  "view", "lo", "hi", *BLOCKED_NAMES}
         self._roles = _roles(self.nodes, inputs, outputs)
@@ -165,12 +165,13 @@ class KernelModule:
         value = max(named, key=len)
         return self._roles[value] + hint[len(value):]
 
-    def extent(self, array: str, axis: int, size: int, hint: str) -> int:
-        """``size``, the length of axis ``axis`` of the kernel's array ``array``, as the
-        renderer computes with it: an `Extent`, which the code reads from the array at
-        run time (a local named after ``hint``), so that nodes differing in that size
-        only render to the same code and share one compiled kernel. ``size`` itself
-        (a literal in the code) if ``array`` is not one of the kernel's arrays."""
+    def extent(self, array: str, axis: int | None, size: int, hint: str) -> int:
+        """``size``, the length of axis ``axis`` of the kernel's array ``array`` (its
+        size for None), as the renderer computes with it: an `Extent`, which the code
+        reads from the array at run time (a local named after ``hint``), so that nodes
+        differing in that size only render to the same code and share one compiled
+        kernel. ``size`` itself (a literal in the code) if ``array`` is not one of the
+        kernel's arrays."""
         if array not in self._params_by_name:
             return size
         key = (array, axis)
@@ -298,7 +299,8 @@ class KernelModule:
             out.line(f"def {self.function}({', '.join(params)}):")
         with out.indent():
             for (array, axis), local in self._extents.items():
-                out.line(f"{local} = {array}.shape[{axis}]")
+                out.line(f"{local} = {array}.size" if axis is None
+                         else f"{local} = {array}.shape[{axis}]")
             if not blocked:
                 out.extend(self.body)
                 out.extend(self.after)

@@ -109,44 +109,56 @@ def _around_axis(shape, axis: int) -> tuple[int, int]:
 
 @renders("reshape")
 def render_reshape(node: Node, m: KernelModule) -> None:
-    """A flat copy (a planner may instead make the output a view of the input)."""
-    size, b = node.outputs[0].type.size, m.body
-    if not size:
+    """A flat copy (a planner may instead make the output a view of the input) of the
+    length it reads from its output, so that its code serves every size."""
+    b = m.body
+    if not node.outputs[0].type.size:
         return
+    size = m.extent(m.outputs[0], None, node.outputs[0].type.size, "n")
     src, dst = m.fresh("src"), m.fresh("dst")
     b.line(f"{src} = {m.view(m.inputs[0], (size,))}")
     b.line(f"{dst} = {m.view(m.outputs[0], (size,))}")
-    with split_loop(m, "k", size, size) as k:
+    lo, hi = m.split(size, size, extent=str(size))
+    k = m.fresh("k")
+    with b.block(f"for {k} in range({span_of(lo, hi)}):"):
         b.line(f"{dst}[{k}] = {src}[{k}]")
 
 
 def _concat_views(m: KernelModule, arrays, types, axis: int, outer: int, inner: int
-                  ) -> list[str]:
-    views = []
+                  ) -> tuple[list[str], list[int]]:
+    """Each array seen as (``outer``, its length along ``axis`` times ``inner``), and
+    those lengths, read from the arrays (`KernelModule.extent`)."""
+    views, lengths = [], []
     for name, ty in zip(arrays, types):
         view = m.fresh(name + "_rows")
-        m.body.line(f"{view} = {m.view(name, (outer, ty.shape[axis] * inner))}")
+        lengths.append(m.extent(name, axis, ty.shape[axis], "length") * inner)
+        m.body.line(f"{view} = {m.view(name, (outer, lengths[-1]))}")
         views.append(view)
-    return views
+    return views, lengths
 
 
 @renders("concat", "split")
 def render_concat_split(node: Node, m: KernelModule) -> None:
     """Every array viewed as (the axes before ``axis``, the rest): each part is a block
-    of columns of the whole, copied row by row."""
+    of columns of the whole, copied row by row. The axes before ``axis`` and the
+    parts' lengths along it are read from the arrays, so that a concat's code serves
+    every batch and channel count (those after ``axis``, an image's size, are
+    constants)."""
     axis = node.attrs["axis"]
     joined = node.outputs[0] if node.op == "concat" else node.inputs[0]
+    joined_name = m.outputs[0] if node.op == "concat" else m.inputs[0]
     parts = node.inputs if node.op == "concat" else node.outputs
     part_names = m.inputs if node.op == "concat" else m.outputs
-    outer, inner = _around_axis(joined.type.shape, axis)
-    (whole,) = _concat_views(m, [m.outputs[0] if node.op == "concat" else m.inputs[0]],
-                             [joined.type], axis, outer, inner)
-    views = _concat_views(m, part_names, [v.type for v in parts], axis, outer, inner)
+    outer = _prod(m.extent(joined_name, a, joined.type.shape[a], "rows")
+                  for a in range(axis))
+    inner = _prod(joined.type.shape[axis + 1:])
+    (whole,), _ = _concat_views(m, [joined_name], [joined.type], axis, outer, inner)
+    views, lengths = _concat_views(m, part_names, [v.type for v in parts], axis, outer,
+                                   inner)
     b = m.body
     with split_loop(m, "r", outer, joined.type.size) as r:
         offset = 0
-        for view, value in zip(views, parts):
-            length = value.type.shape[axis] * inner
+        for view, length in zip(views, lengths):
             k = m.fresh("k")
             with b.block(f"for {k} in range({length}):"):
                 at = affine(k, 1, offset)

@@ -444,6 +444,49 @@ def test_convolutions_at_every_batch_and_channel_count_share_their_code(cache_di
         kernels[graph.nodes[1]].fn(gy, w, np.zeros((2, 3, 6, 6), np.float32))
 
 
+def data_movement_graph(shapes) -> Graph:
+    """For each (batch, channels of part one, of part two): their concat along the
+    channels, its split back, and a reshape of it to one row per image."""
+    g = Graph("moved")
+    outputs = []
+    for k, (n, c1, c2) in enumerate(shapes):
+        a = g.add_input(f"a{k}", TensorType((n, c1, 3, 4), DType.f32))
+        b = g.add_input(f"b{k}", TensorType((n, c2, 3, 4), DType.f32))
+        (joined,) = g.add_node("concat", [a, b], {"axis": 1}, names=[f"j{k}"]).outputs
+        back = g.add_node("split", [joined], {"axis": 1, "sections": [c2, c1]},
+                          names=[f"s{k}", f"t{k}"]).outputs
+        (flat,) = g.add_node("reshape", [joined], {"shape": [n, (c1 + c2) * 12]},
+                             names=[f"f{k}"]).outputs
+        outputs += [(v.name, v) for v in (joined, *back, flat)]
+    g.set_outputs(outputs)
+    return g
+
+
+@pytest.mark.parametrize("options", [cpu.CpuOptions(), cpu.CpuOptions(parallel_min=0)],
+                         ids=["whole", "blocked"])
+def test_concat_split_and_reshape_serve_every_batch_and_channel_count(cache_dir, options):
+    """concat and split read the batch and each part's channels from their arrays
+    (an image's size is in the code), reshape its length: one compile each."""
+    shapes = [(2, 3, 5), (4, 1, 2), (3, 6, 6)]  # (a batch of 1 is not split in blocks)
+    graph = data_movement_graph(shapes)
+    kernels = cpu.compile_kernels(graph, options)
+    assert cache.STATS.compiles == 3
+    rng = np.random.default_rng(13)
+    for k, (n, c1, c2) in enumerate(shapes):
+        concat, split, reshape = graph.nodes[3 * k:3 * k + 3]
+        a, b = (rng.standard_normal((n, c, 3, 4)).astype(np.float32) for c in (c1, c2))
+        joined = np.full((n, c1 + c2, 3, 4), np.nan, np.float32)
+        kernels[concat].fn(a, b, joined)
+        np.testing.assert_array_equal(joined, np.concatenate([a, b], axis=1))
+        parts = [np.full((n, c, 3, 4), np.nan, np.float32) for c in (c2, c1)]
+        kernels[split].fn(joined, *parts)
+        np.testing.assert_array_equal(parts[0], joined[:, :c2])
+        np.testing.assert_array_equal(parts[1], joined[:, c2:])
+        flat = np.full((n, (c1 + c2) * 12), np.nan, np.float32)
+        kernels[reshape].fn(joined, flat)
+        np.testing.assert_array_equal(flat, joined.reshape(n, -1))
+
+
 def updates_graph(shapes) -> Graph:
     """One horizontal group: an sgd update of a parameter of each shape."""
     g = Graph("updates")
