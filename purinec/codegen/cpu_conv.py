@@ -343,7 +343,7 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
     ``epilogue(n, scratch, rows, sizes)``, if given, on those rows while they are in
     cache (``sizes``: the output's shape as the code reads it, `_read_sizes`); with
     ``y`` None the output lives only in the per-image ``scratch`` it is given."""
-    b, direct, by_rows = m.body, _direct(m, g), _by_kernel_rows(g)
+    b, direct, by_rows = m.body, _direct(m, g), _by_kernel_row_weights(g)
     if y is None:
         b.line(f"y_img = {m.empty((g.cout, g.P), dtype_name(node))}")
     else:
@@ -502,10 +502,25 @@ def _direct_conv(m: KernelModule, node: Node, g: _Conv, image: str, w_mat: str, 
 # beside the GEMM (a quarter of a 5x5 convolution's time). Short GEMMs (few channels
 # times ``kw``) run slower than one long one, hence `KERNEL_ROWS_MIN_DEPTH`.
 KERNEL_ROWS_MIN_DEPTH = 64
+# The forward product and the input gradient need each kernel row's weights as a matrix
+# of its own (`_kernel_row_weights`): a copy of all the weights, made by every block of
+# a call, which saves nothing where the images are small next to the weights. They go
+# by kernel rows only with at least this many output pixels in a call (all its images)
+# per output channel. resnet18 at batch 1 on the 2-core Zen 4 (ms, 3x3 convolutions,
+# by kernel rows against im2col): 64 channels of 56x56 (49 pixels a channel) 1.5-1.6
+# against 1.8-2.2; 128 of 28x28 (6) 1.7-1.8 against 1.5-1.6; 256 of 14x14 2.4-2.7
+# against 1.6; 512 of 7x7 6.9-9.4 against 2.4.
+KERNEL_ROWS_MIN_PIXELS = 16
 
 
 def _by_kernel_rows(g: _Conv) -> bool:
     return g.sh == 1 and g.kh > 1 and g.cg * g.kw >= KERNEL_ROWS_MIN_DEPTH
+
+
+def _by_kernel_row_weights(g: _Conv) -> bool:
+    """Whether the forward product or the input gradient goes by kernel rows, each
+    row's weights copied into a matrix (`KERNEL_ROWS_MIN_PIXELS`)."""
+    return _by_kernel_rows(g) and g.n * g.P >= KERNEL_ROWS_MIN_PIXELS * g.cout
 
 
 def _kernel_row_weights(m: KernelModule, node: Node, g: _Conv, w_mat: str) -> None:
@@ -600,7 +615,7 @@ def _conv2d_grad_input_col2im(node: Node, m: KernelModule, g: _Conv) -> None:
     stride-1 rows, by kernel rows (the adjoint of `_row_im2col`): each row's GEMM
     adds ``w_rows[i]^T @ gy`` into the columns from ``i*ow`` on of a smaller matrix."""
     (gy, w), (gx,), b = m.inputs, m.outputs, m.body
-    padded, by_rows = g.padded, _by_kernel_rows(g)
+    padded, by_rows = g.padded, _by_kernel_row_weights(g)
     b.line(f"w_mat = {m.view(w, (g.cout, g.K))}")
     b.line(f"gy_mat = {m.view(gy, (g.n, g.cout, g.P))}")
     b.line(f"gx_mat = {m.view(gx, (g.n, g.c, g.h * g.w))}")

@@ -632,8 +632,8 @@ def test_weight_gradients_of_few_rows_sum_parts_of_the_images(x_shape, w_shape, 
      12 * 16),
     # More channels out than in (as in the first): the input gradient by col2im.
     ((2, 8, 10, 10), (32, 8, 3, 3), {"stride": [1, 1], "pad": [1, 1], "groups": 1}, 32 * 72),
-    ((2, 32, 10, 10), (64, 32, 3, 3), {"stride": [1, 1], "pad": [1, 1], "groups": 1},
-     64 * 96),
+    ((11, 32, 10, 10), (64, 32, 3, 3), {"stride": [1, 1], "pad": [1, 1], "groups": 1},
+     64 * 96),  # (images enough to copy the weights by kernel rows: 16 pixels a filter)
 ], ids=["im2col", "by-kernel-rows", "pointwise", "col2im", "col2im-by-kernel-rows"])
 @pytest.mark.parametrize("blocked", [False, True])
 def test_convolutions_in_unpacked_chunks_agree(x_shape, w_shape, attrs, macs_per_column,
@@ -681,19 +681,20 @@ def test_pointwise_conv_skips_im2col_and_agrees(options):
 @pytest.mark.slow  # a Numba compile per case
 @pytest.mark.parametrize("options", OPTIONS)
 @pytest.mark.parametrize("x_shape, w_shape, attrs", [
-    ((2, 16, 7, 6), (16, 16, 5, 5), {"stride": [1, 1], "pad": [2, 2], "groups": 1}),
-    ((2, 8, 6, 9), (12, 8, 3, 8), {"stride": [1, 2], "pad": [0, 1], "groups": 1}),
-    ((1, 24, 5, 5), (16, 12, 3, 6), {"stride": [1, 1], "pad": [1, 1], "groups": 2}),
+    ((2, 16, 12, 11), (16, 16, 5, 5), {"stride": [1, 1], "pad": [2, 2], "groups": 1}),
+    ((4, 8, 26, 9), (12, 8, 3, 8), {"stride": [1, 2], "pad": [0, 1], "groups": 1}),
+    ((1, 24, 26, 26), (16, 12, 3, 6), {"stride": [1, 1], "pad": [1, 1], "groups": 2}),
     # Dilated, padded unevenly: kernel rows dh rows apart; the input gradient as a
     # convolution (pads within the dilated kernel's reach), then by col2im (a pad past it).
-    ((2, 16, 8, 7), (16, 16, 3, 5), {"stride": [1, 1], "pad": [1, 2, 3, 2],
+    ((5, 16, 8, 7), (16, 16, 3, 5), {"stride": [1, 1], "pad": [1, 2, 3, 2],
                                      "dilation": [2, 1], "groups": 1}),
-    ((1, 8, 6, 9), (12, 8, 2, 8), {"stride": [1, 2], "pad": [3, 0, 0, 1],
+    ((14, 8, 6, 9), (12, 8, 2, 8), {"stride": [1, 2], "pad": [3, 0, 0, 1],
                                    "dilation": [2, 1], "groups": 1}),
 ])
 def test_conv_by_kernel_rows_agrees(x_shape, w_shape, attrs, options):
-    """Enough channels times kernel columns for the kernel-row GEMMs (forward, and
-    both ways of the input gradient: as a convolution and by col2im)."""
+    """Enough channels times kernel columns for the kernel-row GEMMs, and pixels per
+    output channel for their weights' copy (forward, and both ways of the input
+    gradient: as a convolution and by col2im)."""
     rng = np.random.default_rng(5)
     x, w = random_array(rng, x_shape, DType.f32), random_array(rng, w_shape, DType.f32)
     assert "w_rows" in cpu.render(one_node("conv2d", [x, w], attrs), options)
@@ -703,7 +704,8 @@ def test_conv_by_kernel_rows_agrees(x_shape, w_shape, attrs, options):
 @pytest.mark.slow  # a Numba compile per case
 @pytest.mark.parametrize("x_shape, w_shape, attrs, direct", [
     ((1, 8, 9, 7), (12, 8, 3, 3), {"stride": [2, 1], "pad": [1, 1], "groups": 1}, False),
-    ((1, 16, 7, 6), (16, 16, 5, 5), {"stride": [1, 1], "pad": [2, 2], "groups": 1}, False),
+    ((1, 16, 17, 16), (16, 16, 5, 5), {"stride": [1, 1], "pad": [2, 2], "groups": 1},
+     False),  # by kernel rows
     ((1, 24, 8, 5), (32, 24, 1, 1), {"stride": [1, 1], "pad": [0, 0], "groups": 1}, False),
     # Depthwise and few channels a group: direct loop nests.
     ((1, 6, 9, 8), (6, 1, 3, 3), {"stride": [2, 2], "pad": [1, 1], "groups": 6}, True),
