@@ -324,7 +324,7 @@ def render_conv2d(node: Node, m: KernelModule) -> None:
 
 
 def emit_conv2d(node: Node, m: KernelModule, x: str, w: str, y: str | None,
-                epilogue: Callable[[str, str | None, tuple[str, str], tuple], None] | None = None
+                epilogue: Callable[[str, str | None, tuple | None, tuple], None] | None = None
                 ) -> None:
     g = _conv(node.inputs[0].type.shape, node.inputs[1].type.shape,
               node.outputs[0].type.shape, node.attrs)
@@ -335,15 +335,19 @@ def emit_conv2d(node: Node, m: KernelModule, x: str, w: str, y: str | None,
 
 
 def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: str | None,
-                  epilogue: Callable[[str, str | None, tuple[str, str], tuple], None] | None = None
+                  epilogue: Callable[[str, str | None, tuple | None, tuple], None] | None = None
                   ) -> None:
     """Per image and group: ``y[n, group] = w_mat[group] @ im2col(x[n, group])``, or a
     direct loop nest for few channels per group (`_direct`), in blocks of output rows
-    (`_image_rows`): a block copies, multiplies and stores only its rows' columns. Then
-    ``epilogue(n, scratch, rows, sizes)``, if given, on those rows while they are in
-    cache (``sizes``: the output's shape as the code reads it, `_read_sizes`); with
-    ``y`` None the output lives only in the per-image ``scratch`` it is given."""
+    (`_image_rows`): a block copies, multiplies and stores only its rows' columns; or,
+    for few rows (`_by_filters`), in blocks of output channels. Then
+    ``epilogue(n, scratch, block, sizes)``, if given, on what the block computed of
+    image ``n`` while it is in cache: ``block`` is (axis, first, end) of the output,
+    None for all of it; ``sizes``: the output's shape as the code reads it
+    (`_read_sizes`). With ``y`` None the output lives only in the per-image ``scratch``
+    it is given."""
     b, direct, by_rows = m.body, _direct(m, g), _by_kernel_row_weights(g)
+    by_filters = _by_filters(g, direct, by_rows)
     if y is None:
         b.line(f"y_img = {m.empty((g.cout, g.P), dtype_name(node))}")
     else:
@@ -359,12 +363,16 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
     else:
         b.line(f"col = {m.empty((g.K, g.P), dtype_name(node))}")
         _padded_scratch(m, node, g)
-    with _image_rows(m, g) as (n, rows):
+    with _image_blocks(m, g, by_filters) as (n, rows, filters):
         image = "y_img" if y is None else f"y_mat[{n}]"
         start = "0" if rows[0] == "0" else f"{rows[0]} * {g.ow}"
         count = g.P if rows[0] == "0" else f"({rows[1]} - {rows[0]}) * {g.ow}"
         with _groups(m, g) as (c0, o0):
             out = _from_column(row_slice(image, o0, g.og, g.cout), start)
+            weights, og = row_slice(w_mat, o0, g.og, g.cout), g.og
+            if filters[0] != "0":  # a block of the output channels (of one group)
+                f0, f1 = filters
+                out, weights, og = f"{image}[{f0}:{f1}]", f"{w_mat}[{f0}:{f1}]", f"{f1} - {f0}"
             if direct:
                 _direct_conv(m, node, g, _pad_image(m, g, x, n, c0, rows), w_mat, image, o0,
                              rows)
@@ -379,10 +387,46 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
                     _im2col(m, g, _pad_image(m, g, x, n, c0, rows), col, ("0", str(g.K)),
                             back=False, out_rows=rows)
                 with _chunks(m, g.og, g.K, count, g.P) as (s, width):
-                    _gemm(m, node, row_slice(w_mat, o0, g.og, g.cout), _from_column(col, s),
-                          _from_column(out, s), g.og, width, g.K, g.K, g.P, g.P)
+                    _gemm(m, node, weights, _from_column(col, s), _from_column(out, s), og,
+                          width, g.K, g.K, g.P, g.P)
         if epilogue is not None:
-            epilogue(n, "y_img" if y is None else None, rows, (g.n, g.cout, g.oh, g.ow))
+            block = ((1, *filters) if filters[0] != "0" else
+                     (2, *rows) if rows[0] != "0" else None)
+            epilogue(n, "y_img" if y is None else None, block, (g.n, g.cout, g.oh, g.ow))
+
+
+# Convolutions whose images have fewer output rows than this, all images together,
+# split their output channels between threads rather than their rows: a block of a few
+# rows of small images is a GEMM too thin for BLAS. One thread, OpenBLAS on Zen 4,
+# GFLOP/s: resnet18's 512 x 4608 by 4608 x 28 (4 rows of 7x7) 69, 21 (3 rows) 59,
+# against 256 x 4608 by 4608 x 49 (half the filters) 89; mobilenet_v2's 1280 x 320
+# by 320 x 28 72 against 640 x 320 by 320 x 49 90. At 14x14 both ways ran alike.
+FILTER_SPLIT_MAX_ROWS = 12
+FILTER_SPLIT_MIN_FILTERS = 32
+
+
+def _by_filters(g: _Conv, direct: bool, by_rows: bool) -> bool:
+    """Whether threads split a plain im2col (or pointwise) convolution's output
+    channels, each block computing its channels of every pixel (`FILTER_SPLIT_MAX_ROWS`):
+    every block then copies the whole image into its im2col matrix."""
+    return (not direct and not by_rows and g.groups == 1
+            and g.n * g.oh < FILTER_SPLIT_MAX_ROWS and g.cout >= FILTER_SPLIT_MIN_FILTERS)
+
+
+@contextmanager
+def _image_blocks(m: KernelModule, g: _Conv, by_filters: bool
+                  ) -> Iterator[tuple[str, tuple[str, str], tuple[str, str]]]:
+    """The loop over images; yields the image, its output rows and its output
+    channels to compute: split by output rows (`_image_rows`), or with ``by_filters``
+    every row of every image, the kernel's split loop over the output channels."""
+    if not by_filters:
+        with _image_rows(m, g) as (n, rows):
+            yield n, rows, ("0", str(g.cout))
+        return
+    filters = m.split(g.cout, g.macs, products=True)
+    n = m.fresh("n")
+    with m.body.block(f"for {n} in range({g.n}):"):
+        yield n, ("0", str(g.oh)), filters
 
 
 @contextmanager

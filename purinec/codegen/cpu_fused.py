@@ -79,20 +79,20 @@ def _render_epilogue(node: Node, m: KernelModule, arrays: dict[Value, str]) -> N
 
 def _conv2d_epilogue(node: Node, m: KernelModule, arrays: dict[Value, str],
                      outputs: list[Value]) -> None:
-    """The convolution image by image (or block of rows), each image's epilogue on
-    what was just computed of it."""
+    """The convolution image by image (or block of rows or of channels), each image's
+    epilogue on what was just computed of it."""
     anchor, rest = node.body[0], node.body[1:]
     (produced,) = anchor.outputs
     exported = produced in node.outputs
 
-    def epilogue(n: str, scratch: str | None, rows: tuple[str, str],
+    def epilogue(n: str, scratch: str | None, block: tuple | None,
                  sizes: tuple[int, ...]) -> None:
         local = dict(arrays)
         if scratch is not None:
             local[produced] = scratch
         emit_loop(m, rest, local, outputs, outer=n,
                   local=frozenset([produced]) if scratch else frozenset(),
-                  block=(2, *rows) if rows[0] != "0" else None, sizes=sizes)
+                  block=block, sizes=sizes)
     with m.body.origin(anchor):
         emit_conv2d(anchor, m, *[arrays[v] for v in anchor.inputs],
                     arrays[produced] if exported else None, epilogue)

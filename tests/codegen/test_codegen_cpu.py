@@ -706,7 +706,7 @@ def test_conv_by_kernel_rows_agrees(x_shape, w_shape, attrs, options):
     ((1, 8, 9, 7), (12, 8, 3, 3), {"stride": [2, 1], "pad": [1, 1], "groups": 1}, False),
     ((1, 16, 17, 16), (16, 16, 5, 5), {"stride": [1, 1], "pad": [2, 2], "groups": 1},
      False),  # by kernel rows
-    ((1, 24, 8, 5), (32, 24, 1, 1), {"stride": [1, 1], "pad": [0, 0], "groups": 1}, False),
+    ((1, 24, 13, 5), (32, 24, 1, 1), {"stride": [1, 1], "pad": [0, 0], "groups": 1}, False),
     # Depthwise and few channels a group: direct loop nests.
     ((1, 6, 9, 8), (6, 1, 3, 3), {"stride": [2, 2], "pad": [1, 1], "groups": 6}, True),
     ((2, 6, 9, 8), (12, 1, 3, 3), {"stride": [1, 2], "pad": [1, 0, 2, 1], "groups": 6,
@@ -716,7 +716,8 @@ def test_conv_by_kernel_rows_agrees(x_shape, w_shape, attrs, options):
 ])
 def test_conv_in_blocks_of_output_rows_agrees(x_shape, w_shape, attrs, direct):
     """Fewer images than blocks (3): threads split output rows, a block computing
-    part of an image (and, with 2 images, the end of one and the start of the next)."""
+    part of an image (and, with 2 images, the end of one and the start of the next);
+    rows enough not to split output channels instead (`FILTER_SPLIT_MAX_ROWS`)."""
     rng = np.random.default_rng(7)
     x, w = random_array(rng, x_shape, DType.f32), random_array(rng, w_shape, DType.f32)
     source = cpu.render(one_node("conv2d", [x, w], attrs), BLOCKED)
@@ -936,6 +937,41 @@ def test_fused_conv2d_epilogue(export_conv, options, batch, bias):
         return members, exported + [v for m in members[1:] for v in m.outputs]
     graph, node = fused_graph(build)
     check_fused(graph, node, _inputs(graph, 0), options)
+
+
+@pytest.mark.slow  # a Numba compile per case
+@pytest.mark.parametrize("kernel, pad", [(3, 1), (1, 0)], ids=["im2col", "pointwise"])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("epilogue", [None, "bias", "exported"])
+def test_small_images_split_their_output_channels_between_blocks(kernel, pad, batch,
+                                                                 epilogue):
+    """Fewer output rows than `cpu_conv.FILTER_SPLIT_MAX_ROWS` in all (5x5 images): a
+    block computes its output channels of every pixel, and the epilogue runs on those
+    channels: with a bias, a loop over them, then their pixels; without, one flat loop
+    over their pixels."""
+    if epilogue is None:
+        rng = np.random.default_rng(3)
+        x = random_array(rng, (batch, 8, 5, 5), DType.f32)
+        w = random_array(rng, (40, 8, kernel, kernel), DType.f32)
+        assert "w_mat[lo:hi]" in cpu.render(one_node("conv2d", [x, w], {"pad": [pad, pad]}),
+                                            BLOCKED)
+        check("conv2d", [x, w], {"pad": [pad, pad]}, BLOCKED)
+        return
+
+    def build(g, make):
+        x = g.add_input("x", TensorType((batch, 8, 5, 5), DType.f32))
+        w = g.add_input("w", TensorType((40, 8, kernel, kernel), DType.f32))
+        conv = make("conv2d", [x, w], {"pad": [pad, pad]}, ["conv"])
+        members = [conv]
+        if epilogue == "bias":
+            b = g.add_input("b", TensorType((40,), DType.f32))
+            members.append(make("bias_add", [conv.outputs[0], b], {}, ["biased"]))
+        members.append(make("relu", members[-1].outputs, {}, ["relu"]))
+        exported = [conv.outputs[0]] if epilogue == "exported" else []
+        return members, exported + [v for m in members[1:] for v in m.outputs]
+    graph, node = fused_graph(build)
+    assert "w_mat[lo:hi]" in cpu.render(node, BLOCKED)
+    check_fused(graph, node, _inputs(graph, 3), BLOCKED)
 
 
 @pytest.mark.slow  # a Numba compile per case
