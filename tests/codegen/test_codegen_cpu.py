@@ -702,6 +702,26 @@ def test_conv_by_kernel_rows_agrees(x_shape, w_shape, attrs, options):
     check_conv_gradients(rng, x_shape, w_shape, attrs, DType.f32, options)
 
 @pytest.mark.slow  # a Numba compile per case
+@pytest.mark.parametrize("x_shape, w_shape, attrs", [
+    ((1, 6, 7, 7), (6, 1, 3, 3), {"pad": [1, 1], "groups": 6}),
+    ((2, 8, 9, 5), (8, 2, 3, 3), {"pad": [1, 1], "groups": 4}),
+    # dilated, padded unevenly: taps dh rows apart, reads past a row's end
+    ((2, 4, 8, 9), (8, 1, 3, 5), {"pad": [2, 1, 0, 3], "groups": 4, "dilation": [2, 1]}),
+    ((3, 2, 6, 6), (4, 1, 3, 3), {"pad": [1, 1], "groups": 2}),
+])
+@pytest.mark.parametrize("options", OPTIONS)
+def test_direct_convolutions_over_flat_planes_agree(x_shape, w_shape, attrs, options):
+    """Stride 1, padded, narrow rows: one loop over a block's rows of the padded plane
+    (`cpu_conv._direct_conv_flat`), whose extra columns read into the next row and
+    the spare one, then each row's pixels out; and the gradients."""
+    rng = np.random.default_rng(9)
+    x, w = random_array(rng, x_shape, DType.f32), random_array(rng, w_shape, DType.f32)
+    assert "sums[" in cpu.render(one_node("conv2d", [x, w], attrs), options)
+    check("conv2d", [x, w], attrs, options)
+    check_conv_gradients(rng, x_shape, w_shape, attrs, DType.f32, options)
+
+
+@pytest.mark.slow  # a Numba compile per case
 @pytest.mark.parametrize("x_shape, w_shape, attrs, direct", [
     ((1, 8, 9, 7), (12, 8, 3, 3), {"stride": [2, 1], "pad": [1, 1], "groups": 1}, False),
     ((1, 16, 17, 16), (16, 16, 5, 5), {"stride": [1, 1], "pad": [2, 2], "groups": 1},
