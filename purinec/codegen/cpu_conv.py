@@ -196,6 +196,16 @@ class _Conv:
         return (self.kh, self.kw, self.sh, self.sw, self.padded) == (1, 1, 1, 1, False)
 
     @property
+    def hp(self) -> int:
+        """The padded image's height."""
+        return self.h + self.pt + self.pb
+
+    @property
+    def wp(self) -> int:
+        """The padded image's width."""
+        return self.w + self.pl + self.pr
+
+    @property
     def rows_read(self) -> int:
         """Rows of the padded image that stride-1 windows read (`_by_kernel_rows`)."""
         return self.oh + (self.kh - 1) * self.dh
@@ -233,7 +243,7 @@ def _padded_scratch(m: KernelModule, node: Node, g: _Conv, spare_row: bool = Fal
     padding; with a ``spare_row`` of zeros under each plane (`_direct_conv_flat` reads
     past a plane's last row). The border is zeroed once here and never written again."""
     if g.padded:
-        shape = (g.cg, g.h + g.pt + g.pb + spare_row, g.w + g.pl + g.pr)
+        shape = (g.cg, g.hp + spare_row, g.wp)
         m.body.lines(m.filled("xpad", shape, dtype_name(node), "0"))
 
 
@@ -348,15 +358,15 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
     (`_read_sizes`). With ``y`` None the output lives only in the per-image ``scratch``
     it is given."""
     b, direct, by_rows = m.body, _direct(m, g), _by_kernel_row_weights(g)
-    by_filters = _by_filters(g, direct, by_rows)
+    by_filters, flat = _by_filters(g, direct, by_rows), direct and _flat_planes(g)
     if y is None:
         b.line(f"y_img = {m.empty((g.cout, g.P), dtype_name(node))}")
     else:
         b.line(f"y_mat = {m.view(y, (g.n, g.cout, g.P))}")
     if direct:
-        _padded_scratch(m, node, g, spare_row=_flat_planes(g))
-        if _flat_planes(g):
-            b.line(f"sums = {m.empty((g.oh * _padded_width(g),), dtype_name(node))}")
+        _padded_scratch(m, node, g, spare_row=flat)
+        if flat:
+            b.line(f"sums = {m.empty((g.oh * g.wp,), dtype_name(node))}")
     elif g.pointwise:
         b.line(f"x_mat = {m.view(x, (g.n, g.c, g.P))}")
     elif by_rows:
@@ -376,7 +386,7 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
             if filters[0] != "0":  # a block of the output channels (of one group)
                 f0, f1 = filters
                 out, weights, og = f"{image}[{f0}:{f1}]", f"{w_mat}[{f0}:{f1}]", f"{f1} - {f0}"
-            if direct and _flat_planes(g):
+            if flat:
                 _pad_image(m, g, x, n, c0, rows)
                 _direct_conv_flat(m, node, g, w_mat, image, o0, rows)
             elif direct:
@@ -547,10 +557,6 @@ def _direct_conv(m: KernelModule, node: Node, g: _Conv, image: str, w_mat: str, 
             b.line(f"{y_row}[{q}] = {total}")
 
 
-def _padded_width(g: _Conv) -> int:
-    return g.w + g.pl + g.pr
-
-
 # Direct convolutions with stride 1 and rows narrower than this run over flat padded
 # planes (`_direct_conv_flat`). Depthwise 3x3 on the 2-core Zen 4, batch 1, kernel
 # alone (us, the nest against flat planes): 960 channels of 7x7 144 against 54, 576 of
@@ -574,11 +580,11 @@ def _direct_conv_flat(m: KernelModule, node: Node, g: _Conv, w_mat: str, y_img: 
     only: scalar for a 7- or 14-pixel row), computing ``Wp - ow`` columns of nothing
     per row (reading into the next row and, for the last, the spare row of zeros
     `_padded_scratch` adds); then each row's ``ow`` pixels into ``y``."""
-    b, width = m.body, _padded_width(g)
+    b, width = m.body, g.wp
     o, k, p = m.fresh("o"), m.fresh("k"), m.fresh("p")
     span, first = _row_span(g, rows)
     start = "0" if rows[0] == "0" else f"{rows[0]} * {width}"
-    planes = m.view("xpad", (g.cg, (g.h + g.pt + g.pb + 1) * width))
+    planes = m.view("xpad", (g.cg, (g.hp + 1) * width))  # (and the spare row)
     sources = [m.fresh(f"plane{c}") for c in range(g.cg)]
     for c, source in enumerate(sources):
         b.line(f"{source} = {planes}[{c}, {start}:]" if start != "0" else

@@ -79,10 +79,11 @@ def row_slice(array: str, start: str, count: int, total: int) -> str:
 
 @contextmanager
 def split_loop(m: KernelModule, var: str, count: int, work: int,
-               products: bool = False) -> Iterator[str]:
+               products: bool = False, extent: str | None = None) -> Iterator[str]:
     """``for var in range(lo, hi)`` over ``count`` independent items, the kernel's
-    blocked loop when ``work`` is big (see `KernelModule.split`)."""
-    lo, hi = m.split(count, work, products)
+    blocked loop when ``work`` is big, or whatever it is when the code reads ``count``
+    from its arrays into the local ``extent`` (see `KernelModule.split`)."""
+    lo, hi = m.split(count, work, products, extent)
     name = m.fresh(var)
     with m.body.block(f"for {name} in range({span_of(lo, hi)}):"):
         yield name
@@ -118,9 +119,7 @@ def render_reshape(node: Node, m: KernelModule) -> None:
     src, dst = m.fresh("src"), m.fresh("dst")
     b.line(f"{src} = {m.view(m.inputs[0], (size,))}")
     b.line(f"{dst} = {m.view(m.outputs[0], (size,))}")
-    lo, hi = m.split(size, size, extent=str(size))
-    k = m.fresh("k")
-    with b.block(f"for {k} in range({span_of(lo, hi)}):"):
+    with split_loop(m, "k", size, size, extent=str(size)) as k:
         b.line(f"{dst}[{k}] = {src}[{k}]")
 
 
