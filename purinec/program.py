@@ -134,6 +134,9 @@ class Program:
         for g in graphs:
             verify(g, program=True)
         _check_variables_stay(graph, self.eval_ir)
+        # The params and state each graph returns the next values of (none, or all).
+        self._updated_by_step = updated_variables(graph)
+        self._run_updates = bool(updated_variables(self.eval_ir))
         inputs = {v.name: v for g in graphs for v in g.inputs}
         check_values_fit(inputs.values(), f"the inputs of graph {graph.name} (parameters, "
                                           f"state and one batch of data)")
@@ -322,11 +325,10 @@ class Program:
         """Evaluate the inference graph; returns its outputs by name. Parameters and
         state stay as they are, even when that graph computes their updates (a training
         graph run as it is, such as a .pir file of one): it then works on copies."""
-        updates = bool(updated_variables(self.eval_ir))
         with self._turn:
             self._pull()
             outputs = self._inference_run()(self._env(self.eval_ir, feeds,
-                                                      copy_variables=updates))
+                                                      copy_variables=self._run_updates))
         return {k: v for k, v in outputs.items()
                 if k not in self.params and k not in self.state}
 
@@ -345,7 +347,7 @@ class Program:
                         store._follow(name, value)
                         followed.append(name)
             self._host_changed(followed, but=self._run_main)
-            self._on_device.update(name for name in updated_variables(self.ir)
+            self._on_device.update(name for name in self._updated_by_step
                                    if name in self._kept.get(id(self._run_main), ()))
             self.last_outputs = outputs
         return float(outputs["loss"])

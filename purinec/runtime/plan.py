@@ -31,6 +31,15 @@ from purinec.runtime.memory import (ALIGNMENT, ARENA, COPY, EXTERNAL, FRESH, VAR
 KERNEL = "kernel"
 
 
+def _c_strides(value: Value) -> tuple[int, ...]:
+    """The strides of a C-contiguous array of ``value``'s type."""
+    strides, step = [], value.type.dtype.numpy.itemsize
+    for size in reversed(value.type.shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 @dataclass(eq=False)
 class Task:
     index: int  # position in the plan, which is also a valid serial order
@@ -71,7 +80,10 @@ class _Variable:
 
     root: Value
     source: str | None  # the env name for external storage, None for a fresh array
-    members: list[tuple[Value, list[tuple[list, int]]]]  # each view and its arg slots
+    # Each member: the shape to view the bound array in (None: as it is), its argument
+    # slots, and whether `Plan.outputs` reads it.
+    members: tuple[tuple[tuple[int, ...] | None, tuple[tuple[list, int], ...], Value | None],
+                   ...]
 
 
 class Plan:
@@ -130,10 +142,20 @@ class Plan:
                 args.append(self._static.get(value))
             tasks.append(Task(len(tasks), KERNEL, queue_of(node), fn, args,
                               node, sum(v.type.nbytes for v in operands)))
-        self._variables = [
-            _Variable(cls.root, cls.external.name if cls.storage == EXTERNAL else None,
-                      [(v, slots.get(v, [])) for v in cls.members])
-            for cls in self.memory.classes if cls.storage in (EXTERNAL, FRESH)]
+        read_by_outputs = {spec.value for spec in self.memory.outputs}
+        self._variables = []
+        for cls in self.memory.classes:
+            if cls.storage not in (EXTERNAL, FRESH):
+                continue
+            bound = cls.external if cls.storage == EXTERNAL else cls.root
+            members = tuple((None if v.type.shape == bound.type.shape else v.type.shape,
+                             tuple(slots.get(v, ())), v if v in read_by_outputs else None)
+                            for v in cls.members)
+            self._variables.append(_Variable(
+                cls.root, bound.name if cls.storage == EXTERNAL else None,
+                tuple(m for m in members if m[1] or m[2] is not None)))
+        self._bound_slots = tuple(slot for var in self._variables
+                                  for _, slots, _ in var.members for slot in slots)
         return tasks
 
     def _link(self) -> None:
@@ -161,8 +183,10 @@ class Plan:
         written = {cls.external for cls in self.memory.classes
                    if cls.storage == EXTERNAL and cls.external is not cls.root}
         device_memory = getattr(self._arena_source, "device_memory", lambda device: False)
-        return [(v.name, v.type.shape, v.type.dtype.numpy, v in written, str(v.type))
-                for v in self.graph.inputs if not device_memory(v.device)]
+        checks = [(v.name, v.type.shape, v.type.dtype.numpy, _c_strides(v), v in written)
+                  for v in self.graph.inputs if not device_memory(v.device)]
+        self._any_written = any(check[-1] for check in checks)
+        return checks
 
     # -- each call --------------------------------------------------------------------
 
@@ -171,43 +195,54 @@ class Plan:
         self._check_env(env)
         current = self._current
         for var in self._variables:
-            if var.source is not None:
-                base = env[var.source]
-            else:
-                base = self._fresh(var.root)
-            for value, slots in var.members:
-                array = base if value.type.shape == base.shape else base.reshape(value.type.shape)
-                current[value] = array
+            base = env[var.source] if var.source is not None else self._fresh(var.root)
+            for shape, slots, read_by_outputs in var.members:
+                array = base if shape is None else base.reshape(shape)
+                if read_by_outputs is not None:
+                    current[read_by_outputs] = array
                 for args, position in slots:
                     args[position] = array
 
     def _check_env(self, env: Mapping[str, np.ndarray]) -> None:
-        owners: dict[int, list[tuple[str, bool]]] = {}  # by the object owning the memory
-        for name, shape, dtype, is_written, type_text in self._inputs:
+        # A program's call passes hundreds of parameters: the common case is tested
+        # first, in the fewest attribute reads (strides of C order say C-contiguous).
+        for name, shape, dtype, strides, is_written in self._inputs:
             array = env.get(name)
-            if array is None:
-                raise ExecutionError(f"no array given for input %{name} of graph "
-                                     f"{self.graph.name}")
-            if (type(array) is not np.ndarray or array.shape != shape or array.dtype != dtype
-                    or not array.flags.c_contiguous):
-                if type(array) is not np.ndarray:
-                    got = f"a {type(array).__name__}"
-                else:
-                    layout = "" if array.flags.c_contiguous else "non-contiguous "
-                    got = f"a {layout}{array.dtype}{list(array.shape)} array"
-                raise ExecutionError(f"input %{name} of graph {self.graph.name} must be a "
-                                     f"C-contiguous {type_text} array, got {got}")
+            if (type(array) is not np.ndarray or array.shape != shape
+                    or (array.dtype is not dtype and array.dtype != dtype)
+                    or (array.strides != strides and not array.flags.c_contiguous)):
+                self._refuse(name, array)
             if is_written and not array.flags.writeable:
                 raise ExecutionError(f"input %{name} of graph {self.graph.name} is "
                                      "updated in place but its array is read-only")
+        if self._any_written:
+            self._check_no_overlap(env)
+
+    def _refuse(self, name: str, array) -> None:
+        if array is None:
+            raise ExecutionError(f"no array given for input %{name} of graph "
+                                 f"{self.graph.name}")
+        if type(array) is not np.ndarray:
+            got = f"a {type(array).__name__}"
+        else:
+            layout = "" if array.flags.c_contiguous else "non-contiguous "
+            got = f"a {layout}{array.dtype}{list(array.shape)} array"
+        value = self.graph.value(name)
+        raise ExecutionError(f"input %{name} of graph {self.graph.name} must be a "
+                             f"C-contiguous {value.type} array, got {got}")
+
+    def _check_no_overlap(self, env: Mapping[str, np.ndarray]) -> None:
+        """Arrays updated in place must not overlap any other input's array."""
+        owners: dict[int, list[tuple[str, bool]]] = {}  # by the object owning the memory
+        for name, _, _, _, is_written in self._inputs:
+            array = env[name]
             owner = array if array.base is None else array.base
             owners.setdefault(id(owner), []).append((name, is_written))
         for arrays in owners.values():
             if len(arrays) > 1:
-                self._check_no_overlap(env, arrays)
+                self._check_overlap_of(env, arrays)
 
-    def _check_no_overlap(self, env, arrays: list[tuple[str, bool]]) -> None:
-        """Arrays updated in place must not overlap any other input's array."""
+    def _check_overlap_of(self, env, arrays: list[tuple[str, bool]]) -> None:
         for i, (name, is_written) in enumerate(arrays):
             for other, other_written in arrays[i + 1:]:
                 if ((is_written or other_written)
@@ -239,10 +274,8 @@ class Plan:
     def unbind(self) -> None:
         """Drop every reference to the caller's arrays and this call's fresh arrays."""
         self._current.clear()
-        for var in self._variables:
-            for _, slots in var.members:
-                for args, position in slots:
-                    args[position] = None
+        for args, position in self._bound_slots:
+            args[position] = None
 
     def release(self) -> None:
         """Give the arenas' memory back where their allocator can (shared memory, which

@@ -438,6 +438,22 @@ def test_env_is_checked():
     assert_same(execute(graph, copied(env)), exe({**copied(env), "other": np.zeros(3)}))
 
 
+def test_contiguous_arrays_with_any_strides_on_unit_dimensions_are_taken():
+    # numpy calls an array C-contiguous whatever its strides along dimensions of one
+    # element; the check looks at C order's strides first and must not refuse these.
+    graph = Graph("row")
+    x = graph.add_input("x", TensorType((1, 3), F32))
+    graph.set_outputs([("y", graph.add_node("tanh", [x]).outputs[0])])
+    exe = Executable(graph, reference_kernels(graph))
+    column = np.arange(3, dtype=np.float32).reshape(3, 1)
+    row = column.T  # shape (1, 3), strides (4, 4): C order's are (12, 4)
+    assert row.flags.c_contiguous and row.strides != (12, 4)
+    np.testing.assert_array_equal(exe({"x": row})["y"], np.tanh(row))
+    with pytest.raises(ExecutionError, match=r"must be a C-contiguous f32\[1,3\] array, "
+                                             r"got a float32\[3, 1\] array"):
+        exe({"x": column})
+
+
 def test_no_reference_to_env_arrays_is_kept():
     graph = small_graph()
     exe = Executable(graph, reference_kernels(graph))
