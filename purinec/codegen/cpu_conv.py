@@ -264,17 +264,9 @@ def _pad_image(m: KernelModule, g: _Conv, x: str, n: str, c0: str,
                f"{g.h})")
         span = f"{first}, {last}"
     with b.block(f"for {c} in range({g.cg}):"), b.block(f"for {h} in range({span}):"):
-        _copy_run(m, "xpad", f"{c}, {affine(h, 1, g.pt)}, {g.pl}", x,
+        m.copy_run("xpad", f"{c}, {affine(h, 1, g.pt)}, {g.pl}", x,
                   f"{n}, {channel}, {h}, 0", g.w)
     return "xpad["
-
-
-def _copy_run(m: KernelModule, dst: str, dst_at: str, src: str, src_at: str,
-              count) -> None:
-    """``count`` contiguous elements of ``src`` from index ``src_at`` on into ``dst``
-    from ``dst_at`` on (`purinec.codegen.cpu_runtime.copy_run`)."""
-    m.import_line("from purinec.codegen.cpu_runtime import copy_run")
-    m.body.line(f"copy_run({dst}, ({dst_at}), {src}, ({src_at}), {count})")
 
 
 def _im2col(m: KernelModule, g: _Conv, image: str, col: str, rows: tuple[str, str],
@@ -308,7 +300,7 @@ def _pixel_row(m: KernelModule, g: _Conv, image: str, at: str, j: str, col: str,
     first_pixel = _times(j, g.dw)
     if g.sw == 1 and not back:
         array, lead = image.split("[", 1)
-        _copy_run(m, col, col_at, array, f"{lead}{at}, {first_pixel}", g.ow)
+        m.copy_run(col, col_at, array, f"{lead}{at}, {first_pixel}", g.ow)
         return
     q = m.fresh("q")
     with m.body.block(f"for {q} in range({m.opaque(g.ow) if back else g.ow}):"):
@@ -604,7 +596,7 @@ def _direct_conv_flat(m: KernelModule, node: Node, g: _Conv, w_mat: str, y_img: 
                 b.line(f"{total} += {term}")
             b.line(f"sums[{k}] = {total}")
         with b.block(f"for {p} in range({span}):"):
-            _copy_run(m, y_img, f"{channel}, {affine(first(p), g.ow, 0)}", "sums",
+            m.copy_run(y_img, f"{channel}, {affine(first(p), g.ow, 0)}", "sums",
                       f"{affine(p, width, 0)},", g.ow)
 
 
@@ -757,7 +749,7 @@ def _conv2d_grad_input_col2im(node: Node, m: KernelModule, g: _Conv) -> None:
                 channel = c if c0 == "0" else f"{c0} + {c}"
                 with b.block(f"for {c} in range({g.cg}):"), \
                         b.block(f"for {h} in range({g.h}):"):
-                    _copy_run(m, gx, f"{n}, {channel}, {h}, 0", "xpad",
+                    m.copy_run(gx, f"{n}, {channel}, {h}, 0", "xpad",
                               f"{c}, {affine(h, 1, g.pt)}, {g.pl}", g.w)
             else:
                 prefix = f"{gx}[{n}, {c0} + " if c0 != "0" else f"{gx}[{n}, "

@@ -214,6 +214,12 @@ class KernelModule:
         Numba about 0.2 s the first time a process compiles it."""
         return [f"{name} = {self.empty(shape, dtype)}", f"{name}[:] = {fill}"]
 
+    def copy_run(self, dst: str, dst_at: str, src: str, src_at: str, count) -> None:
+        """A line copying ``count`` contiguous elements of ``src`` from index ``src_at``
+        on into ``dst`` from ``dst_at`` on (`purinec.codegen.cpu_runtime.copy_run`)."""
+        self.import_line("from purinec.codegen.cpu_runtime import copy_run")
+        self.body.line(f"copy_run({dst}, ({dst_at}), {src}, ({src_at}), {count})")
+
     def share(self, hint: str, shape: tuple[int, ...], dtype: DType) -> str:
         """A scratch array that every block of the kernel sees, each writing its own
         part of it (one per item of the split loop, say); code in `after` runs once

@@ -9,9 +9,12 @@ into a scratch with a border that never wins a max (-inf) or adds nothing to a s
 (0), so every window has the same constant taps (``dilation`` apart) and needs no
 clipping; an average's divisors come from a table per axis. Max
 pooling always copies, into one scratch per column phase (column modulo the stride), so
-that neighbouring windows read neighbouring entries and a row of windows vectorises.
-The gradient of max pooling recomputes each window's first maximum with selects, not
-branches, keeping where that element lies as an offset in the plane. LRN works one
+that neighbouring windows read neighbouring entries and a row of windows vectorises;
+where rows of windows are too short for that (7 or 14 windows), rows are split by
+phase too and every window of a plane is one loop over the phases laid flat
+(`_max_over_flat_planes`). The gradient of max pooling recomputes each window's first
+maximum with selects, not branches, keeping where that element lies as an offset in
+the plane. LRN works one
 image at a time with its window sums in channel order, as the reference adds them, and
 its quarter powers (beta 0.75) from square roots (`_power`).
 """
@@ -19,7 +22,7 @@ its quarter powers (beta 0.75) from square roots (`_power`).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -149,34 +152,52 @@ def pool_divisor(m, node: Node, shape, p: str, q: str) -> str:
     return " * ".join(factors)
 
 
-def _phase_scratch(m: KernelModule, node: Node, g: _Pool) -> None:
+def _phase_scratch(m: KernelModule, node: Node, g: _Pool, flat: bool = False) -> None:
     """``plane[phase, row, column]``: the padded plane (`_Pool.span`, border -inf)
     split by column modulo the column stride (``column = phase + sw * c``), so that
     neighbouring windows read neighbouring entries and the loop over them
-    vectorises. The border is filled once here and never written again."""
-    rows, cols = g.span
+    vectorises. For `_max_over_flat_planes` the rows are split likewise (phase
+    ``row % sh * sw + column % sw``; `_row_phases`), with a spare row of -inf under
+    each phase: it reads past the last row. The border is filled once here and never
+    written again."""
+    phases, rows = (g.sh * g.sw, _phase_rows(g) + 1) if flat else (g.sw, g.span[0])
     border = literal(-np.inf, node.outputs[0].type.dtype)
-    m.body.lines(m.filled("plane", (g.sw, rows, -(-cols // g.sw)), dtype_name(node), border))
+    m.body.lines(m.filled("plane", (phases, rows, _phase_width(g)), dtype_name(node),
+                          border))
 
 
-def _fill_phases(m: KernelModule, g: _Pool, x: str, nc: str) -> None:
-    """Copy plane ``nc`` of ``x`` inside the border of the phase planes: one loop over
-    the columns every phase has, each iteration storing one into each phase (an
-    interleaved access, which LLVM vectorizes as a loop: its trip count is `opaque`),
-    then the columns only some phases have."""
+def _phase_width(g: _Pool) -> int:
+    return -(-g.span[1] // g.sw)
+
+
+def _phase_rows(g: _Pool) -> int:
+    return -(-g.span[0] // g.sh)
+
+
+def _fill_phases(m: KernelModule, g: _Pool, x: str, nc: str, flat: bool = False) -> None:
+    """Copy plane ``nc`` of ``x`` inside the border of the phase planes (`_phase_scratch`,
+    ``flat`` as there): one loop over the columns every phase has, each iteration
+    storing one into each phase (an interleaved access, which LLVM vectorizes as a
+    loop: its trip count is `opaque`), then the columns only some phases have."""
     b, h, c = m.body, m.fresh("h"), m.fresh("c")
     spans = {phase: (max(0, -(-(g.pl - phase) // g.sw)),  # columns of x: c*sw + phase - pl
                      (g.w - 1 + g.pl - phase) // g.sw + 1) for phase in range(g.sw)}
     first, last = max(s[0] for s in spans.values()), min(s[1] for s in spans.values())
     if first >= last:  # no column in every phase (a plane narrower than the stride)
         first = last = 0
-    row = affine(h, 1, g.pt)
-
-    def store(phase: int, column: str) -> None:
-        b.line(f"plane[{phase}, {row}, {column}] = "
-               f"{x}[{nc}, {h}, {affine(column, g.sw, phase - g.pl)}]")
-
+    row, row_phase = affine(h, 1, g.pt), "0"
     with b.block(f"for {h} in range({g.h}):"):
+        if flat and g.sh > 1:
+            padded = h if not g.pt else f"({affine(h, 1, g.pt)})"
+            row_phase, row = m.fresh("row_phase"), m.fresh("row")
+            b.line(f"{row_phase} = {padded} % {g.sh} * {g.sw}")
+            b.line(f"{row} = {padded} // {g.sh}")
+
+        def store(phase: int, column: str) -> None:
+            at = phase if row_phase == "0" else affine(row_phase, 1, phase)
+            b.line(f"plane[{at}, {row}, {column}] = "
+                   f"{x}[{nc}, {h}, {affine(column, g.sw, phase - g.pl)}]")
+
         if first < last:
             with b.block(f"for {c} in range({m.opaque(last - first)}):"):
                 for phase in range(g.sw):
@@ -218,19 +239,77 @@ def _window_elements(m: KernelModule, g: _Pool) -> Iterator[tuple[int | str, int
 def render_max_pool2d(node: Node, m: KernelModule) -> None:
     g = _pool(node.inputs[0].type.shape, node.attrs)
     g, (x, y) = _plane_views(m, g, [(m.inputs[0], False), (m.outputs[0], True)])
-    b = m.body
-    p, q, best, v = (m.fresh(s) for s in ("p", "q", "best", "v"))
-    _phase_scratch(m, node, g)
+    b, flat = m.body, _flat_windows(g)
+    p, q = m.fresh("p"), m.fresh("q")
+    _phase_scratch(m, node, g, flat)
+    if flat:
+        size = (_phase_rows(g) + 1) * _phase_width(g)
+        b.line(f"phases = {m.view('plane', (g.sh * g.sw, size))}")
+        b.line(f"maxima = {m.empty([g.oh * _phase_width(g)], dtype_name(node))}")
     nc = _planes(m, g)
     with b.indent():
-        _fill_phases(m, g, x, nc)
+        _fill_phases(m, g, x, nc, flat)
+        if flat:
+            _max_over_flat_planes(m, g, y, nc)
+            return
         with b.block(f"for {p} in range({g.oh}):"), b.block(f"for {q} in range({g.ow}):"):
-            b.line(f"{best} = {_window(g, p, q, 0, 0)}")
-            for i, j in _window_elements(m, g):
-                b.line(f"{v} = {_window(g, p, q, i, j)}")
-                with b.block(f"if {v} > {best}:"):
-                    b.line(f"{best} = {v}")
-            b.line(f"{y}[{nc}, {p}, {q}] = {best}")
+            _window_max(m, _window(g, p, q, 0, 0),
+                        (_window(g, p, q, i, j) for i, j in _window_elements(m, g)),
+                        f"{y}[{nc}, {p}, {q}]")
+
+
+def _window_max(m: KernelModule, first: str, taps: Iterator[str], into: str) -> None:
+    """``into`` = the first maximum of ``taps``, from ``first``, in their order (a NaN
+    wins only first). ``taps`` is taken lazily: a big window's loops
+    (`_window_elements`) open around the lines for its taps."""
+    b, best, v = m.body, m.fresh("best"), m.fresh("v")
+    b.line(f"{best} = {first}")
+    for tap in taps:
+        b.line(f"{v} = {tap}")
+        with b.block(f"if {v} > {best}:"):
+            b.line(f"{best} = {v}")
+    b.line(f"{into} = {best}")
+
+
+# Max pooling with rows of windows narrower than this, and not a whole number of
+# vectors long, runs over flat phase planes (`_max_over_flat_planes`); with a row
+# stride, only rows of half a vector or more (the planes' fill then splits rows by
+# phase too, which costs tiny planes more than it saves). 3x3 windows unless said, on
+# the 2-core Zen 4, kernel alone, us, rows of windows against flat planes: stride 1,
+# 512 planes of 14x14 77 against 24, 832 of 7x7 35 against 18, 2048 of 8x8 100 against
+# 45, 3840 of 4x4 57 against 42, 256 of 28x28 53 against 48; stride 2, 1280 planes of
+# 24x24 (2x2 windows) 117 against 80; but 3200 of 8x8 (2x2) 104 against 120, and 1024
+# of 32x32 (rows of 16 windows) 92 against 107.
+FLAT_WINDOWS_MAX_WIDTH = 64
+
+
+def _flat_windows(g: _Pool) -> bool:
+    return (g.ow < FLAT_WINDOWS_MAX_WIDTH and g.ow % VECTOR != 0
+            and (g.sh == 1 or g.ow >= VECTOR // 2) and g.kh * g.kw <= UNROLL_MAX)
+
+
+def _max_over_flat_planes(m: KernelModule, g: _Pool, y: str, nc: str) -> None:
+    """The windows' maxima as one loop over the rows of windows laid out as wide as a
+    phase plane: ``maxima[k]`` for ``k = p*width + q`` takes tap ``(i, j)`` of window
+    ``(p, q)``, row ``p*sh + i*dh`` and column ``q*sw + j*dw`` of the padded plane,
+    from ``k + (i*dh // sh)*width + j*dw // sw`` of its phase: a contiguous run LLVM
+    vectorizes (a loop along one row of 7 or 14 windows does not), computing
+    ``width - ow`` windows of nothing per row (reading into the next row and, for the
+    last, the spare row); then each row's ``ow`` maxima into ``y``."""
+    b, width, k, p = m.body, _phase_width(g), m.fresh("k"), m.fresh("p")
+    with b.block(f"for {k} in range({g.oh * width}):"):
+        _window_max(m, _flat_tap(g, k, 0, 0),
+                    (_flat_tap(g, k, i, j) for i, j in _window_elements(m, g)),
+                    f"maxima[{k}]")
+    with b.block(f"for {p} in range({g.oh}):"):
+        m.copy_run(y, f"{nc}, {p}, 0", "maxima", f"{affine(p, width, 0)},", g.ow)
+
+
+def _flat_tap(g: _Pool, k: str, i: int, j: int) -> str:
+    """Tap ``(i, j)`` of window ``k`` of the flat phase planes (`_max_over_flat_planes`)."""
+    phase = i * g.dh % g.sh * g.sw + j * g.dw % g.sw
+    return (f"phases[{phase}, "
+            f"{affine(k, 1, i * g.dh // g.sh * _phase_width(g) + j * g.dw // g.sw)}]")
 
 
 @renders("max_pool2d_grad")
@@ -242,34 +321,51 @@ def render_max_pool2d_grad(node: Node, m: KernelModule) -> None:
     g = _pool(node.inputs[0].type.shape, node.attrs)
     g, (x, gy, gx) = _plane_views(m, g, [(m.inputs[0], False), (m.inputs[2], True),
                                     (m.outputs[0], False)])
-    b = m.body
-    p, q, v, best, at, better = (m.fresh(s) for s in ("p", "q", "v", "best", "at", "better"))
-    flat = m.fresh("gx_flat")
-    b.line(f"{flat} = {m.view(gx, (g.counted, g.h * g.w))}")
-    _phase_scratch(m, node, g)
-    b.line(f"where = {m.empty([g.ow], 'np.int32')}")
+    b, flat = m.body, _flat_windows(g)
+    p, q, gx_flat = m.fresh("p"), m.fresh("q"), m.fresh("gx_flat")
+    b.line(f"{gx_flat} = {m.view(gx, (g.counted, g.h * g.w))}")
+    _phase_scratch(m, node, g, flat)
+    width = _phase_width(g) if flat else g.ow  # of a row of `where`
+    if flat:
+        size = (_phase_rows(g) + 1) * width
+        b.line(f"phases = {m.view('plane', (g.sh * g.sw, size))}")
+    b.line(f"where = {m.empty([g.oh * width if flat else g.ow], 'np.int32')}")
     nc = _planes(m, g)
     with b.indent():
         b.line(f"{gx}[{nc}] = 0")
-        _fill_phases(m, g, x, nc)
+        _fill_phases(m, g, x, nc, flat)
+        if flat:  # every window's maximum at once (`_max_over_flat_planes`), then the sums
+            k = m.fresh("k")
+            with b.block(f"for {k} in range({g.oh * width}):"):
+                _first_maximum(m, g, lambda i, j: _flat_tap(g, k, i, j), f"where[{k}]")
         with b.block(f"for {p} in range({g.oh}):"):
-            # (LLVM unrolls a constant-trip loop of under a vector whole and vectorizes
-            # the unrolled code with gathers: 4x slower on 8x8 planes, stride 1; rows of
-            # under half a vector are better unrolled)
-            windows = m.opaque(g.ow) if SHORT_ROWS[0] <= g.ow < SHORT_ROWS[1] else g.ow
-            with b.block(f"for {q} in range({windows}):"):
-                b.line(f"{best} = {_window(g, p, q, 0, 0)}")
-                b.line(f"{at} = np.int32({-g.pt * g.w - g.pl})")
-                # selects, not branches: which element wins is data, and unpredictable
-                for i, j in _window_elements(m, g):
-                    b.line(f"{v} = {_window(g, p, q, i, j)}")
-                    b.line(f"{better} = {v} > {best}")
-                    b.line(f"{best} = {v} if {better} else {best}")
-                    b.line(f"{at} = np.int32({_offset(g, i, j)}) if {better} else {at}")
-                b.line(f"where[{q}] = {at}")
+            if not flat:  # row by row of windows
+                # (LLVM unrolls a constant-trip loop of under a vector whole and
+                # vectorizes the unrolled code with gathers: 4x slower on 8x8 planes,
+                # stride 1; rows of under half a vector are better unrolled)
+                windows = m.opaque(g.ow) if SHORT_ROWS[0] <= g.ow < SHORT_ROWS[1] else g.ow
+                with b.block(f"for {q} in range({windows}):"):
+                    _first_maximum(m, g, lambda i, j: _window(g, p, q, i, j), f"where[{q}]")
             with b.block(f"for {q} in range({g.ow}):"):
-                corner = affine(p, g.sh * g.w, affine(q, g.sw, f"where[{q}]"))
-                b.line(f"{flat}[{nc}, {corner}] += {gy}[{nc}, {p}, {q}]")
+                at = affine(p, width, q) if flat else q
+                corner = affine(p, g.sh * g.w, affine(q, g.sw, f"where[{at}]"))
+                b.line(f"{gx_flat}[{nc}, {corner}] += {gy}[{nc}, {p}, {q}]")
+
+
+def _first_maximum(m: KernelModule, g: _Pool, tap: Callable[[int | str, int | str], str],
+                   into: str) -> None:
+    """``into`` = where the first maximum of a window lies (`_offset`), by selects, not
+    branches: which element wins is data, and unpredictable. ``tap(i, j)``: the
+    window's element ``(i, j)``."""
+    b, v, best, at, better = m.body, *(m.fresh(s) for s in ("v", "best", "at", "better"))
+    b.line(f"{best} = {tap(0, 0)}")
+    b.line(f"{at} = np.int32({-g.pt * g.w - g.pl})")
+    for i, j in _window_elements(m, g):
+        b.line(f"{v} = {tap(i, j)}")
+        b.line(f"{better} = {v} > {best}")
+        b.line(f"{best} = {v} if {better} else {best}")
+        b.line(f"{at} = np.int32({_offset(g, i, j)}) if {better} else {at}")
+    b.line(f"{into} = {at}")
 
 
 def _offset(g: _Pool, i: int | str, j: int | str) -> int | str:
@@ -336,6 +432,7 @@ def render_global_avg_pool(node: Node, m: KernelModule) -> None:
     b.line(f"x_v = {m.view(x, (n * c, h * w))}")
     b.line(f"y_v = {m.view(y, (n * c,))}")
     lo, hi = m.split(n * c, n * c * h * w)
+    m.fastmath.add("reassoc")  # each plane summed in vector lanes (see `_sum_innermost`)
     with b.block(f"for {nc} in range({span_of(lo, hi)}):"):
         b.line(f"{acc} = 0.0")
         with b.block(f"for {k} in range({h * w}):"):

@@ -819,6 +819,36 @@ def test_max_pool_grad_over_rows_of_8_to_15_windows(shape, attrs):
     check("max_pool2d_grad", [x, y, np.ones_like(y)], attrs, exact=True)
 
 
+@pytest.mark.parametrize("flat", [True, False])
+@pytest.mark.parametrize("shape, attrs", [
+    ((2, 3, 7, 7), {"kernel": [3, 3], "stride": [1, 1], "pad": [1, 1]}),
+    ((1, 2, 9, 21), {"kernel": [3, 3], "stride": [2, 2], "pad": [0, 0], "ceil_mode": True}),
+    ((1, 2, 10, 21), {"kernel": [2, 3], "stride": [3, 2], "pad": [1, 0, 0, 2],
+                      "dilation": [2, 1]}),
+])
+def test_max_pool_over_flat_phase_planes_and_rows_of_windows_agree(shape, attrs, flat,
+                                                                   monkeypatch):
+    """Narrow rows of windows run as one loop over planes split by row and column
+    phase (`_max_over_flat_planes`), wide ones row by row: both give the reference's
+    maxima, and the gradient goes to each window's first maximum, row strides,
+    padding, ceil mode and dilation included."""
+    from purinec.codegen import cpu_pool
+
+    if not flat:
+        monkeypatch.setattr(cpu_pool, "FLAT_WINDOWS_MAX_WIDTH", 0)
+    rng = np.random.default_rng(5)
+    x = random_array(rng, shape, DType.f32)
+    assert ("maxima[" in cpu.render(one_node("max_pool2d", [x], attrs))) == flat
+    for ties in (False, True):
+        if ties:
+            x[:, :, 1::2] = 0
+        check("max_pool2d", [x], attrs, BLOCKED, exact=True)
+        (y,) = nnref.max_pool2d(x, **attrs)
+        gy = random_array(rng, y.shape, DType.f32)
+        check("max_pool2d_grad", [x, y, gy], attrs, BLOCKED)
+        check("max_pool2d_grad", [x, y, np.ones_like(y)], attrs, exact=True)
+
+
 @pytest.mark.slow  # a Numba compile per case
 @pytest.mark.parametrize("kernel, stride, pad, dilation", [
     ([6, 5], [2, 3], [2, 1], [1, 1]), ([2, 3], [1, 3], [1, 2], [1, 1]),
