@@ -526,18 +526,21 @@ def render_lrn_grad(node: Node, m: KernelModule) -> None:
     beta, alpha, size = node.attrs["beta"], node.attrs["alpha"], node.attrs["size"]
     factor = literal(2 * alpha * beta / size, dt)
     scratch = _lrn_scratch(node, m, channels, pixels) + [
-        f"inner = {m.empty((channels, pixels), dtype_name(node))}"]
+        f"{name} = {m.empty((channels, pixels), dtype_name(node))}"
+        for name in ("inner", "powered")]
     work = n * channels * pixels * size
     m.body.lines(scratch)
     with split_loop(m, "n", n, work) as i:
         _lrn_scale(m, node, x, i, channels, pixels, half)
         c, s, b = m.fresh("c"), m.fresh("s"), m.body
+        # scale^-beta once (its square roots are most of the kernel's time), and
+        # scale^(-beta-1) from it
         with b.block(f"for {c} in range({channels}):"), b.block(f"for {s} in range({pixels}):"):
+            b.line(f"powered[{c}, {s}] = {_power(f'scale[{c}, {s}]', -beta, dt)}")
             b.line(f"inner[{c}, {s}] = {gy}_v[{i}, {c}, {s}] * {x}_v[{i}, {c}, {s}] * "
-                   f"{_power(f'scale[{c}, {s}]', -beta - 1, dt)}")
+                   f"(powered[{c}, {s}] / scale[{c}, {s}])")
         with b.block(f"for {c} in range({channels}):"):
             _window_sum(m, "inner", "acc", channels, pixels, half, c)
             with b.block(f"for {s} in range({pixels}):"):
-                b.line(f"{gx}_v[{i}, {c}, {s}] = {gy}_v[{i}, {c}, {s}] * "
-                       f"{_power(f'scale[{c}, {s}]', -beta, dt)} - "
+                b.line(f"{gx}_v[{i}, {c}, {s}] = {gy}_v[{i}, {c}, {s}] * powered[{c}, {s}] - "
                        f"{factor} * {x}_v[{i}, {c}, {s}] * acc[{s}]")
