@@ -142,7 +142,9 @@ def render_concat_split(node: Node, m: KernelModule) -> None:
     of columns of the whole, copied row by row. The axes before ``axis`` and the
     parts' lengths along it are read from the arrays, so that a concat's code serves
     every batch and channel count (those after ``axis``, an image's size, are
-    constants)."""
+    constants). Blocks split the whole's elements, rows and columns together, so that
+    one row (an image at batch 1) runs on every thread too: a block's first and last
+    rows may be partial, and each part copies what of it lies in the block."""
     axis = node.attrs["axis"]
     joined = node.outputs[0] if node.op == "concat" else node.inputs[0]
     joined_name = m.outputs[0] if node.op == "concat" else m.inputs[0]
@@ -151,21 +153,36 @@ def render_concat_split(node: Node, m: KernelModule) -> None:
     outer = _prod(m.extent(joined_name, a, joined.type.shape[a], "rows")
                   for a in range(axis))
     inner = _prod(joined.type.shape[axis + 1:])
-    (whole,), _ = _concat_views(m, [joined_name], [joined.type], axis, outer, inner)
+    (whole,), (width,) = _concat_views(m, [joined_name], [joined.type], axis, outer, inner)
     views, lengths = _concat_views(m, part_names, [v.type for v in parts], axis, outer,
                                    inner)
     b = m.body
-    with split_loop(m, "r", outer, joined.type.size) as r:
+    lo, hi = m.split(outer * width, joined.type.size, extent=str(outer * width))
+    r, first, end = m.fresh("r"), m.fresh("first"), m.fresh("end")
+    with b.block(f"for {r} in range({lo} // {width}, ({hi} + {width} - 1) // {width}):"):
+        b.line(f"{first} = max({lo} - {r} * {width}, 0)")
+        b.line(f"{end} = min({hi} - {r} * {width}, {width})")
         offset = 0
-        for view, length in zip(views, lengths):
-            k = m.fresh("k")
-            with b.block(f"for {k} in range({length}):"):
-                at = affine(k, 1, offset)
-                if node.op == "concat":
-                    b.line(f"{whole}[{r}, {at}] = {view}[{r}, {k}]")
-                else:
-                    b.line(f"{view}[{r}, {k}] = {whole}[{r}, {at}]")
+        for view, length in zip(views, lengths):  # the part's columns in first:end
+            s0, s1 = m.fresh("part_lo"), m.fresh("part_hi")
+            b.line(f"{s0} = max({first}, {offset})" if offset else f"{s0} = {first}")
+            b.line(f"{s1} = min({end}, {offset + length})")
+            with b.block(f"if {s0} < {s1}:"):
+                _copy_part(m, node.op, whole, view, r, offset, s0, f"{s1} - {s0}")
             offset += length
+
+
+def _copy_part(m: KernelModule, op: str, whole: str, part: str, row: str, offset,
+               start: str, count: str) -> None:
+    """Copy ``count`` columns of row ``row`` from column ``start`` of ``whole`` on
+    (``start - offset`` of ``part``) from ``part`` (``op`` concat) or into it (split):
+    one `copy_run`. (A loop here vectorizes only where LLVM sees its index is never
+    negative, which it does not for these bounds: 10x slower.)"""
+    at_part = f"{start} - {offset}" if offset else start
+    if op == "concat":
+        m.copy_run(whole, f"{row}, {start}", part, f"{row}, {at_part}", count)
+    else:
+        m.copy_run(part, f"{row}, {at_part}", whole, f"{row}, {start}", count)
 
 
 # Transposes, strided slices and pads: loop nests over the output, each element read

@@ -464,6 +464,18 @@ def test_concat_and_split(shape, data, options):
     check("split", [whole], {"axis": axis, "sections": sections}, options, exact=True)
 
 
+def test_concat_and_split_of_one_row_run_on_every_thread():
+    """Blocks split a concat's elements, not its rows: one image's channels (3 parts
+    of 2, 5 and 1 channels, a block ending inside a part) are copied by 3 blocks."""
+    rng = np.random.default_rng(11)
+    parts = [random_array(rng, (1, c, 3, 4), DType.f32) for c in (2, 5, 1)]
+    node = one_node("concat", parts, {"axis": 1})
+    assert "first = max(lo - r * " in cpu.render(node, BLOCKED)
+    check("concat", parts, {"axis": 1}, BLOCKED, exact=True)
+    whole = np.concatenate(parts, axis=1)
+    check("split", [whole], {"axis": 1, "sections": [2, 5, 1]}, BLOCKED, exact=True)
+
+
 @SETTINGS
 @given(shape=shapes(4), data=st.data(), dtype=st.sampled_from([*FLOATS, DType.i64, DType.bool]),
        options=st.sampled_from(OPTIONS))
