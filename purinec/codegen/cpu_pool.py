@@ -164,6 +164,8 @@ def _phase_scratch(m: KernelModule, node: Node, g: _Pool, flat: bool = False) ->
     border = literal(-np.inf, node.outputs[0].type.dtype)
     m.body.lines(m.filled("plane", (phases, rows, _phase_width(g)), dtype_name(node),
                           border))
+    if flat:  # each phase laid flat (`_flat_tap`)
+        m.body.line(f"phases = {m.view('plane', (phases, rows * _phase_width(g)))}")
 
 
 def _phase_width(g: _Pool) -> int:
@@ -243,8 +245,6 @@ def render_max_pool2d(node: Node, m: KernelModule) -> None:
     p, q = m.fresh("p"), m.fresh("q")
     _phase_scratch(m, node, g, flat)
     if flat:
-        size = (_phase_rows(g) + 1) * _phase_width(g)
-        b.line(f"phases = {m.view('plane', (g.sh * g.sw, size))}")
         b.line(f"maxima = {m.empty([g.oh * _phase_width(g)], dtype_name(node))}")
     nc = _planes(m, g)
     with b.indent():
@@ -326,9 +326,6 @@ def render_max_pool2d_grad(node: Node, m: KernelModule) -> None:
     b.line(f"{gx_flat} = {m.view(gx, (g.counted, g.h * g.w))}")
     _phase_scratch(m, node, g, flat)
     width = _phase_width(g) if flat else g.ow  # of a row of `where`
-    if flat:
-        size = (_phase_rows(g) + 1) * width
-        b.line(f"phases = {m.view('plane', (g.sh * g.sw, size))}")
     b.line(f"where = {m.empty([g.oh * width if flat else g.ow], 'np.int32')}")
     nc = _planes(m, g)
     with b.indent():
