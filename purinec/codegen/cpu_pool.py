@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from purinec.codegen.cpu_conv import VECTOR
+from purinec.codegen.cpu_conv import VECTOR, copy_into_phases
 from purinec.codegen.cpu_module import KernelModule, literal, numpy_name, renders
 from purinec.codegen.cpu_ops import affine, dtype_name, span_of, split_loop
 from purinec.ir.graph import Node
@@ -178,16 +178,9 @@ def _phase_rows(g: _Pool) -> int:
 
 def _fill_phases(m: KernelModule, g: _Pool, x: str, nc: str, flat: bool = False) -> None:
     """Copy plane ``nc`` of ``x`` inside the border of the phase planes (`_phase_scratch`,
-    ``flat`` as there): one loop over the columns every phase has, each iteration
-    storing one into each phase (an interleaved access, which LLVM vectorizes as a
-    loop: its trip count is `opaque`), then the columns only some phases have."""
-    b, h, c = m.body, m.fresh("h"), m.fresh("c")
-    spans = {phase: (max(0, -(-(g.pl - phase) // g.sw)),  # columns of x: c*sw + phase - pl
-                     (g.w - 1 + g.pl - phase) // g.sw + 1) for phase in range(g.sw)}
-    first, last = max(s[0] for s in spans.values()), min(s[1] for s in spans.values())
-    if first >= last:  # no column in every phase (a plane narrower than the stride)
-        first = last = 0
-    row, row_phase = affine(h, 1, g.pt), "0"
+    ``flat`` as there), row by row (`purinec.codegen.cpu_conv.copy_into_phases`)."""
+    b, h = m.body, m.fresh("h")
+    row, row_phase = affine(h, 1, g.pt), None
     with b.block(f"for {h} in range({g.h}):"):
         if flat and g.sh > 1:
             padded = h if not g.pt else f"({affine(h, 1, g.pt)})"
@@ -195,18 +188,11 @@ def _fill_phases(m: KernelModule, g: _Pool, x: str, nc: str, flat: bool = False)
             b.line(f"{row_phase} = {padded} % {g.sh} * {g.sw}")
             b.line(f"{row} = {padded} // {g.sh}")
 
-        def store(phase: int, column: str) -> None:
-            at = phase if row_phase == "0" else affine(row_phase, 1, phase)
-            b.line(f"plane[{at}, {row}, {column}] = "
-                   f"{x}[{nc}, {h}, {affine(column, g.sw, phase - g.pl)}]")
+        def dst(phase: int, column: str) -> str:
+            at = phase if row_phase is None else affine(row_phase, 1, phase)
+            return f"plane[{at}, {row}, {column}]"
 
-        if first < last:
-            with b.block(f"for {c} in range({m.opaque(last - first)}):"):
-                for phase in range(g.sw):
-                    store(phase, f"({c} + {first})" if first else c)
-        for phase, (start, stop) in spans.items():
-            for column in [*range(start, min(first, stop)), *range(max(last, start), stop)]:
-                store(phase, str(column))
+        copy_into_phases(m, dst, lambda at: f"{x}[{nc}, {h}, {at}]", g.w, g.sw, g.pl)
 
 
 def _window(g: _Pool, p: str, q: str, i: int | str, j: int | str) -> str:

@@ -464,6 +464,27 @@ def test_concat_and_split(shape, data, options):
     check("split", [whole], {"axis": axis, "sections": sections}, options, exact=True)
 
 
+@pytest.mark.parametrize("x_shape, w_shape, attrs", [
+    ((2, 6, 9, 40), (6, 1, 3, 3), {"stride": [2, 2], "pad": [1, 1], "groups": 6}),
+    ((1, 4, 7, 50), (8, 1, 3, 3), {"stride": [1, 3], "pad": [0, 0], "groups": 4,
+                                   "dilation": [1, 2]}),
+    ((1, 4, 6, 37), (4, 2, 2, 3), {"stride": [2, 2], "pad": [0, 1, 1, 2], "groups": 2}),
+])
+def test_direct_conv_over_column_phases_agrees(x_shape, w_shape, attrs):
+    """A direct convolution with a column stride and rows of a vector or more reads its
+    image split by column phase (`_column_phases`), padded or not, dilated or not."""
+    from purinec.codegen.cpu_conv import VECTOR
+
+    rng = np.random.default_rng(9)
+    x, w = random_array(rng, x_shape, DType.f32), random_array(rng, w_shape, DType.f32)
+    node = one_node("conv2d", [x, w], attrs)
+    assert node.outputs[0].type.shape[3] >= VECTOR
+    source = cpu.render(node, BLOCKED)
+    assert f"xpad = empty(({w_shape[1]}, " in source and " % " in source
+    check("conv2d", [x, w], attrs, BLOCKED)
+    check("conv2d", [x, w], attrs)
+
+
 def test_concat_and_split_of_one_row_run_on_every_thread():
     """Blocks split a concat's elements, not its rows: one image's channels (3 parts
     of 2, 5 and 1 channels, a block ending inside a part) are copied by 3 blocks."""
