@@ -449,8 +449,9 @@ def test_reshape(shape, data, dtype, options):
 
 
 @SETTINGS
-@given(shape=shapes(4).filter(len), data=st.data(), options=st.sampled_from(OPTIONS))
-def test_concat_and_split(shape, data, options):
+@given(shape=shapes(4).filter(len), data=st.data(), options=st.sampled_from(OPTIONS),
+       dtype=st.sampled_from([*FLOATS, DType.i64, DType.bool]))
+def test_concat_and_split(shape, data, options, dtype):
     axis = data.draw(st.integers(0, len(shape) - 1))
     sections = data.draw(st.lists(st.sampled_from([1, 2, 3]), min_size=1, max_size=3))
     rng = np.random.default_rng(data.draw(seeds))
@@ -458,7 +459,7 @@ def test_concat_and_split(shape, data, options):
     for s in sections:
         part_shape = list(shape)
         part_shape[axis] = s
-        parts.append(random_array(rng, tuple(part_shape), DType.f32))
+        parts.append(random_array(rng, tuple(part_shape), dtype))
     check("concat", parts, {"axis": axis}, options, exact=True)
     whole = np.concatenate(parts, axis=axis)
     check("split", [whole], {"axis": axis, "sections": sections}, options, exact=True)
