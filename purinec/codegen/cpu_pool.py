@@ -261,12 +261,14 @@ def _window_max(m: KernelModule, first: str, taps: Iterator[str], into: str) -> 
 # vectors long, runs over flat phase planes (`_max_over_flat_planes`); with a row
 # stride, only rows of half a vector or more (the planes' fill then splits rows by
 # phase too, which costs tiny planes more than it saves). 3x3 windows unless said, on
-# the 2-core Zen 4, kernel alone, us, rows of windows against flat planes: stride 1,
-# 512 planes of 14x14 77 against 24, 832 of 7x7 35 against 18, 2048 of 8x8 100 against
-# 45, 3840 of 4x4 57 against 42, 256 of 28x28 53 against 48; stride 2, 1280 planes of
-# 24x24 (2x2 windows) 117 against 80; but 3200 of 8x8 (2x2) 104 against 120, and 1024
-# of 32x32 (rows of 16 windows) 92 against 107.
-FLAT_WINDOWS_MAX_WIDTH = 64
+# the 2-core Zen 4, kernel alone, same process, alternating, us, forward and gradient,
+# rows of windows against flat planes: stride 1, 512 planes of 14x14 77 against 24
+# (forward), 64 of 8x8 97/158 against 48/107, 256 of 28x28 55/164 against 50/121;
+# stride 2, 480 planes of 28x28 93/122 against 48/92, 1280 of 24x24 (2x2 windows)
+# 109/200 against 79/149, 192 of 56x56 60/157 against 58/132; but 64 of 112x112 (rows
+# of 56 windows) 74/172 against 85/177, and 3200 of 8x8 (2x2, rows of 4) 104 against
+# 120 (forward).
+FLAT_WINDOWS_MAX_WIDTH = 32
 
 
 def _flat_windows(g: _Pool) -> bool:
