@@ -4,7 +4,8 @@
   blocks of rows (or columns) when big;
 * ``conv2d``: per image, im2col into a scratch matrix (from a zero-bordered copy of the
   image when there is padding, so the copy loops have constant trip counts and no
-  bounds tests; taps ``dilation`` apart are just larger steps) and one GEMM per group.
+  bounds tests; taps ``dilation`` apart are just larger steps; a few output rows at a
+  time where the matrix would be big, `_im2col_chunk_rows`) and one GEMM per group.
   1x1 convolutions with stride 1 and no padding skip im2col: the image is the matrix.
   With stride 1 along rows and enough input channels, one GEMM per kernel row over a
   matrix ``kh`` times smaller than im2col's (see `_by_kernel_rows`). Groups of few
@@ -403,6 +404,9 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
     it is given."""
     b, direct, by_rows = m.body, _direct(m, g), _by_kernel_row_weights(g)
     by_filters, flat = _by_filters(g, direct, by_rows), direct and _flat_planes(g)
+    im2col = not (direct or by_rows or by_filters or g.pointwise)
+    chunk_rows = _im2col_chunk_rows(m, g, node.outputs[0].type.dtype) if im2col else None
+    col_width = g.P if chunk_rows is None else f"{chunk_rows} * {g.ow}"
     if y is None:
         b.line(f"y_img = {m.empty((g.cout, g.P), dtype_name(node))}")
     else:
@@ -418,9 +422,10 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
         b.line(f"col = {m.empty((g.cg * g.kw, g.rows_read * g.ow), dtype_name(node))}")
         _padded_scratch(m, node, g)
     else:
-        b.line(f"col = {m.empty((g.K, g.P), dtype_name(node))}")
+        b.line(f"col = {m.empty((g.K, col_width), dtype_name(node))}")
         _padded_scratch(m, node, g)
-    with _image_blocks(m, g, by_filters) as (n, rows, filters):
+    with _image_blocks(m, g, by_filters) as (n, block_rows, filters), \
+            _row_chunks(m, g, block_rows, chunk_rows) as rows:
         image = "y_img" if y is None else f"y_mat[{n}]"
         start = "0" if rows[0] == "0" else f"{rows[0]} * {g.ow}"
         count = g.P if rows[0] == "0" else f"({rows[1]} - {rows[0]}) * {g.ow}"
@@ -449,11 +454,47 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
                             back=False, out_rows=rows)
                 with _chunks(m, g.og, g.K, count, g.P) as (s, width):
                     _gemm(m, node, weights, _from_column(col, s), _from_column(out, s), og,
-                          width, g.K, g.K, g.P, g.P)
+                          width, g.K, g.K, g.P if g.pointwise else col_width, g.P)
         if epilogue is not None:
             block = ((1, *filters) if filters[0] != "0" else
                      (2, *rows) if rows[0] != "0" else None)
             epilogue(n, "y_img" if y is None else None, block, (g.n, g.cout, g.oh, g.ow))
+
+
+# im2col matrices bigger than this are made (and multiplied) a few output rows at a
+# time, so that the matrix stays in the core's cache between its copy and the GEMM's
+# packing of it, in the net too (where a whole 7x7 stride-2 layer's, 7.4 MB a thread,
+# went to memory and back); but never fewer than `COL_CHUNK_MIN_COLUMNS` pixels at a
+# time, a GEMM too thin (resnet18's 3x3 layers at 14x14 in chunks of 4 rows: 10% slower).
+COL_CHUNK_BYTES = 512 * 1024
+COL_CHUNK_MIN_COLUMNS = 256
+
+
+def _im2col_chunk_rows(m: KernelModule, g: _Conv, dtype: DType) -> str | None:
+    """The local holding how many output rows at a time im2col makes, computed in the
+    kernel from the sizes it reads (`_read_sizes`); None: all of a block's at once."""
+    row_bytes = g.ow * dtype.numpy.itemsize
+    least = -(-COL_CHUNK_MIN_COLUMNS // g.ow)
+    if max(least, COL_CHUNK_BYTES // (g.K * row_bytes)) >= g.oh:
+        return None
+    local = m.fresh("rows_at_once")
+    m.body.line(f"{local} = max({least}, {COL_CHUNK_BYTES} // ({g.K} * {row_bytes}))")
+    return local
+
+
+@contextmanager
+def _row_chunks(m: KernelModule, g: _Conv, rows: tuple[str, str], most: str | None
+                ) -> Iterator[tuple[str, str]]:
+    """The output rows ``rows`` of a block (`_image_rows`) ``most`` at a time (all at
+    once for None)."""
+    if most is None:
+        yield rows
+        return
+    first, end = rows if rows[0] != "0" else ("0", str(g.oh))
+    lo, hi = m.fresh("rows_lo"), m.fresh("rows_hi")
+    with m.body.block(f"for {lo} in range({first}, {end}, {most}):"):
+        m.body.line(f"{hi} = min({lo} + {most}, {end})")
+        yield lo, hi
 
 
 # Convolutions whose images have fewer output rows than this, all images together,

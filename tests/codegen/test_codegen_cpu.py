@@ -1058,6 +1058,42 @@ def test_small_images_split_their_output_channels_between_blocks(kernel, pad, ba
     check_fused(graph, node, _inputs(graph, 3), BLOCKED)
 
 
+@pytest.mark.parametrize("options", OPTIONS)
+@pytest.mark.parametrize("epilogue", [None, "bias", "exported"])
+def test_im2col_in_chunks_of_output_rows(options, epilogue, monkeypatch):
+    """An im2col matrix over `cpu_conv.COL_CHUNK_BYTES` is made a few output rows at a
+    time (here 2 of 5 rows, within blocks that may begin mid-image), each chunk
+    multiplied and its epilogue run before the next."""
+    from purinec.codegen import cpu_conv
+
+    monkeypatch.setattr(cpu_conv, "COL_CHUNK_MIN_COLUMNS", 1)
+    monkeypatch.setattr(cpu_conv, "COL_CHUNK_BYTES", 4 * 3 * 3 * 11 * 4 * 2)  # 2 rows
+    attrs = {"stride": [2, 1], "pad": [1, 1]}
+
+    def build(g, make):
+        x = g.add_input("x", TensorType((2, 4, 9, 11), DType.f32))
+        w = g.add_input("w", TensorType((8, 4, 3, 3), DType.f32))
+        conv = make("conv2d", [x, w], attrs, ["conv"])
+        members = [conv]
+        if epilogue == "bias":
+            b = g.add_input("b", TensorType((8,), DType.f32))
+            members.append(make("bias_add", [conv.outputs[0], b], {}, ["biased"]))
+        members.append(make("relu", members[-1].outputs, {}, ["relu"]))
+        exported = [conv.outputs[0]] if epilogue == "exported" else []
+        return members, exported + [v for m in members[1:] for v in m.outputs]
+
+    if epilogue is None:
+        rng = np.random.default_rng(4)
+        x = random_array(rng, (2, 4, 9, 11), DType.f32)
+        w = random_array(rng, (8, 4, 3, 3), DType.f32)
+        assert "rows_at_once = max(1, " in cpu.render(one_node("conv2d", [x, w], attrs))
+        check("conv2d", [x, w], attrs, options)
+        return
+    graph, node = fused_graph(build)
+    assert "rows_at_once = max(1, " in cpu.render(node, options)
+    check_fused(graph, node, _inputs(graph, 4), options)
+
+
 @pytest.mark.slow  # a Numba compile per case
 @pytest.mark.parametrize("export_product", [False, True])
 @pytest.mark.parametrize("options", OPTIONS)
