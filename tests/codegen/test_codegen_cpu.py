@@ -1000,6 +1000,24 @@ def _inputs(graph: Graph, seed: int) -> dict[str, np.ndarray]:
     return {v.name: random_array(rng, v.type.shape, v.type.dtype) for v in graph.inputs}
 
 
+def conv_with_epilogue(x_shape, w_shape, attrs: dict, bias: bool, export_conv: bool
+                       ) -> tuple[Graph, Node]:
+    """A fused convolution, ``bias_add`` (if ``bias``) and ``relu``, exporting the
+    convolution's output too if ``export_conv``."""
+    def build(g, make):
+        x = g.add_input("x", TensorType(x_shape, DType.f32))
+        w = g.add_input("w", TensorType(w_shape, DType.f32))
+        conv = make("conv2d", [x, w], attrs, ["conv"])
+        members = [conv]
+        if bias:
+            b = g.add_input("b", TensorType((w_shape[0],), DType.f32))
+            members.append(make("bias_add", [conv.outputs[0], b], {}, ["biased"]))
+        members.append(make("relu", members[-1].outputs, {}, ["relu"]))
+        exported = [conv.outputs[0]] if export_conv else []
+        return members, exported + [v for m in members[1:] for v in m.outputs]
+    return fused_graph(build)
+
+
 @pytest.mark.slow  # a Numba compile per case
 @pytest.mark.parametrize("export_conv", [False, True])
 @pytest.mark.parametrize("options", OPTIONS + [GEMMS])
@@ -1008,18 +1026,8 @@ def test_fused_conv2d_epilogue(export_conv, options, batch, bias):
     """Image by image, or (one image, blocked) on each block of output rows: with a
     bias the epilogue loops over channels, then the block's pixels; without, over one
     flat range the block's rows cut."""
-    def build(g, make):
-        x = g.add_input("x", TensorType((batch, 2, 6, 5), DType.f32))
-        w = g.add_input("w", TensorType((4, 2, 3, 3), DType.f32))
-        conv = make("conv2d", [x, w], {"pad": [1, 1]}, ["conv"])
-        members = [conv]
-        if bias:
-            b = g.add_input("b", TensorType((4,), DType.f32))
-            members.append(make("bias_add", [conv.outputs[0], b], {}, ["biased"]))
-        members.append(make("relu", members[-1].outputs, {}, ["relu"]))
-        exported = [conv.outputs[0]] if export_conv else []
-        return members, exported + [v for m in members[1:] for v in m.outputs]
-    graph, node = fused_graph(build)
+    graph, node = conv_with_epilogue((batch, 2, 6, 5), (4, 2, 3, 3), {"pad": [1, 1]}, bias,
+                                     export_conv)
     check_fused(graph, node, _inputs(graph, 0), options)
 
 
@@ -1042,18 +1050,9 @@ def test_small_images_split_their_output_channels_between_blocks(kernel, pad, ba
         check("conv2d", [x, w], {"pad": [pad, pad]}, BLOCKED)
         return
 
-    def build(g, make):
-        x = g.add_input("x", TensorType((batch, 8, 5, 5), DType.f32))
-        w = g.add_input("w", TensorType((40, 8, kernel, kernel), DType.f32))
-        conv = make("conv2d", [x, w], {"pad": [pad, pad]}, ["conv"])
-        members = [conv]
-        if epilogue == "bias":
-            b = g.add_input("b", TensorType((40,), DType.f32))
-            members.append(make("bias_add", [conv.outputs[0], b], {}, ["biased"]))
-        members.append(make("relu", members[-1].outputs, {}, ["relu"]))
-        exported = [conv.outputs[0]] if epilogue == "exported" else []
-        return members, exported + [v for m in members[1:] for v in m.outputs]
-    graph, node = fused_graph(build)
+    graph, node = conv_with_epilogue((batch, 8, 5, 5), (40, 8, kernel, kernel),
+                                     {"pad": [pad, pad]}, epilogue == "bias",
+                                     epilogue == "exported")
     assert "w_mat[lo:hi]" in cpu.render(node, BLOCKED)
     check_fused(graph, node, _inputs(graph, 3), BLOCKED)
 
@@ -1069,27 +1068,15 @@ def test_im2col_in_chunks_of_output_rows(options, epilogue, monkeypatch):
     monkeypatch.setattr(cpu_conv, "COL_CHUNK_MIN_COLUMNS", 1)
     monkeypatch.setattr(cpu_conv, "COL_CHUNK_BYTES", 4 * 3 * 3 * 11 * 4 * 2)  # 2 rows
     attrs = {"stride": [2, 1], "pad": [1, 1]}
-
-    def build(g, make):
-        x = g.add_input("x", TensorType((2, 4, 9, 11), DType.f32))
-        w = g.add_input("w", TensorType((8, 4, 3, 3), DType.f32))
-        conv = make("conv2d", [x, w], attrs, ["conv"])
-        members = [conv]
-        if epilogue == "bias":
-            b = g.add_input("b", TensorType((8,), DType.f32))
-            members.append(make("bias_add", [conv.outputs[0], b], {}, ["biased"]))
-        members.append(make("relu", members[-1].outputs, {}, ["relu"]))
-        exported = [conv.outputs[0]] if epilogue == "exported" else []
-        return members, exported + [v for m in members[1:] for v in m.outputs]
-
+    x_shape, w_shape = (2, 4, 9, 11), (8, 4, 3, 3)
     if epilogue is None:
         rng = np.random.default_rng(4)
-        x = random_array(rng, (2, 4, 9, 11), DType.f32)
-        w = random_array(rng, (8, 4, 3, 3), DType.f32)
+        x, w = random_array(rng, x_shape, DType.f32), random_array(rng, w_shape, DType.f32)
         assert "rows_at_once = max(1, " in cpu.render(one_node("conv2d", [x, w], attrs))
         check("conv2d", [x, w], attrs, options)
         return
-    graph, node = fused_graph(build)
+    graph, node = conv_with_epilogue(x_shape, w_shape, attrs, epilogue == "bias",
+                                     epilogue == "exported")
     assert "rows_at_once = max(1, " in cpu.render(node, options)
     check_fused(graph, node, _inputs(graph, 4), options)
 
