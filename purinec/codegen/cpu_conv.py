@@ -406,7 +406,7 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
     by_filters, flat = _by_filters(g, direct, by_rows), direct and _flat_planes(g)
     im2col = not (direct or by_rows or by_filters or g.pointwise)
     chunk_rows = _im2col_chunk_rows(m, g, node.outputs[0].type.dtype) if im2col else None
-    col_width = g.P if chunk_rows is None else f"{chunk_rows} * {g.ow}"
+    col_width = g.P if chunk_rows is None else f"{chunk_rows} * {g.ow}"  # of col (or x_mat)
     if y is None:
         b.line(f"y_img = {m.empty((g.cout, g.P), dtype_name(node))}")
     else:
@@ -454,7 +454,7 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
                             back=False, out_rows=rows)
                 with _chunks(m, g.og, g.K, count, g.P) as (s, width):
                     _gemm(m, node, weights, _from_column(col, s), _from_column(out, s), og,
-                          width, g.K, g.K, g.P if g.pointwise else col_width, g.P)
+                          width, g.K, g.K, col_width, g.P)
         if epilogue is not None:
             block = ((1, *filters) if filters[0] != "0" else
                      (2, *rows) if rows[0] != "0" else None)
