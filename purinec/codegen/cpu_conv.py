@@ -249,11 +249,9 @@ def _padded_scratch(m: KernelModule, node: Node, g: _Conv, spare_row: bool = Fal
     past a plane's last row); ``phased``, each row split by column phase,
     ``xpad[c, row, column % sw, column // sw]`` (`_column_phases`), padding or not.
     The border is zeroed once here and never written again."""
-    if phased:
-        shape = (g.cg, g.hp, g.sw, -(-g.wp // g.sw))
-        m.body.lines(m.filled("xpad", shape, dtype_name(node), "0"))
-    elif g.padded:
-        shape = (g.cg, g.hp + spare_row, g.wp)
+    if phased or g.padded:
+        shape = ((g.cg, g.hp, g.sw, -(-g.wp // g.sw)) if phased
+                 else (g.cg, g.hp + spare_row, g.wp))
         m.body.lines(m.filled("xpad", shape, dtype_name(node), "0"))
 
 
@@ -404,6 +402,7 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
     it is given."""
     b, direct, by_rows = m.body, _direct(m, g), _by_kernel_row_weights(g)
     by_filters, flat = _by_filters(g, direct, by_rows), direct and _flat_planes(g)
+    phased = _column_phases(m, g)
     im2col = not (direct or by_rows or by_filters or g.pointwise)
     chunk_rows = _im2col_chunk_rows(m, g, node.outputs[0].type.dtype) if im2col else None
     col_width = g.P if chunk_rows is None else f"{chunk_rows} * {g.ow}"  # of col (or x_mat)
@@ -412,7 +411,7 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
     else:
         b.line(f"y_mat = {m.view(y, (g.n, g.cout, g.P))}")
     if direct:
-        _padded_scratch(m, node, g, spare_row=flat, phased=_column_phases(m, g))
+        _padded_scratch(m, node, g, spare_row=flat, phased=phased)
         if flat:
             b.line(f"sums = {m.empty((g.oh * g.wp,), dtype_name(node))}")
     elif g.pointwise:
@@ -439,7 +438,6 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
                 _pad_image(m, g, x, n, c0, rows)
                 _direct_conv_flat(m, node, g, w_mat, image, o0, rows)
             elif direct:
-                phased = _column_phases(m, g)
                 _direct_conv(m, node, g, _pad_image(m, g, x, n, c0, rows, phased), w_mat,
                              image, o0, rows, phased)
             elif by_rows:
@@ -695,7 +693,7 @@ def _direct_conv_flat(m: KernelModule, node: Node, g: _Conv, w_mat: str, y_img: 
             b.line(f"sums[{k}] = {total}")
         with b.block(f"for {p} in range({span}):"):
             m.copy_run(y_img, f"{channel}, {affine(first(p), g.ow, 0)}", "sums",
-                      f"{affine(p, width, 0)},", g.ow)
+                       f"{affine(p, width, 0)},", g.ow)
 
 
 # Kernel rows: for stride-1 rows, one GEMM per kernel row ``i`` over a matrix holding
@@ -848,7 +846,7 @@ def _conv2d_grad_input_col2im(node: Node, m: KernelModule, g: _Conv) -> None:
                 with b.block(f"for {c} in range({g.cg}):"), \
                         b.block(f"for {h} in range({g.h}):"):
                     m.copy_run(gx, f"{n}, {channel}, {h}, 0", "xpad",
-                              f"{c}, {affine(h, 1, g.pt)}, {g.pl}", g.w)
+                               f"{c}, {affine(h, 1, g.pt)}, {g.pl}", g.w)
             else:
                 prefix = f"{gx}[{n}, {c0} + " if c0 != "0" else f"{gx}[{n}, "
                 _col2im(m, g, prefix, by_rows)

@@ -157,7 +157,7 @@ def _phase_scratch(m: KernelModule, node: Node, g: _Pool, flat: bool = False) ->
     split by column modulo the column stride (``column = phase + sw * c``), so that
     neighbouring windows read neighbouring entries and the loop over them
     vectorises. For `_max_over_flat_planes` the rows are split likewise (phase
-    ``row % sh * sw + column % sw``; `_row_phases`), with a spare row of -inf under
+    ``row % sh * sw + column % sw``; `_phase_rows` rows each), with a spare row of -inf under
     each phase: it reads past the last row. The border is filled once here and never
     written again."""
     phases, rows = (g.sh * g.sw, _phase_rows(g) + 1) if flat else (g.sw, g.span[0])
