@@ -108,14 +108,15 @@ def code_of(source: str) -> str:
 # What a target's kernels import from purinec: Numba's cache checks a kernel's own file
 # only, so the text of these is part of every kernel's key, lest a changed helper leave
 # machine code compiled against the old one in use.
-RUNTIMES = {"cpu": Path(__file__).with_name("cpu_runtime.py")}
+RUNTIMES = {"cpu": (Path(__file__).with_name("cpu_runtime.py"),
+                    Path(__file__).with_name("cpu_gemm.py"))}
 
 
 @functools.cache
 def runtime_stamp(target: str) -> str:
     """A hash of what ``target``'s kernels import from purinec (empty: nothing)."""
-    path = RUNTIMES.get(target)
-    return source_hash(path.read_text(encoding="utf-8")) if path else ""
+    return source_hash("".join(path.read_text(encoding="utf-8")
+                               for path in RUNTIMES.get(target, ())))
 
 
 def kernel_path(source: str, target: str = "cpu") -> Path:

@@ -43,7 +43,7 @@ from purinec.codegen.compile_helpers import (Job, helping, start_numba_without_s
                                               uncompiled)
 from purinec.codegen import cpu_conv, cpu_fused, cpu_ops, cpu_pool  # noqa: F401  (renderers)
 from purinec.codegen.cpu_runtime import (SMALL_GEMM_MACS, Blocked, limit_blas_threads,
-                                         set_threads)
+                                         set_threads, tiled_gemm_wanted)
 from purinec.codegen.cpu_module import RENDERERS, CpuOptions, KernelModule
 from purinec.codegen.kernel import ArgumentCheck, CodegenError, Kernel
 from purinec.codegen.progress import kernel_counter
@@ -55,7 +55,7 @@ __all__ = ["compile_kernels", "kernel_calls", "compile_node", "render", "RENDERE
 log = logging.getLogger(__name__)
 
 # The options that suit the BLAS this process runs, the default of every function here.
-DEFAULT_OPTIONS = CpuOptions(small_gemm_macs=SMALL_GEMM_MACS)
+DEFAULT_OPTIONS = CpuOptions(small_gemm_macs=SMALL_GEMM_MACS, tiled_gemm=tiled_gemm_wanted())
 
 
 def render_module(node: Node, options: CpuOptions = DEFAULT_OPTIONS) -> KernelModule:

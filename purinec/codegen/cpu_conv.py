@@ -45,9 +45,23 @@ from purinec.ir.nnref import pad_edges
 from purinec.ir.types import DType
 
 
+def _tiled(m: KernelModule, node: Node, trans_a=False, trans_b=False) -> bool:
+    """Whether a product of ``node``'s goes to `purinec.codegen.cpu_gemm.tiled_sgemm`
+    rather than the BLAS: f32 operands as stored, on CPUs it suits
+    (`CpuOptions.tiled_gemm`)."""
+    return (m.options.tiled_gemm and not (trans_a or trans_b)
+            and node.outputs[0].type.dtype is DType.f32)
+
+
 def _gemm(m: KernelModule, node: Node, a: str, b: str, c: str, rows, cols, inner,
           lda, ldb, ldc, beta: int = 0, trans_a=False, trans_b=False) -> None:
-    """Row-major ``c[rows, cols] = op(a) @ op(b) + beta * c`` in one CBLAS call."""
+    """Row-major ``c[rows, cols] = op(a) @ op(b) + beta * c`` in one call: of
+    `tiled_sgemm` where `_tiled`, else of CBLAS."""
+    if _tiled(m, node, trans_a, trans_b):
+        m.import_line("from purinec.codegen.cpu_gemm import tiled_sgemm")
+        m.body.line(f"tiled_sgemm({rows}, {cols}, {inner}, {a}.ctypes.data, {lda}, "
+                    f"{b}.ctypes.data, {ldb}, {c}.ctypes.data, {ldc}, {beta})")
+        return
     dtype = node.outputs[0].type.dtype
     fn = "sgemm" if dtype is DType.f32 else "dgemm"
     m.import_line(f"from purinec.codegen.cpu_runtime import {fn}")
@@ -450,7 +464,7 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
                 else:
                     _im2col(m, g, _pad_image(m, g, x, n, c0, rows), col, ("0", str(g.K)),
                             back=False, out_rows=rows)
-                with _chunks(m, g.og, g.K, count, g.P) as (s, width):
+                with _chunks(m, g.og, g.K, count, g.P, _tiled(m, node)) as (s, width):
                     _gemm(m, node, weights, _from_column(col, s), _from_column(out, s), og,
                           width, g.K, g.K, col_width, g.P)
         if epilogue is not None:
@@ -576,17 +590,18 @@ def _even_step(count: int, most: int) -> int:
 
 
 @contextmanager
-def _chunks(m: KernelModule, rows: int, inner: int, count, at_most: int
+def _chunks(m: KernelModule, rows: int, inner: int, count, at_most: int, tiled: bool
             ) -> Iterator[tuple[str, str]]:
     """A loop over columns ``0:count`` (``at_most`` of them) of a product of ``rows`` by
     ``inner`` by ``count`` in chunks the BLAS multiplies without packing
-    (`CpuOptions.small_gemm_macs`), when they are at least `MIN_CHUNK` wide; yields the
+    (`CpuOptions.small_gemm_macs`), when they are at least `MIN_CHUNK` wide and the
+    product is not ``tiled`` (`_tiled`: that packs nothing); yields the
     first column of a chunk and its width (``"0"`` and ``count``: one product of all).
     A constant ``count`` makes the width a constant (LLVM then knows the trip count);
     a ``count`` computed at run time (a block's) computes it too, from the sizes the
     code reads (`_read_sizes`)."""
     most = m.options.small_gemm_macs // max(1, rows * inner) // VECTOR * VECTOR
-    if most < MIN_CHUNK or at_most <= most:
+    if tiled or most < MIN_CHUNK or at_most <= most:
         yield "0", count
         return
     b, s = m.body, m.fresh("s")
@@ -762,7 +777,7 @@ def _kernel_row_gemms(m: KernelModule, node: Node, g: _Conv, o0: str, out: str,
     """``out = sum over i of w_rows[i, group] @ col[:, i*dh*ow:]`` for ``count``
     columns, the first GEMM writing, the others adding (BLAS beta = 1)."""
     depth, ld, i = g.cg * g.kw, g.rows_read * g.ow, m.fresh("i")
-    with _chunks(m, g.og, depth, count, g.P) as (s, width):
+    with _chunks(m, g.og, depth, count, g.P, _tiled(m, node)) as (s, width):
         out = _from_column(out, s)
         weights = f"w_rows[0, {o0}:]" if o0 != "0" else "w_rows[0]"
         _gemm(m, node, weights, _from_column("col", s), out, g.og, width, depth, depth, ld,
@@ -835,7 +850,7 @@ def _conv2d_grad_input_col2im(node: Node, m: KernelModule, g: _Conv) -> None:
             if by_rows:
                 _kernel_row_gemms_back(m, node, g, o0, gy_rows)
             else:
-                with _chunks(m, g.K, g.og, g.P, g.P) as (s, width):
+                with _chunks(m, g.K, g.og, g.P, g.P, tiled=False) as (s, width):
                     _gemm(m, node, row_slice("w_mat", o0, g.og, g.cout), _from_column(gy_rows, s),
                           _from_column("col", s), g.K, width, g.og, g.K, g.P, g.P, trans_a=True)
             if padded:
@@ -865,7 +880,7 @@ def _kernel_row_gemms_back(m: KernelModule, node: Node, g: _Conv, o0: str, gy: s
     ``i``, into a zeroed ``col`` (the rows' column ranges overlap)."""
     depth, ld, i = g.cg * g.kw, g.rows_read * g.ow, m.fresh("i")
     m.body.line("col[:] = 0")
-    with _chunks(m, depth, g.og, g.P, g.P) as (s, width), \
+    with _chunks(m, depth, g.og, g.P, g.P, tiled=False) as (s, width), \
             m.body.block(f"for {i} in range({g.kh}):"):
         weights = f"w_rows[{i}, {o0}:]" if o0 != "0" else f"w_rows[{i}]"
         shift = f"{i} * {g.dh * g.ow}" if s == "0" else f"{i} * {g.dh * g.ow} + {s}"
@@ -1010,7 +1025,7 @@ def _add_weight_product(m: KernelModule, node: Node, g: _Conv, col: str, ld: int
     if not unpacked:
         _gemm(m, node, col, gy, out, width, g.og, g.P, ld, g.P, g.cout, beta=1, trans_b=True)
         return
-    with _chunks(m, most, g.og, g.P, g.P) as (s, count):
+    with _chunks(m, most, g.og, g.P, g.P, _tiled(m, node)) as (s, count):
         gy_t = "gy_t" if s == "0" else f"gy_t[{s}:]"
         _gemm(m, node, _from_column(col, s), gy_t, out, width, g.og, count, ld, g.og, g.cout,
               beta=1)

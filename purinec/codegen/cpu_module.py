@@ -46,12 +46,16 @@ class CpuOptions:
     without packing its operands, when that is faster than packing (0: none; see
     `purinec.codegen.cpu_runtime.SMALL_GEMM_MACS`, the BLAS this process runs):
     convolutions then multiply in chunks of columns that small (`cpu_conv._chunks`).
+    ``tiled_gemm``: f32 products of operands as stored go to
+    `purinec.codegen.cpu_gemm.tiled_sgemm` instead of the BLAS (by default where the
+    CPU has AVX-512: `purinec.codegen.cpu_runtime.tiled_gemm_wanted`).
     """
 
     parallel_min: int = 1 << 18
     parallel_min_products: int = 1 << 20
     direct_max_channels: int = 16
     small_gemm_macs: int = 0
+    tiled_gemm: bool = False
 
 
 DEFAULT_OPTIONS = CpuOptions()

@@ -53,6 +53,7 @@ from numba.core.extending import intrinsic
 from numba.core.imputils import impl_ret_borrowed, impl_ret_new_ref
 
 from purinec import jitcache
+from purinec.errors import PurinecError
 
 
 def _gemm_type(scalar):
@@ -266,6 +267,25 @@ NUMPY_BLAS, BLAS_CORE = _bind_gemm()
 # ran at 55 GFLOP/s whole and 94-98 in chunks of 256-384 columns.
 SMALL_GEMM_MACS = (100 ** 3 if (BLAS_CORE or "").lower() in
                    ("skylakex", "cooperlake", "sapphirerapids") else 0)
+
+GEMM_ENV = "PURINEC_CPU_GEMM"  # "blas" or "tiled" overrides `tiled_gemm_wanted`
+
+
+def cpu_features() -> list[str]:
+    """The features of the CPU Numba compiles for (``+avx2``, ``-avx512f``...)."""
+    from numba.core import config
+
+    return (config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()).split(",")
+
+
+def tiled_gemm_wanted() -> bool:
+    """Whether kernels should multiply f32 operands with
+    `purinec.codegen.cpu_gemm.tiled_sgemm` rather than the BLAS: where the CPU has
+    AVX-512 (where it was measured faster), unless `GEMM_ENV` says otherwise."""
+    choice = os.environ.get(GEMM_ENV, "").strip().lower()
+    if choice not in ("", "auto", "blas", "tiled"):
+        raise PurinecError(f"{GEMM_ENV}={choice!r}: give blas, tiled or auto")
+    return choice == "tiled" or (choice != "blas" and "+avx512f" in cpu_features())
 
 _settings = threading.local()
 _lock = threading.Lock()

@@ -123,19 +123,22 @@ def test_one_file_per_source_named_by_the_hash_of_its_code(cache_dir):
 
 def test_a_changed_runtime_moves_every_kernel(cache_dir, tmp_path, monkeypatch, request):
     """Numba checks only a kernel's own file before it reuses its machine code, so a
-    change to what kernels import from purinec (`cpu_runtime`) must give them new
+    change to what kernels import from purinec (`cpu_runtime`, `cpu_gemm`) must give them new
     files, compiled afresh."""
     source = cpu.render(small_graph().nodes[1])
     before = cache.kernel_path(source)
     request.addfinalizer(cache.runtime_stamp.cache_clear)  # even if an assert fails
-    original = cache.RUNTIMES["cpu"]
-    changed = tmp_path / "cpu_runtime.py"
-    changed.write_text(original.read_text() + "\n# changed\n")
-    for runtime, moved in ((changed, True), (original, False)):
-        monkeypatch.setitem(cache.RUNTIMES, "cpu", runtime)
-        cache.runtime_stamp.cache_clear()
-        assert (cache.kernel_path(source) != before) == moved
-        assert cache.kernel_path(source).parent == before.parent
+    originals = cache.RUNTIMES["cpu"]
+    assert {path.name for path in originals} >= {"cpu_runtime.py", "cpu_gemm.py"}
+    for k, original in enumerate(originals):
+        changed = tmp_path / original.name
+        changed.write_text(original.read_text() + "\n# changed\n")
+        with_changed = (*originals[:k], changed, *originals[k + 1:])
+        for runtime, moved in ((with_changed, True), (originals, False)):
+            monkeypatch.setitem(cache.RUNTIMES, "cpu", runtime)
+            cache.runtime_stamp.cache_clear()
+            assert (cache.kernel_path(source) != before) == moved
+            assert cache.kernel_path(source).parent == before.parent
 
 
 def test_generated_files_say_which_ir_nodes_they_came_from(cache_dir):

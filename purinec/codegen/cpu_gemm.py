@@ -1,0 +1,234 @@
+"""A register-tiled f32 GEMM that generated CPU kernels call instead of the BLAS where
+that measures faster: ``tiled_sgemm``.
+
+Why not always the BLAS: OpenBLAS packs both operands into its own layouts at every
+call, copying the whole weight matrix of a convolution (9.4 MB for resnet18's last 3x3
+layers) once per image; and its AVX-512 kernels run thin products (a few dozen output
+pixels: small maps at batch 1) at a fraction of their peak. This kernel reads the
+operands where they lie: each k step loads a row of ``b`` (contiguous: an im2col
+matrix's row of pixels) as vectors and multiplies it by one scalar of each of a few
+rows of ``a`` (the weights, row-major), accumulating a tile of ``c`` in vector
+registers. On the Zen 4 machine, one thread, caches flushed before each call
+(GFLOP/s, this / OpenBLAS): 256x4608 by 4608x49 81 / 72, 128x1152 by 1152x392 94 / 88,
+64x576 by 576x784 84 / 79, 32x75 by 75x1024 61 / 46; with warm caches 110-114 against
+99-101 on the latter shapes, level on the thinnest.
+
+The tile's inner loop is written in LLVM IR (`_tile`) rather than left to LLVM's loop
+vectorizer, which keeps accumulators in registers only when it sees the whole tile:
+``MR`` rows of ``c`` times ``nv`` vectors of its columns, all in registers across
+the k loop, with the last vector masked where the tile is narrower than its vectors.
+With AVX-512 a tile is 4 rows by up to 4 vectors of 16 (16 of the 32 registers
+accumulate); the kernels only call it there (`cpu_runtime.tiled_gemm_wanted`), since
+on AVX2 (16
+registers, an emulation on the same cores) it ran at 0.7-0.9 of OpenBLAS: there the
+tile is 6 rows by up to 2 vectors of 8, correct wherever a kernel compiled on one
+machine runs on another.
+
+The kernel cache keys kernels by this file's text too (`purinec.codegen.cache`).
+"""
+
+from __future__ import annotations
+
+import llvmlite.binding as llvm
+from llvmlite import ir
+from numba import cfunc, types
+from numba.core import cgutils
+from numba.core.extending import intrinsic
+
+from purinec.codegen.cpu_runtime import cpu_features
+
+I1, I32, I64, F32 = ir.IntType(1), ir.IntType(32), ir.IntType(64), ir.FloatType()
+
+# k steps per pass over a tile: a pass reads a block of ``b`` of KC rows by a tile's
+# columns (64 KB of f32 with AVX-512), which the tiles of every row block then share.
+KC = 256
+
+VW = 16 if "+avx512f" in cpu_features() else 8  # f32 lanes of a vector register
+MR, NV = (4, 4) if VW == 16 else (6, 2)  # a tile: MR rows of c by up to NV vectors
+NW = NV * VW  # the most columns of a tile
+
+
+def _splat(builder, vector_type, scalar):
+    """``scalar`` in every lane of a vector."""
+    lanes = vector_type.count
+    one = builder.insert_element(ir.Constant(vector_type, None), scalar, ir.Constant(I32, 0))
+    return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(I32, lanes), [0] * lanes))
+
+
+class _TileCode:
+    """LLVM IR of one tile: ``c[:rows, :cols] (+)= a[:rows, :depth] @ b[:depth, :cols]``
+    for ``rows <= MR`` and ``cols <= nv * VW``; rows past ``rows`` repeat the last one
+    (read, never stored), the last vector's lanes past ``cols`` are masked."""
+
+    def __init__(self, builder, nv: int, args):
+        self.builder, self.nv = builder, nv
+        a, self.lda, b, self.ldb, c, self.ldc, self.rows, self.cols, self.depth, \
+            self.accumulate = args
+        pointer = F32.as_pointer()
+        self.a, self.b, self.c = (builder.inttoptr(p, pointer) for p in (a, b, c))
+        self.vector = ir.VectorType(F32, VW)
+        self.zero = ir.Constant(self.vector, [0.0] * VW)
+        module, vp, mask = builder.module, self.vector.as_pointer(), ir.VectorType(I1, VW)
+        self.masked_load = cgutils.get_or_insert_function(
+            module, ir.FunctionType(self.vector, [vp, I32, mask, self.vector]),
+            f"llvm.masked.load.v{VW}f32.p0")
+        self.masked_store = cgutils.get_or_insert_function(
+            module, ir.FunctionType(ir.VoidType(), [self.vector, vp, I32, mask]),
+            f"llvm.masked.store.v{VW}f32.p0")
+        self.fma = cgutils.get_or_insert_function(
+            module, ir.FunctionType(self.vector, [self.vector] * 3), f"llvm.fma.v{VW}f32")
+        lanes = ir.Constant(ir.VectorType(I64, VW), list(range(VW)))
+        last = (nv - 1) * VW
+        self.last_mask = builder.icmp_signed("<", lanes, _splat(
+            builder, ir.VectorType(I64, VW), builder.sub(self.cols, ir.Constant(I64, last))))
+        final_row = builder.sub(self.rows, ir.Constant(I64, 1))
+        self.a_rows = [builder.gep(self.a, [builder.mul(builder.select(
+            builder.icmp_signed("<", ir.Constant(I64, i), self.rows), ir.Constant(I64, i),
+            final_row), self.lda)]) for i in range(MR)]
+
+    def vector_at(self, row_pointer, v: int):
+        return self.builder.bitcast(
+            self.builder.gep(row_pointer, [ir.Constant(I64, v * VW)]), self.vector.as_pointer())
+
+    def emit(self) -> None:
+        """Both k loops (every vector full; the last one masked), then the stores."""
+        builder = self.builder
+        full = builder.icmp_signed("==", self.cols, ir.Constant(I64, self.nv * VW))
+        arms = []
+        with builder.if_else(full) as (whole, partial):
+            for masked, arm in ((False, whole), (True, partial)):
+                with arm:
+                    sums = self.k_loop(masked)
+                    arms.append((builder.basic_block, sums))
+        sums = []
+        for i in range(MR):
+            row = []
+            for v in range(self.nv):
+                merged = builder.phi(self.vector)
+                for block, arm_sums in arms:
+                    merged.add_incoming(arm_sums[i][v], block)
+                row.append(merged)
+            sums.append(row)
+        self.store(sums)
+
+    def load_b(self, row_pointer, v: int, masked: bool):
+        pointer = self.vector_at(row_pointer, v)
+        if masked and v == self.nv - 1:
+            return self.builder.call(self.masked_load, [pointer, ir.Constant(I32, 4),
+                                                        self.last_mask, self.zero])
+        return self.builder.load(pointer, align=4)
+
+    def k_loop(self, masked: bool) -> list:
+        """The sums of a tile over ``depth`` k steps (zero for none), as phis of the
+        block after the loop."""
+        builder, nv = self.builder, self.nv
+        entry = builder.basic_block
+        loop, done = builder.append_basic_block("k"), builder.append_basic_block("k_done")
+        builder.cbranch(builder.icmp_signed(">", self.depth, ir.Constant(I64, 0)), loop, done)
+        builder.position_at_end(loop)
+        k = builder.phi(I64)
+        k.add_incoming(ir.Constant(I64, 0), entry)
+        sums = [[builder.phi(self.vector) for _ in range(nv)] for _ in range(MR)]
+        for row in sums:
+            for phi in row:
+                phi.add_incoming(self.zero, entry)
+        b_row = builder.gep(self.b, [builder.mul(k, self.ldb)])
+        b_vectors = [self.load_b(b_row, v, masked) for v in range(nv)]
+        updated = []
+        for i in range(MR):
+            a_ik = _splat(builder, self.vector, builder.load(builder.gep(self.a_rows[i], [k])))
+            updated.append([builder.call(self.fma, [a_ik, b_vectors[v], sums[i][v]])
+                            for v in range(nv)])
+        next_k, body_end = builder.add(k, ir.Constant(I64, 1)), builder.basic_block
+        k.add_incoming(next_k, body_end)
+        for i in range(MR):
+            for v in range(nv):
+                sums[i][v].add_incoming(updated[i][v], body_end)
+        builder.cbranch(builder.icmp_signed("<", next_k, self.depth), loop, done)
+        builder.position_at_end(done)
+        results = []
+        for i in range(MR):
+            row = []
+            for v in range(nv):
+                result = builder.phi(self.vector)
+                result.add_incoming(self.zero, entry)
+                result.add_incoming(updated[i][v], body_end)
+                row.append(result)
+            results.append(row)
+        return results
+
+    def store(self, sums: list) -> None:
+        builder, four = self.builder, ir.Constant(I32, 4)
+        for i in range(MR):
+            c_row = builder.gep(self.c, [builder.mul(ir.Constant(I64, i), self.ldc)])
+            inside = builder.icmp_signed("<", ir.Constant(I64, i), self.rows)
+            with builder.if_then(inside, likely=True):
+                for v in range(self.nv):
+                    pointer = self.vector_at(c_row, v)
+                    mask = (self.last_mask if v == self.nv - 1
+                            else ir.Constant(ir.VectorType(I1, VW), [1] * VW))
+                    with builder.if_then(self.accumulate):
+                        old = builder.call(self.masked_load, [pointer, four, mask, self.zero])
+                        builder.call(self.masked_store, [builder.fadd(old, sums[i][v]), pointer,
+                                                         four, mask])
+                    with builder.if_then(builder.not_(self.accumulate)):
+                        builder.call(self.masked_store, [sums[i][v], pointer, four, mask])
+
+
+def _tile(nv: int):
+    """The intrinsic for tiles of up to ``nv`` vectors of columns."""
+
+    @intrinsic
+    def tile(typingctx, a, lda, b, ldb, c, ldc, rows, cols, depth, accumulate):
+        signature = types.void(*[types.int64] * 9, types.boolean)
+
+        def codegen(context, builder, sig, args):
+            _TileCode(builder, nv, args).emit()
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    return tile
+
+
+# (with NV 2, tiles of 3 and 4 vectors are never asked for)
+_tile_1, _tile_2, _tile_3, _tile_4 = (_tile(min(nv, NV)) for nv in range(1, 5))
+
+
+# (m, n, k, a, lda, b, ldb, c, ldc, beta): sizes and leading dimensions in elements,
+# operands by address (as signed integers: their offsets are, and mixing the two would
+# make Numba compute in floating point).
+SIGNATURE = types.void(*[types.int64] * 10)
+
+
+@cfunc(SIGNATURE, cache=True)
+def _tiled_sgemm(m, n, k, a, lda, b, ldb, c, ldc, beta):
+    for k0 in range(0, max(k, 1), KC):  # (k == 0: one pass of empty sums, zeros)
+        depth = min(KC, k - k0)
+        accumulate = beta != 0 or k0 > 0
+        for n0 in range(0, n, NW):
+            cols = min(NW, n - n0)
+            vectors = (cols + VW - 1) // VW
+            for m0 in range(0, m, MR):
+                rows = min(MR, m - m0)
+                pa = a + 4 * (m0 * lda + k0)
+                pb = b + 4 * (k0 * ldb + n0)
+                pc = c + 4 * (m0 * ldc + n0)
+                if vectors == 4:
+                    _tile_4(pa, lda, pb, ldb, pc, ldc, rows, cols, depth, accumulate)
+                elif vectors == 3:
+                    _tile_3(pa, lda, pb, ldb, pc, ldc, rows, cols, depth, accumulate)
+                elif vectors == 2:
+                    _tile_2(pa, lda, pb, ldb, pc, ldc, rows, cols, depth, accumulate)
+                else:
+                    _tile_1(pa, lda, pb, ldb, pc, ldc, rows, cols, depth, accumulate)
+
+
+# Kernels call it by symbol name, as they call the BLAS (`purinec.codegen.cpu_runtime`):
+# its machine code, compiled once (and cached by Numba), is not linked into every
+# kernel (which cost lenet's cold compile 2 s).
+llvm.add_symbol("purinec_tiled_sgemm", _tiled_sgemm.address)
+tiled_sgemm = types.ExternalFunction("purinec_tiled_sgemm", SIGNATURE)
+tiled_sgemm.__doc__ = """Row-major ``c[:m, :n] = a[:m, :k] @ b[:k, :n] + beta * c`` for
+f32 operands at addresses ``a``, ``b``, ``c`` (``array.ctypes.data``) with leading
+dimensions ``lda``, ``ldb``, ``ldc`` (elements), ``beta`` 0 or 1."""

@@ -1,0 +1,145 @@
+"""The register-tiled f32 GEMM (`purinec.codegen.cpu_gemm.tiled_sgemm`) against NumPy
+in float64, alone and inside the convolution and product kernels that call it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from numba import njit
+
+from purinec.codegen import cpu, cpu_runtime
+from purinec.codegen.cpu_gemm import KC, MR, NW, VW, tiled_sgemm
+from purinec.codegen.cpu_module import CpuOptions
+from purinec.errors import PurinecError
+from purinec.ir.types import DType
+from tests.codegen.test_codegen_cpu import check, one_node, random_array
+
+
+@njit
+def _product(a, b, c, beta):
+    """``tiled_sgemm`` on 2-D f32 arrays whose rows may be longer than they are used."""
+    tiled_sgemm(a.shape[0], b.shape[1], a.shape[1], a.ctypes.data, a.strides[0] // 4,
+                b.ctypes.data, b.strides[0] // 4, c.ctypes.data, c.strides[0] // 4, beta)
+
+
+def check_product(rng, m: int, n: int, k: int, beta: int, spare: int = 3) -> None:
+    """``c = a @ b + beta * c`` on views of bigger arrays (leading dimensions longer
+    than the rows), and not an element written outside ``c``."""
+    a = rng.standard_normal((m, k + spare), dtype=np.float32)[:, :k]
+    b = rng.standard_normal((k, n + spare), dtype=np.float32)[:, :n]
+    whole = rng.standard_normal((m + 1, n + spare), dtype=np.float32)
+    before = whole.copy()
+    _product(a, b, whole[:m, :n], beta)
+    want = a.astype(np.float64) @ b.astype(np.float64) + (before[:m, :n] if beta else 0)
+    np.testing.assert_allclose(whole[:m, :n], want, rtol=1e-5,
+                               atol=2e-6 * max(1.0, np.sqrt(k)) * np.abs(want).max(initial=1))
+    outside = np.ones(whole.shape, bool)
+    outside[:m, :n] = False
+    np.testing.assert_array_equal(whole[outside], before[outside])
+
+
+@pytest.mark.parametrize("beta", [0, 1])
+@pytest.mark.parametrize("m, n, k", [
+    (1, 1, 1),
+    (MR, NW, KC),               # one whole tile, one pass
+    (MR + 1, NW + 1, KC + 1),   # a row, a column and a k step past them
+    (3 * MR - 1, 2 * NW - VW + 3, 2 * KC + 7),  # partial vectors, rows and passes
+    (5, VW - 1, 9),             # narrower than one vector
+    (2 * MR, 3 * VW, 0),        # an empty sum: zeros (or c itself)
+    (256, 49, 4608),            # resnet18's last layers, half the filters
+])
+def test_tiled_sgemm_agrees_on_tiles_edges_and_passes(m, n, k, beta):
+    check_product(np.random.default_rng(m * n + k), m, n, k, beta)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(m=st.integers(1, 3 * MR + 1), n=st.integers(1, 2 * NW + VW + 1),
+       k=st.integers(0, KC + 20), beta=st.sampled_from([0, 1]), spare=st.integers(0, 17))
+def test_tiled_sgemm_agrees_on_random_sizes(m, n, k, beta, spare):
+    check_product(np.random.default_rng(m + 31 * n + 977 * k), m, n, k, beta, spare)
+
+
+AVX2_CHECK = """
+import json, numpy as np
+from purinec.codegen import cpu_gemm, cpu_runtime
+from tests.codegen.test_cpu_gemm import check_product
+rng = np.random.default_rng(0)
+for m, n, k, beta in [(7, 37, 300, 0), (13, 17, 5, 1), (6, 16, 256, 0), (1, 3, 0, 0)]:
+    check_product(rng, m, n, k, beta)
+print(json.dumps([cpu_gemm.VW, cpu_gemm.MR, cpu_runtime.tiled_gemm_wanted()]))
+"""
+
+
+@pytest.mark.slow  # a fresh process compiles the kernel again
+def test_tiled_sgemm_of_avx2_tiles_agrees():
+    """Where the CPU has no AVX-512 the tile is 6 rows by up to 2 vectors of 8 lanes,
+    and kernels call the BLAS instead (unless told otherwise): its code is checked
+    with AVX-512 taken away from Numba, as on an AVX2 machine."""
+    features = ",".join(feature if "avx512" not in feature else f"-{feature[1:]}"
+                        for feature in cpu_runtime.cpu_features())
+    env = {**os.environ, "NUMBA_CPU_FEATURES": features, "PURINEC_CPU_GEMM": "auto"}
+    done = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == [8, 6, False]
+
+
+def test_choice_of_gemm_follows_the_environment(monkeypatch):
+    avx512 = "+avx512f" in cpu_runtime.cpu_features()
+    for value, expected in [("blas", False), ("tiled", True), ("auto", avx512), ("", avx512)]:
+        monkeypatch.setenv(cpu_runtime.GEMM_ENV, value)
+        assert cpu_runtime.tiled_gemm_wanted() == expected
+    monkeypatch.setenv(cpu_runtime.GEMM_ENV, "fast")
+    with pytest.raises(PurinecError, match="PURINEC_CPU_GEMM='fast'"):
+        cpu_runtime.tiled_gemm_wanted()
+
+
+TILED = CpuOptions(tiled_gemm=True, direct_max_channels=0)
+TILED_BLOCKED = CpuOptions(tiled_gemm=True, direct_max_channels=0, parallel_min=0,
+                           parallel_min_products=0)
+
+
+@pytest.mark.slow  # a Numba compile per case
+@pytest.mark.parametrize("options", [TILED, TILED_BLOCKED], ids=["whole", "blocked"])
+@pytest.mark.parametrize("x_shape, w_shape, attrs", [
+    ((2, 3, 9, 11), (5, 3, 3, 3), {"stride": [1, 2], "pad": [1, 1], "groups": 1}),
+    ((3, 8, 5, 6), (6, 4, 1, 1), {"stride": [1, 1], "pad": [0, 0], "groups": 2}),
+    ((2, 32, 10, 10), (12, 16, 5, 5), {"stride": [1, 1], "pad": [2, 2], "groups": 2}),
+    ((1, 24, 4, 4), (40, 24, 3, 3), {"stride": [1, 1], "pad": [1, 1], "groups": 1}),
+], ids=["im2col", "pointwise", "by-kernel-rows", "by-filters"])
+def test_convolutions_through_the_tiled_gemm_agree(x_shape, w_shape, attrs, options):
+    """Forward products of every kind of convolution (by kernel rows, each row's product
+    adding into the last's) go to `tiled_sgemm`, and so do the input gradients that are
+    convolutions; transposed products stay with the BLAS."""
+    rng = np.random.default_rng(17)
+    x, w = random_array(rng, x_shape, DType.f32), random_array(rng, w_shape, DType.f32)
+    source = cpu.render(one_node("conv2d", [x, w], attrs), options)
+    assert "tiled_sgemm(" in source and "sgemm(101" not in source
+    check("conv2d", [x, w], attrs, options)
+    (y,) = one_node("conv2d", [x, w], attrs).outputs
+    gy = random_array(rng, y.type.shape, DType.f32)
+    check("conv2d_grad_input", [gy, w], {**attrs, "input_shape": list(x_shape)}, options)
+    check("conv2d_grad_weight", [x, gy], {**attrs, "kernel": list(w_shape[2:])}, options)
+
+
+@pytest.mark.slow  # a Numba compile per case
+@pytest.mark.parametrize("trans_a, trans_b", [(False, False), (True, False), (False, True)])
+def test_products_go_to_the_tiled_gemm_only_as_stored(trans_a, trans_b):
+    rng = np.random.default_rng(4)
+    m, n, k = 37, 70, 300
+    a = random_array(rng, (k, m) if trans_a else (m, k), DType.f32)
+    b = random_array(rng, (n, k) if trans_b else (k, n), DType.f32)
+    attrs = {"trans_a": trans_a, "trans_b": trans_b}
+    for options in (TILED, TILED_BLOCKED):
+        source = cpu.render(one_node("matmul", [a, b], attrs), options)
+        assert ("tiled_sgemm(" in source) == (not (trans_a or trans_b))
+        check("matmul", [a, b], attrs, options)
+    f64 = [array.astype(np.float64) for array in (a, b)]
+    assert "tiled_sgemm(" not in cpu.render(one_node("matmul", f64, attrs), TILED)
