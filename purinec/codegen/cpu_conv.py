@@ -38,6 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
+from purinec.codegen.cpu_gemm import lanes
 from purinec.codegen.cpu_module import KernelModule, literal, renders
 from purinec.codegen.cpu_ops import affine, dtype_name, row_slice, span_of, split_loop
 from purinec.ir.graph import Node
@@ -60,7 +61,7 @@ def _gemm(m: KernelModule, node: Node, a: str, b: str, c: str, rows, cols, inner
     if _tiled(m, node, trans_a, trans_b):
         m.import_line("from purinec.codegen.cpu_gemm import tiled_sgemm")
         m.body.line(f"tiled_sgemm({rows}, {cols}, {inner}, {a}.ctypes.data, {lda}, "
-                    f"{b}.ctypes.data, {ldb}, {c}.ctypes.data, {ldc}, {beta})")
+                    f"{b}.ctypes.data, {ldb}, 0, {c}.ctypes.data, {ldc}, {beta})")
         return
     dtype = node.outputs[0].type.dtype
     fn = "sgemm" if dtype is DType.f32 else "dgemm"
@@ -414,10 +415,12 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
     None for all of it; ``sizes``: the output's shape as the code reads it
     (`_read_sizes`). With ``y`` None the output lives only in the per-image ``scratch``
     it is given."""
-    b, direct, by_rows = m.body, _direct(m, g), _by_kernel_row_weights(g)
+    b, direct = m.body, _direct(m, g)
+    implicit = _implicit(m, node, g, direct)
+    by_rows = _by_kernel_row_weights(g) and not implicit
     by_filters, flat = _by_filters(g, direct, by_rows), direct and _flat_planes(g)
     phased = _column_phases(m, g)
-    im2col = not (direct or by_rows or by_filters or g.pointwise)
+    im2col = not (direct or by_rows or by_filters or g.pointwise or implicit)
     chunk_rows = _im2col_chunk_rows(m, g, node.outputs[0].type.dtype) if im2col else None
     col_width = g.P if chunk_rows is None else f"{chunk_rows} * {g.ow}"  # of col (or x_mat)
     if y is None:
@@ -430,6 +433,8 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
             b.line(f"sums = {m.empty((g.oh * g.wp,), dtype_name(node))}")
     elif g.pointwise:
         b.line(f"x_mat = {m.view(x, (g.n, g.c, g.P))}")
+    elif implicit:
+        _phase_planes(m, node, g)
     elif by_rows:
         _kernel_row_weights(m, node, g, w_mat)
         b.line(f"col = {m.empty((g.cg * g.kw, g.rows_read * g.ow), dtype_name(node))}")
@@ -451,6 +456,10 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
             if flat:
                 _pad_image(m, g, x, n, c0, rows)
                 _direct_conv_flat(m, node, g, w_mat, image, o0, rows)
+            elif implicit:
+                _fill_phase_planes(m, g, x, n, c0, rows)
+                _implicit_product(m, node, g, weights, og, image,
+                                  filters[0] if filters[0] != "0" else o0, rows)
             elif direct:
                 _direct_conv(m, node, g, _pad_image(m, g, x, n, c0, rows, phased), w_mat,
                              image, o0, rows, phased)
@@ -471,6 +480,118 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
             block = ((1, *filters) if filters[0] != "0" else
                      (2, *rows) if rows[0] != "0" else None)
             epilogue(n, "y_img" if y is None else None, block, (g.n, g.cout, g.oh, g.ow))
+
+
+# Implicit convolutions: where products go to `tiled_sgemm` (`_tiled`), which can read
+# each row of its right operand at an offset of its own, the im2col matrix is never
+# made. The padded image is laid out in *phase planes*, ``planes[c, r % sh, col % sw,
+# r // sh, col // sw] = xpad[c, r, col]``, each plane ``Wq = ceil(Wp / sw)`` wide, so
+# that ``xpad[c, p*sh + i*dh, q*sw + j*dw]`` over the output pixels ``(p, q)`` is one
+# run of ``planes`` (flat) from the tap's offset on, if the product computes ``Wq``
+# columns per output row (``Wq - ow`` of them for nothing: those read into the next
+# row, or the plane's spare row of zeros, and are dropped when the rows are copied
+# out). Against im2col (with OpenBLAS's packing) or `_tiled` with im2col, one
+# thread, caches flushed (us): 128 channels of 28x28, 3x3, 2392 against 2279; 256 of
+# 14x14 2419 / 2364; 512 of 7x7 (256 filters) 1606 / 1469; 64 of 56x56 2683 / 2230.
+
+
+# Implicit convolutions need this many im2col rows or more: with fewer, a tile's pass
+# over the rows reads them from as many places while im2col's copy is cheap (the 3x3
+# stride-2 first layer of 3 channels: 436 against 406 us).
+IMPLICIT_MIN_DEPTH = 128
+# ... and must not compute many more columns than im2col's product: its rows are
+# ``Wq`` wide, its tiles cover them as `cpu_gemm.lanes` says (256 filters of 13x13, 3x3:
+# 195 columns in 208 lanes against 169 in 176, 364 against 334 us; 14x14: 224 in 224
+# against 196 in 208, 1247 against 1379).
+IMPLICIT_MIN_LANE_SHARE = 0.9
+
+
+def _implicit(m: KernelModule, node: Node, g: _Conv, direct: bool) -> bool:
+    """Whether a convolution's forward product reads the image in place
+    (`_phase_planes`): where products are `_tiled` and it is not a direct nest, with
+    enough im2col rows and few wasted columns, and not with a 1x1 kernel (pointwise,
+    its image is its matrix; strided, its im2col matrix is the one phase it reads,
+    which the planes would copy with all the others: resnet18's 1x1 stride-2 layers
+    102-117 -> 120-144 us)."""
+    if not _tiled(m, node) or direct or g.kh * g.kw == 1 or g.K < IMPLICIT_MIN_DEPTH:
+        return False
+    plane_width = _plane_shape(g)[1]
+    return lanes(g.P) >= IMPLICIT_MIN_LANE_SHARE * lanes(g.oh * plane_width)
+
+
+def _plane_shape(g: _Conv) -> tuple[int, int]:
+    """Rows (one spare) and width of a phase plane (`_phase_planes`)."""
+    return -(-g.hp // g.sh) + 1, -(-g.wp // g.sw)
+
+
+def _phase_planes(m: KernelModule, node: Node, g: _Conv) -> None:
+    """The scratch of an implicit convolution: ``planes`` (one group of one image,
+    zero where `_fill_phase_planes` writes nothing), ``offsets``, where each row
+    ``(c*kh + i)*kw + j`` of the im2col matrix begins in it, and ``sums``, the product
+    of ``rows_at_once`` output rows (`_implicit_product`)."""
+    b, (rows, width) = m.body, _plane_shape(g)
+    m.body.lines(m.filled("planes", (g.cg, g.sh, g.sw, rows, width), dtype_name(node), "0"))
+    b.line(f"offsets = {m.empty((g.K,), 'np.int64')}")
+    c, i, j = m.fresh("c"), m.fresh("i"), m.fresh("j")
+    plane = rows * width
+    with b.block(f"for {c} in range({g.cg}):"), b.block(f"for {i} in range({g.kh}):"), \
+            b.block(f"for {j} in range({g.kw}):"):
+        tap_row, tap_column = _times(i, g.dh), _times(j, g.dw)
+        terms = [f"{c} * {g.sh * g.sw * plane}"]
+        if g.sh > 1:
+            terms.append(f"{tap_row} % {g.sh} * {g.sw * plane}")
+        if g.sw > 1:
+            terms.append(f"{tap_column} % {g.sw} * {plane}")
+        terms.append(f"{tap_row} // {g.sh} * {width}" if g.sh > 1 else _times(tap_row, width))
+        terms.append(f"{tap_column} // {g.sw}" if g.sw > 1 else tap_column)
+        b.line(f"offsets[({c} * {g.kh} + {i}) * {g.kw} + {j}] = {' + '.join(terms)}")
+    b.line(f"rows_at_once = max(1, min({g.oh}, {COL_CHUNK_BYTES // 4} // ({g.og} * {width})))")
+    b.line(f"sums = {m.empty((g.og, f'rows_at_once * {width}'), dtype_name(node))}")
+
+
+def _fill_phase_planes(m: KernelModule, g: _Conv, x: str, n: str, c0: str,
+                       rows: tuple[str, str]) -> None:
+    """Copy group ``c0`` of image ``n`` into its phase planes: the input rows that
+    output rows ``rows`` read (`_image_rows`; all for ``"0"``)."""
+    b, c, h = m.body, m.fresh("c"), m.fresh("h")
+    channel = c if c0 == "0" else f"{c0} + {c}"
+    span = str(g.h)
+    if rows[0] != "0":
+        first, last = m.fresh("h_lo"), m.fresh("h_hi")
+        b.line(f"{first} = max({rows[0]} * {g.sh} - {g.pt}, 0)")
+        b.line(f"{last} = min(({rows[1]} - 1) * {g.sh} + {(g.kh - 1) * g.dh + 1 - g.pt}, "
+               f"{g.h})")
+        span = f"{first}, {last}"
+    with b.block(f"for {c} in range({g.cg}):"), b.block(f"for {h} in range({span}):"):
+        row = affine(h, 1, g.pt)
+        phase, at = (f"({row}) % {g.sh}", f"({row}) // {g.sh}") if g.sh > 1 else ("0", row)
+        if g.sw == 1:
+            m.copy_run("planes", f"{c}, {phase}, 0, {at}, {g.pl}", x,
+                       f"{n}, {channel}, {h}, 0", g.w)
+        else:
+            copy_into_phases(m, lambda p, column: f"planes[{c}, {phase}, {p}, {at}, {column}]",
+                             lambda index: f"{x}[{n}, {channel}, {h}, {index}]", g.w, g.sw,
+                             g.pl)
+
+
+def _implicit_product(m: KernelModule, node: Node, g: _Conv, weights: str, og, image: str,
+                      o_first: str, rows: tuple[str, str]) -> None:
+    """``image[o_first:][:og]`` (output channels by pixels) for output rows ``rows``:
+    `tiled_sgemm` of ``weights`` by the im2col matrix read from the phase planes at
+    ``offsets``, ``rows_at_once`` rows at a time (their product `COL_CHUNK_BYTES` at
+    most, as an im2col matrix's) into ``sums``, whose ``ow`` valid columns of each
+    row are then copied out."""
+    b, (_, width) = m.body, _plane_shape(g)
+    m.import_line("from purinec.codegen.cpu_gemm import tiled_sgemm")
+    o, p = m.fresh("o"), m.fresh("p")
+    with _row_chunks(m, g, rows, "rows_at_once") as (lo, hi):
+        b.line(f"tiled_sgemm({og}, ({hi} - {lo}) * {width}, {g.K}, {weights}.ctypes.data, "
+               f"{g.K}, planes.ctypes.data + {lo} * {width * 4}, 0, offsets.ctypes.data, "
+               f"sums.ctypes.data, rows_at_once * {width}, 0)")
+        channel = o if o_first == "0" else f"{o_first} + {o}"
+        with b.block(f"for {o} in range({og}):"), b.block(f"for {p} in range({hi} - {lo}):"):
+            m.copy_run(image, f"{channel}, ({lo} + {p}) * {g.ow}", "sums",
+                       f"{o}, {p} * {width}", g.ow)
 
 
 # im2col matrices bigger than this are made (and multiplied) a few output rows at a

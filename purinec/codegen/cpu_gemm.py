@@ -29,6 +29,9 @@ The kernel cache keys kernels by this file's text too (`purinec.codegen.cache`).
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import cfunc, types
@@ -44,8 +47,13 @@ I1, I32, I64, F32 = ir.IntType(1), ir.IntType(32), ir.IntType(64), ir.FloatType(
 KC = 256
 
 VW = 16 if "+avx512f" in cpu_features() else 8  # f32 lanes of a vector register
-MR, NV = (4, 4) if VW == 16 else (6, 2)  # a tile: MR rows of c by up to NV vectors
-NW = NV * VW  # the most columns of a tile
+MR, NV = (4, 4) if VW == 16 else (6, 2)  # a tile: MR rows of c by NV vectors
+# The last tile of a row of tiles takes up to NV + 1 vectors where that leaves no tile
+# of a few columns (a 196-pixel product 64 + 64 + 68 rather than 64 + 64 + 64 + 4: a
+# tile of one vector costs a pass of its own at a quarter of the work); with 16
+# registers (AVX2) there is no room for it.
+NV_LAST = NV + 1 if VW == 16 else NV
+NW = NV * VW  # the columns of every other tile
 
 
 def _splat(builder, vector_type, scalar):
@@ -62,10 +70,12 @@ class _TileCode:
 
     def __init__(self, builder, nv: int, args):
         self.builder, self.nv = builder, nv
-        a, self.lda, b, self.ldb, c, self.ldc, self.rows, self.cols, self.depth, \
+        a, self.lda, b, self.ldb, b_rows, c, self.ldc, self.rows, self.cols, self.depth, \
             self.accumulate = args
         pointer = F32.as_pointer()
         self.a, self.b, self.c = (builder.inttoptr(p, pointer) for p in (a, b, c))
+        self.offsets = builder.icmp_signed("!=", b_rows, ir.Constant(I64, 0))
+        self.b_rows = builder.inttoptr(b_rows, I64.as_pointer())
         self.vector = ir.VectorType(F32, VW)
         self.zero = ir.Constant(self.vector, [0.0] * VW)
         module, vp, mask = builder.module, self.vector.as_pointer(), ir.VectorType(I1, VW)
@@ -91,25 +101,31 @@ class _TileCode:
             self.builder.gep(row_pointer, [ir.Constant(I64, v * VW)]), self.vector.as_pointer())
 
     def emit(self) -> None:
-        """Both k loops (every vector full; the last one masked), then the stores."""
-        builder = self.builder
-        full = builder.icmp_signed("==", self.cols, ir.Constant(I64, self.nv * VW))
-        arms = []
-        with builder.if_else(full) as (whole, partial):
-            for masked, arm in ((False, whole), (True, partial)):
+        """The k loops (rows of ``b`` ``ldb`` apart or at offsets; every vector full or
+        the last one masked), then the stores."""
+        full = self.builder.icmp_signed("==", self.cols, ir.Constant(I64, self.nv * VW))
+        self.store(self.choose(self.offsets, lambda offsets: self.choose(
+            full, lambda whole: self.k_loop(not whole, offsets))))
+
+    def choose(self, condition, sums_of: Callable[[bool], list]) -> list:
+        """``sums_of(True)`` where ``condition`` holds, else ``sums_of(False)``, each
+        its own code (a branch outside the k loops, none inside)."""
+        builder, arms = self.builder, []
+        with builder.if_else(condition) as (then, otherwise):
+            for value, arm in ((True, then), (False, otherwise)):
                 with arm:
-                    sums = self.k_loop(masked)
+                    sums = sums_of(value)
                     arms.append((builder.basic_block, sums))
-        sums = []
+        merged = []
         for i in range(MR):
             row = []
             for v in range(self.nv):
-                merged = builder.phi(self.vector)
+                phi = builder.phi(self.vector)
                 for block, arm_sums in arms:
-                    merged.add_incoming(arm_sums[i][v], block)
-                row.append(merged)
-            sums.append(row)
-        self.store(sums)
+                    phi.add_incoming(arm_sums[i][v], block)
+                row.append(phi)
+            merged.append(row)
+        return merged
 
     def load_b(self, row_pointer, v: int, masked: bool):
         pointer = self.vector_at(row_pointer, v)
@@ -118,7 +134,7 @@ class _TileCode:
                                                         self.last_mask, self.zero])
         return self.builder.load(pointer, align=4)
 
-    def k_loop(self, masked: bool) -> list:
+    def k_loop(self, masked: bool, offsets: bool) -> list:
         """The sums of a tile over ``depth`` k steps (zero for none), as phis of the
         block after the loop."""
         builder, nv = self.builder, self.nv
@@ -132,7 +148,8 @@ class _TileCode:
         for row in sums:
             for phi in row:
                 phi.add_incoming(self.zero, entry)
-        b_row = builder.gep(self.b, [builder.mul(k, self.ldb)])
+        b_row = builder.gep(self.b, [builder.load(builder.gep(self.b_rows, [k])) if offsets
+                                     else builder.mul(k, self.ldb)])
         b_vectors = [self.load_b(b_row, v, masked) for v in range(nv)]
         updated = []
         for i in range(MR):
@@ -179,8 +196,8 @@ def _tile(nv: int):
     """The intrinsic for tiles of up to ``nv`` vectors of columns."""
 
     @intrinsic
-    def tile(typingctx, a, lda, b, ldb, c, ldc, rows, cols, depth, accumulate):
-        signature = types.void(*[types.int64] * 9, types.boolean)
+    def tile(typingctx, a, lda, b, ldb, b_rows, c, ldc, rows, cols, depth, accumulate):
+        signature = types.void(*[types.int64] * 10, types.boolean)
 
         def codegen(context, builder, sig, args):
             _TileCode(builder, nv, args).emit()
@@ -191,44 +208,78 @@ def _tile(nv: int):
     return tile
 
 
-# (with NV 2, tiles of 3 and 4 vectors are never asked for)
-_tile_1, _tile_2, _tile_3, _tile_4 = (_tile(min(nv, NV)) for nv in range(1, 5))
+# (with NV 2, tiles of 3 and more vectors are never asked for)
+_tile_1, _tile_2, _tile_3, _tile_4, _tile_5 = (_tile(min(nv, NV_LAST)) for nv in range(1, 6))
 
 
-# (m, n, k, a, lda, b, ldb, c, ldc, beta): sizes and leading dimensions in elements,
-# operands by address (as signed integers: their offsets are, and mixing the two would
-# make Numba compute in floating point).
-SIGNATURE = types.void(*[types.int64] * 10)
+# (m, n, k, a, lda, b, ldb, b_rows, c, ldc, beta): sizes and leading dimensions in
+# elements, operands by address (as signed integers: their offsets are, and mixing the
+# two would make Numba compute in floating point).
+SIGNATURE = types.void(*[types.int64] * 11)
 
 
-@cfunc(SIGNATURE, cache=True)
-def _tiled_sgemm(m, n, k, a, lda, b, ldb, c, ldc, beta):
+def _tiled_sgemm(m, n, k, a, lda, b, ldb, b_rows, c, ldc, beta):
+    """`tiled_sgemm`'s code, compiled by `_compiled`."""
     for k0 in range(0, max(k, 1), KC):  # (k == 0: one pass of empty sums, zeros)
         depth = min(KC, k - k0)
         accumulate = beta != 0 or k0 > 0
-        for n0 in range(0, n, NW):
-            cols = min(NW, n - n0)
+        pass_rows = b_rows + 8 * k0 if b_rows else 0
+        n0 = 0
+        while n0 < n:
+            cols = n - n0 if n - n0 <= NV_LAST * VW else NW
             vectors = (cols + VW - 1) // VW
+            pb = b + 4 * (n0 if b_rows else k0 * ldb + n0)
             for m0 in range(0, m, MR):
                 rows = min(MR, m - m0)
                 pa = a + 4 * (m0 * lda + k0)
-                pb = b + 4 * (k0 * ldb + n0)
                 pc = c + 4 * (m0 * ldc + n0)
-                if vectors == 4:
-                    _tile_4(pa, lda, pb, ldb, pc, ldc, rows, cols, depth, accumulate)
+                if vectors == 5:
+                    _tile_5(pa, lda, pb, ldb, pass_rows, pc, ldc, rows, cols, depth, accumulate)
+                elif vectors == 4:
+                    _tile_4(pa, lda, pb, ldb, pass_rows, pc, ldc, rows, cols, depth, accumulate)
                 elif vectors == 3:
-                    _tile_3(pa, lda, pb, ldb, pc, ldc, rows, cols, depth, accumulate)
+                    _tile_3(pa, lda, pb, ldb, pass_rows, pc, ldc, rows, cols, depth, accumulate)
                 elif vectors == 2:
-                    _tile_2(pa, lda, pb, ldb, pc, ldc, rows, cols, depth, accumulate)
+                    _tile_2(pa, lda, pb, ldb, pass_rows, pc, ldc, rows, cols, depth, accumulate)
                 else:
-                    _tile_1(pa, lda, pb, ldb, pc, ldc, rows, cols, depth, accumulate)
+                    _tile_1(pa, lda, pb, ldb, pass_rows, pc, ldc, rows, cols, depth, accumulate)
+            n0 += cols
+
+
+def lanes(n: int) -> int:
+    """How many columns the tiles of a product of ``n`` columns compute, the masked
+    ones included (as `_tiled_sgemm` cuts them)."""
+    total = 0
+    while n > 0:
+        cols = n if n <= NV_LAST * VW else NW
+        total += -(-cols // VW) * VW
+        n -= cols
+    return total
 
 
 # Kernels call it by symbol name, as they call the BLAS (`purinec.codegen.cpu_runtime`):
 # its machine code, compiled once (and cached by Numba), is not linked into every
-# kernel (which cost lenet's cold compile 2 s).
-llvm.add_symbol("purinec_tiled_sgemm", _tiled_sgemm.address)
-tiled_sgemm = types.ExternalFunction("purinec_tiled_sgemm", SIGNATURE)
-tiled_sgemm.__doc__ = """Row-major ``c[:m, :n] = a[:m, :k] @ b[:k, :n] + beta * c`` for
-f32 operands at addresses ``a``, ``b``, ``c`` (``array.ctypes.data``) with leading
-dimensions ``lda``, ``ldb``, ``ldc`` (elements), ``beta`` 0 or 1."""
+# kernel (which cost lenet's cold compile 2 s). Compiled when a kernel first imports
+# `tiled_sgemm`, not when code generation reads the tile sizes above.
+_EXTERNAL = types.ExternalFunction("purinec_tiled_sgemm", SIGNATURE)
+
+
+@functools.cache
+def _compiled():
+    compiled = cfunc(SIGNATURE, cache=True)(_tiled_sgemm)
+    llvm.add_symbol("purinec_tiled_sgemm", compiled.address)
+    return compiled
+
+
+def __getattr__(name: str):
+    """``tiled_sgemm(m, n, k, a, lda, b, ldb, b_rows, c, ldc, beta)``: row-major
+    ``c[:m, :n] = a[:m, :k] @ b[:k, :n] + beta * c`` for f32 operands at addresses
+    ``a``, ``b``, ``c`` (``array.ctypes.data``) with leading dimensions ``lda``,
+    ``ldc`` (elements), ``beta`` 0 or 1. Row ``r`` of ``b`` starts ``r * ldb``
+    elements after ``b``, or, with ``b_rows`` the address of an int64 array (not 0),
+    ``b_rows[r]`` elements after it: the rows of an im2col matrix read in place, from
+    the padded image (`purinec.codegen.cpu_conv`'s implicit convolutions)."""
+    if name == "tiled_sgemm":
+        _compiled()
+        return _EXTERNAL
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

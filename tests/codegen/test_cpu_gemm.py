@@ -14,19 +14,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numba import njit
 
-from purinec.codegen import cpu, cpu_runtime
+from purinec.codegen import cpu, cpu_conv, cpu_runtime
 from purinec.codegen.cpu_gemm import KC, MR, NW, VW, tiled_sgemm
 from purinec.codegen.cpu_module import CpuOptions
 from purinec.errors import PurinecError
 from purinec.ir.types import DType
-from tests.codegen.test_codegen_cpu import check, one_node, random_array
+from tests.codegen.test_codegen_cpu import (FEW, check, check_conv_gradients,
+                                            conv_problems, one_node, random_array, seeds)
 
 
 @njit
 def _product(a, b, c, beta):
     """``tiled_sgemm`` on 2-D f32 arrays whose rows may be longer than they are used."""
     tiled_sgemm(a.shape[0], b.shape[1], a.shape[1], a.ctypes.data, a.strides[0] // 4,
-                b.ctypes.data, b.strides[0] // 4, c.ctypes.data, c.strides[0] // 4, beta)
+                b.ctypes.data, b.strides[0] // 4, 0, c.ctypes.data, c.strides[0] // 4, beta)
 
 
 def check_product(rng, m: int, n: int, k: int, beta: int, spare: int = 3) -> None:
@@ -52,6 +53,8 @@ def check_product(rng, m: int, n: int, k: int, beta: int, spare: int = 3) -> Non
     (MR + 1, NW + 1, KC + 1),   # a row, a column and a k step past them
     (3 * MR - 1, 2 * NW - VW + 3, 2 * KC + 7),  # partial vectors, rows and passes
     (5, VW - 1, 9),             # narrower than one vector
+    (MR, NW + VW - 2, 300),     # a last tile one vector wider than the others
+    (2, 2 * NW + VW + 5, 40),   # ... and one not (it would be two wider)
     (2 * MR, 3 * VW, 0),        # an empty sum: zeros (or c itself)
     (256, 49, 4608),            # resnet18's last layers, half the filters
 ])
@@ -108,25 +111,55 @@ TILED_BLOCKED = CpuOptions(tiled_gemm=True, direct_max_channels=0, parallel_min=
 
 @pytest.mark.slow  # a Numba compile per case
 @pytest.mark.parametrize("options", [TILED, TILED_BLOCKED], ids=["whole", "blocked"])
-@pytest.mark.parametrize("x_shape, w_shape, attrs", [
-    ((2, 3, 9, 11), (5, 3, 3, 3), {"stride": [1, 2], "pad": [1, 1], "groups": 1}),
-    ((3, 8, 5, 6), (6, 4, 1, 1), {"stride": [1, 1], "pad": [0, 0], "groups": 2}),
-    ((2, 32, 10, 10), (12, 16, 5, 5), {"stride": [1, 1], "pad": [2, 2], "groups": 2}),
-    ((1, 24, 4, 4), (40, 24, 3, 3), {"stride": [1, 1], "pad": [1, 1], "groups": 1}),
-], ids=["im2col", "pointwise", "by-kernel-rows", "by-filters"])
-def test_convolutions_through_the_tiled_gemm_agree(x_shape, w_shape, attrs, options):
-    """Forward products of every kind of convolution (by kernel rows, each row's product
-    adding into the last's) go to `tiled_sgemm`, and so do the input gradients that are
-    convolutions; transposed products stay with the BLAS."""
+@pytest.mark.parametrize("x_shape, w_shape, attrs, implicit", [
+    ((2, 15, 9, 11), (5, 15, 3, 3), {"stride": [1, 2], "pad": [1, 1], "groups": 1}, True),
+    ((1, 3, 64, 64), (8, 3, 7, 7), {"stride": [2, 2], "pad": [3, 3], "groups": 1}, True),
+    ((2, 8, 9, 9), (6, 8, 1, 1), {"stride": [2, 2], "pad": [0, 0], "groups": 1}, False),
+    ((1, 48, 11, 10), (4, 24, 3, 2), {"stride": [2, 1], "pad": [0, 2, 1, 0], "groups": 2,
+                                      "dilation": [2, 3]}, True),
+    ((3, 8, 5, 6), (6, 4, 1, 1), {"stride": [1, 1], "pad": [0, 0], "groups": 2}, False),
+    ((1, 32, 40, 40), (12, 16, 5, 5), {"stride": [1, 1], "pad": [2, 2], "groups": 2}, True),
+    ((1, 24, 7, 7), (40, 24, 3, 3), {"stride": [1, 1], "pad": [1, 1], "groups": 1}, True),
+    ((2, 3, 9, 9), (4, 3, 3, 3), {"stride": [2, 2], "pad": [1, 1], "groups": 1}, False),
+    ((1, 16, 13, 13), (8, 16, 3, 3), {"stride": [1, 1], "pad": [1, 1], "groups": 1}, False),
+], ids=["3x3-column-stride", "7x7-stride-2", "1x1-stride-2", "dilated-groups",
+        "pointwise", "5x5", "by-filters", "few-rows", "wasteful-rows"])
+def test_convolutions_through_the_tiled_gemm_agree(x_shape, w_shape, attrs, implicit,
+                                                   options):
+    """Forward products of every kind of convolution go to `tiled_sgemm`, reading the
+    image in place from its phase planes (`implicit`) where their im2col matrix has 128
+    rows or more and the planes' rows add few columns to the product (13x13 maps,
+    15-column planes: 169 columns in 176 lanes against 195 in 208), and so do the
+    input gradients computed as convolutions; transposed products stay with the
+    BLAS."""
     rng = np.random.default_rng(17)
+    attrs = {"dilation": [1, 1], **attrs}
     x, w = random_array(rng, x_shape, DType.f32), random_array(rng, w_shape, DType.f32)
     source = cpu.render(one_node("conv2d", [x, w], attrs), options)
     assert "tiled_sgemm(" in source and "sgemm(101" not in source
+    assert ("offsets.ctypes" in source) == implicit
     check("conv2d", [x, w], attrs, options)
-    (y,) = one_node("conv2d", [x, w], attrs).outputs
-    gy = random_array(rng, y.type.shape, DType.f32)
-    check("conv2d_grad_input", [gy, w], {**attrs, "input_shape": list(x_shape)}, options)
-    check("conv2d_grad_weight", [x, gy], {**attrs, "kernel": list(w_shape[2:])}, options)
+    check_conv_gradients(rng, x_shape, w_shape, attrs, DType.f32, options)
+
+
+@pytest.mark.slow  # a Numba compile per example
+@settings(FEW, max_examples=12)
+@given(problem=conv_problems(), seed=seeds, options=st.sampled_from([TILED, TILED_BLOCKED]),
+       everywhere=st.booleans())
+def test_random_convolutions_through_the_tiled_gemm_agree(problem, seed, options,
+                                                          everywhere, monkeypatch):
+    """Small random convolutions, ``everywhere`` implicit (but for 1x1 kernels) however
+    few their im2col rows and however wide their phase planes."""
+    if everywhere:
+        monkeypatch.setattr(cpu_conv, "IMPLICIT_MIN_DEPTH", 0)
+        monkeypatch.setattr(cpu_conv, "IMPLICIT_MIN_LANE_SHARE", 0)
+    x_shape, w_shape, attrs = problem
+    rng = np.random.default_rng(seed)
+    x, w = random_array(rng, x_shape, DType.f32), random_array(rng, w_shape, DType.f32)
+    source = cpu.render(one_node("conv2d", [x, w], attrs), options)
+    assert ("offsets.ctypes" in source) == (everywhere and w_shape[2:] != (1, 1))
+    check("conv2d", [x, w], attrs, options)
+    check_conv_gradients(rng, x_shape, w_shape, attrs, DType.f32, options)
 
 
 @pytest.mark.slow  # a Numba compile per case
