@@ -421,8 +421,11 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
     by_filters, flat = _by_filters(g, direct, by_rows), direct and _flat_planes(g)
     phased = _column_phases(m, g)
     im2col = not (direct or by_rows or by_filters or g.pointwise or implicit)
-    chunk_rows = _im2col_chunk_rows(m, g, node.outputs[0].type.dtype) if im2col else None
-    col_width = g.P if chunk_rows is None else f"{chunk_rows} * {g.ow}"  # of col (or x_mat)
+    dtype = node.outputs[0].type.dtype
+    chunk_rows = (_im2col_chunk_rows(m, g, dtype) if im2col else
+                  _output_chunk_rows(m, node, g, implicit) if not by_filters else None)
+    # (the leading dimension of col, or of x_mat)
+    col_width = f"{chunk_rows} * {g.ow}" if im2col and chunk_rows is not None else g.P
     if y is None:
         b.line(f"y_img = {m.empty((g.cout, g.P), dtype_name(node))}")
     else:
@@ -434,7 +437,7 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
     elif g.pointwise:
         b.line(f"x_mat = {m.view(x, (g.n, g.c, g.P))}")
     elif implicit:
-        _phase_planes(m, node, g)
+        _phase_planes(m, node, g, chunk_rows or g.oh)
     elif by_rows:
         _kernel_row_weights(m, node, g, w_mat)
         b.line(f"col = {m.empty((g.cg * g.kw, g.rows_read * g.ow), dtype_name(node))}")
@@ -524,11 +527,11 @@ def _plane_shape(g: _Conv) -> tuple[int, int]:
     return -(-g.hp // g.sh) + 1, -(-g.wp // g.sw)
 
 
-def _phase_planes(m: KernelModule, node: Node, g: _Conv) -> None:
+def _phase_planes(m: KernelModule, node: Node, g: _Conv, rows_at_once) -> None:
     """The scratch of an implicit convolution: ``planes`` (one group of one image,
     zero where `_fill_phase_planes` writes nothing), ``offsets``, where each row
     ``(c*kh + i)*kw + j`` of the im2col matrix begins in it, and ``sums``, the product
-    of ``rows_at_once`` output rows (`_implicit_product`)."""
+    of ``rows_at_once`` output rows at most (`_implicit_product`)."""
     b, (rows, width) = m.body, _plane_shape(g)
     m.body.lines(m.filled("planes", (g.cg, g.sh, g.sw, rows, width), dtype_name(node), "0"))
     b.line(f"offsets = {m.empty((g.K,), 'np.int64')}")
@@ -545,8 +548,7 @@ def _phase_planes(m: KernelModule, node: Node, g: _Conv) -> None:
         terms.append(f"{tap_row} // {g.sh} * {width}" if g.sh > 1 else _times(tap_row, width))
         terms.append(f"{tap_column} // {g.sw}" if g.sw > 1 else tap_column)
         b.line(f"offsets[({c} * {g.kh} + {i}) * {g.kw} + {j}] = {' + '.join(terms)}")
-    b.line(f"rows_at_once = max(1, min({g.oh}, {COL_CHUNK_BYTES // 4} // ({g.og} * {width})))")
-    b.line(f"sums = {m.empty((g.og, f'rows_at_once * {width}'), dtype_name(node))}")
+    b.line(f"sums = {m.empty((g.og, _times(rows_at_once, width)), dtype_name(node))}")
 
 
 def _fill_phase_planes(m: KernelModule, g: _Conv, x: str, n: str, c0: str,
@@ -578,20 +580,43 @@ def _implicit_product(m: KernelModule, node: Node, g: _Conv, weights: str, og, i
                       o_first: str, rows: tuple[str, str]) -> None:
     """``image[o_first:][:og]`` (output channels by pixels) for output rows ``rows``:
     `tiled_sgemm` of ``weights`` by the im2col matrix read from the phase planes at
-    ``offsets``, ``rows_at_once`` rows at a time (their product `COL_CHUNK_BYTES` at
-    most, as an im2col matrix's) into ``sums``, whose ``ow`` valid columns of each
-    row are then copied out."""
+    ``offsets`` into ``sums``, whose ``ow`` valid columns of each row are then copied
+    out."""
     b, (_, width) = m.body, _plane_shape(g)
     m.import_line("from purinec.codegen.cpu_gemm import tiled_sgemm")
     o, p = m.fresh("o"), m.fresh("p")
-    with _row_chunks(m, g, rows, "rows_at_once") as (lo, hi):
-        b.line(f"tiled_sgemm({og}, ({hi} - {lo}) * {width}, {g.K}, {weights}.ctypes.data, "
-               f"{g.K}, planes.ctypes.data + {lo} * {width * 4}, 0, offsets.ctypes.data, "
-               f"sums.ctypes.data, rows_at_once * {width}, 0)")
-        channel = o if o_first == "0" else f"{o_first} + {o}"
-        with b.block(f"for {o} in range({og}):"), b.block(f"for {p} in range({hi} - {lo}):"):
-            m.copy_run(image, f"{channel}, ({lo} + {p}) * {g.ow}", "sums",
-                       f"{o}, {p} * {width}", g.ow)
+    lo, hi = rows if rows[0] != "0" else ("0", str(g.oh))
+    count = g.oh if rows[0] == "0" else f"{hi} - {lo}"
+    start = "" if lo == "0" else f" + {lo} * {width * 4}"
+    b.line(f"tiled_sgemm({og}, {_times(f'({count})', width)}, {g.K}, {weights}.ctypes.data, "
+           f"{g.K}, planes.ctypes.data{start}, 0, offsets.ctypes.data, sums.ctypes.data, "
+           f"sums.shape[1], 0)")
+    channel = o if o_first == "0" else f"{o_first} + {o}"
+    with b.block(f"for {o} in range({og}):"), b.block(f"for {p} in range({count}):"):
+        row = p if lo == "0" else f"({lo} + {p})"
+        m.copy_run(image, f"{channel}, {_times(row, g.ow)}", "sums", f"{o}, {_times(p, width)}",
+                   g.ow)
+
+
+# Where products go to `tiled_sgemm`, which packs nothing (a product of a few rows costs
+# no more per pixel than one of all), implicit and pointwise convolutions compute a few
+# output rows at a time, their product `OUT_CHUNK_BYTES` at most, so that the
+# epilogue (`_conv_forward`) finds them in the core's cache: mobilenet_v2's 1x1
+# layer of 96 channels of 112x112 wrote 4.8 MB, then read and wrote it again.
+OUT_CHUNK_BYTES = 256 * 1024
+
+
+def _output_chunk_rows(m: KernelModule, node: Node, g: _Conv, implicit: bool) -> str | None:
+    """The local holding how many output rows at a time an implicit or pointwise
+    convolution computes (`OUT_CHUNK_BYTES`), or None: all of a block's at once."""
+    if not (implicit or (g.pointwise and _tiled(m, node))):
+        return None
+    row_bytes = g.og * (_plane_shape(g)[1] if implicit else g.ow) * 4
+    if g.oh * row_bytes <= OUT_CHUNK_BYTES:
+        return None
+    local = m.fresh("rows_at_once")
+    m.body.line(f"{local} = max(1, {OUT_CHUNK_BYTES} // ({row_bytes}))")
+    return local
 
 
 # im2col matrices bigger than this are made (and multiplied) a few output rows at a

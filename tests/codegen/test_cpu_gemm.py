@@ -19,8 +19,9 @@ from purinec.codegen.cpu_gemm import KC, MR, NW, VW, tiled_sgemm
 from purinec.codegen.cpu_module import CpuOptions
 from purinec.errors import PurinecError
 from purinec.ir.types import DType
-from tests.codegen.test_codegen_cpu import (FEW, check, check_conv_gradients,
-                                            conv_problems, one_node, random_array, seeds)
+from tests.codegen.test_codegen_cpu import (FEW, _inputs, check, check_conv_gradients,
+                                            check_fused, conv_problems, conv_with_epilogue,
+                                            one_node, random_array, seeds)
 
 
 @njit
@@ -160,6 +161,34 @@ def test_random_convolutions_through_the_tiled_gemm_agree(problem, seed, options
     assert ("offsets.ctypes" in source) == (everywhere and w_shape[2:] != (1, 1))
     check("conv2d", [x, w], attrs, options)
     check_conv_gradients(rng, x_shape, w_shape, attrs, DType.f32, options)
+
+
+@pytest.mark.slow  # a Numba compile per case
+@pytest.mark.parametrize("options", [TILED, TILED_BLOCKED], ids=["whole", "blocked"])
+@pytest.mark.parametrize("kernel", [3, 1])
+@pytest.mark.parametrize("epilogue", [None, "bias", "exported"])
+def test_convolutions_in_chunks_of_output_rows(options, kernel, epilogue, monkeypatch):
+    """Implicit (3x3) and pointwise (1x1) convolutions whose product is over
+    `cpu_conv.OUT_CHUNK_BYTES` compute a few output rows at a time (here 2 of 9, in
+    blocks that may begin mid-image), each chunk's epilogue run before the next."""
+    monkeypatch.setattr(cpu_conv, "IMPLICIT_MIN_DEPTH", 0)
+    monkeypatch.setattr(cpu_conv, "IMPLICIT_MIN_LANE_SHARE", 0)
+    width = 11 + 2 if kernel == 3 else 11  # (a phase plane's, with the padding)
+    monkeypatch.setattr(cpu_conv, "OUT_CHUNK_BYTES", 8 * width * 4 * 2)  # 2 rows
+    attrs = {"stride": [1, 1], "pad": [kernel // 2] * 2}
+    x_shape, w_shape = (2, 4, 9, 11), (8, 4, kernel, kernel)
+    if epilogue is None:
+        rng = np.random.default_rng(4)
+        x, w = random_array(rng, x_shape, DType.f32), random_array(rng, w_shape, DType.f32)
+        source = cpu.render(one_node("conv2d", [x, w], attrs), options)
+        assert "rows_at_once = max(1, " in source
+        assert ("offsets.ctypes" in source) == (kernel == 3)
+        check("conv2d", [x, w], attrs, options)
+        return
+    graph, node = conv_with_epilogue(x_shape, w_shape, attrs, epilogue == "bias",
+                                     epilogue == "exported")
+    assert "rows_at_once = max(1, " in cpu.render(node, options)
+    check_fused(graph, node, _inputs(graph, 4), options)
 
 
 @pytest.mark.slow  # a Numba compile per case
