@@ -143,6 +143,23 @@ def test_convolutions_through_the_tiled_gemm_agree(x_shape, w_shape, attrs, impl
     check_conv_gradients(rng, x_shape, w_shape, attrs, DType.f32, options)
 
 
+@pytest.mark.slow  # a Numba compile per case
+@pytest.mark.parametrize("rows, by_filters", [(13, True), (15, True), (16, False)])
+def test_tiled_convolutions_of_few_rows_split_their_filters(rows, by_filters):
+    """Under `cpu_conv.FILTER_SPLIT_MAX_ROWS_TILED` output rows, blocks take output
+    channels of every pixel, not rows of every channel (where OpenBLAS multiplies,
+    under `cpu_conv.FILTER_SPLIT_MAX_ROWS`)."""
+    rng = np.random.default_rng(2)
+    x = random_array(rng, (1, 16, rows, 9), DType.f32)
+    w = random_array(rng, (40, 16, 3, 3), DType.f32)
+    attrs = {"stride": [1, 1], "pad": [1, 1], "groups": 1}
+    assert ("w_mat[lo:hi]" in cpu.render(one_node("conv2d", [x, w], attrs), TILED_BLOCKED)
+            ) == by_filters
+    blas = CpuOptions(direct_max_channels=0, parallel_min=0, parallel_min_products=0)
+    assert "w_mat[lo:hi]" not in cpu.render(one_node("conv2d", [x, w], attrs), blas)
+    check("conv2d", [x, w], attrs, TILED_BLOCKED)
+
+
 @pytest.mark.slow  # a Numba compile per example
 @settings(FEW, max_examples=12)
 @given(problem=conv_problems(), seed=seeds, options=st.sampled_from([TILED, TILED_BLOCKED]),
