@@ -493,9 +493,11 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
 # run of ``planes`` (flat) from the tap's offset on, if the product computes ``Wq``
 # columns per output row (``Wq - ow`` of them for nothing: those read into the next
 # row, or the plane's spare row of zeros, and are dropped when the rows are copied
-# out). Against im2col (with OpenBLAS's packing) or `_tiled` with im2col, one
-# thread, caches flushed (us): 128 channels of 28x28, 3x3, 2392 against 2279; 256 of
-# 14x14 2419 / 2364; 512 of 7x7 (256 filters) 1606 / 1469; 64 of 56x56 2683 / 2230.
+# out). Kernels alone, one image, 2 threads, both variants in one process, caches
+# flushed, im2col (or kernel rows) against implicit (us, best of 30): 3x3 layers of
+# resnet18, 64 channels of 56x56 1524 / 1315, 128 of 28x28 1274 / 1206, 256 of 14x14
+# 1379 / 1247, 512 of 7x7 1527 / 1502, 128 -> 256 at stride 2 824 / 790; its 7x7
+# stride-2 first layer 1430 / 1360.
 
 
 # Implicit convolutions need this many im2col rows or more: with fewer, a tile's pass
@@ -527,7 +529,8 @@ def _plane_shape(g: _Conv) -> tuple[int, int]:
     return -(-g.hp // g.sh) + 1, -(-g.wp // g.sw)
 
 
-def _phase_planes(m: KernelModule, node: Node, g: _Conv, rows_at_once) -> None:
+def _phase_planes(m: KernelModule, node: Node, g: _Conv, rows_at_once: int | str
+                  ) -> None:
     """The scratch of an implicit convolution: ``planes`` (one group of one image,
     zero where `_fill_phase_planes` writes nothing), ``offsets``, where each row
     ``(c*kh + i)*kw + j`` of the im2col matrix begins in it, and ``sums``, the product
@@ -672,8 +675,9 @@ FILTER_SPLIT_MAX_ROWS_TILED = 16
 
 def _by_filters(m: KernelModule, node: Node, g: _Conv, direct: bool, by_rows: bool) -> bool:
     """Whether threads split a plain im2col, implicit or pointwise convolution's output
-    channels, each block computing its channels of every pixel (`FILTER_SPLIT_MAX_ROWS`):
-    every block then copies the whole image into its im2col matrix."""
+    channels, each block computing its channels of every pixel (`FILTER_SPLIT_MAX_ROWS`,
+    or `FILTER_SPLIT_MAX_ROWS_TILED` where products are `_tiled`): every block then
+    copies the whole image into its im2col matrix (or phase planes)."""
     most = FILTER_SPLIT_MAX_ROWS_TILED if _tiled(m, node) else FILTER_SPLIT_MAX_ROWS
     return (not direct and not by_rows and g.groups == 1
             and g.n * g.oh < most and g.cout >= FILTER_SPLIT_MIN_FILTERS)

@@ -13,16 +13,19 @@ registers. On the Zen 4 machine, one thread, caches flushed before each call
 64x576 by 576x784 84 / 79, 32x75 by 75x1024 61 / 46; with warm caches 110-114 against
 99-101 on the latter shapes, level on the thinnest.
 
+The rows of ``b`` may also lie anywhere, at offsets given by an array: implicit
+convolutions (`purinec.codegen.cpu_conv._implicit`) read their im2col matrix that way
+from the padded image itself.
+
 The tile's inner loop is written in LLVM IR (`_tile`) rather than left to LLVM's loop
 vectorizer, which keeps accumulators in registers only when it sees the whole tile:
 ``MR`` rows of ``c`` times ``nv`` vectors of its columns, all in registers across
 the k loop, with the last vector masked where the tile is narrower than its vectors.
-With AVX-512 a tile is 4 rows by up to 4 vectors of 16 (16 of the 32 registers
-accumulate); the kernels only call it there (`cpu_runtime.tiled_gemm_wanted`), since
-on AVX2 (16
-registers, an emulation on the same cores) it ran at 0.7-0.9 of OpenBLAS: there the
-tile is 6 rows by up to 2 vectors of 8, correct wherever a kernel compiled on one
-machine runs on another.
+With AVX-512 a tile is 4 rows by 4 vectors of 16 (16 of the 32 registers accumulate;
+the last of a row of tiles up to 5); the kernels only call it there
+(`cpu_runtime.tiled_gemm_wanted`), since on AVX2 (16 registers, an emulation on the
+same cores) it ran at 0.7-0.9 of OpenBLAS: there the tile is 6 rows by up to 2
+vectors of 8, correct wherever a kernel compiled on one machine runs on another.
 
 The kernel cache keys kernels by this file's text too (`purinec.codegen.cache`).
 """
