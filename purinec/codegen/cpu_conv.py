@@ -308,14 +308,12 @@ def copy_into_phases(m: KernelModule, dst: Callable[[int, str], str],
             store(phase, str(column))
 
 
-def _pad_image(m: KernelModule, g: _Conv, x: str, n: str, c0: str,
-               rows: tuple[str, str] | None = None, phased: bool = False) -> str:
-    """Copy group ``c0`` of image ``n`` into the inside of ``xpad``: the input rows
-    that output rows ``rows`` read (`_image_rows`; all by default), split by column
-    phase if ``phased`` (`_padded_scratch`). Returns how to index the (padded) image:
-    a prefix taking ``[c, row, column]`` (``[c, row, phase, column]`` phased)."""
-    if not g.padded and not phased:
-        return f"{x}[{n}, {c0} + " if c0 != "0" else f"{x}[{n}, "
+@contextmanager
+def _input_rows(m: KernelModule, g: _Conv, c0: str, rows: tuple[str, str] | None
+                ) -> Iterator[tuple[str, str, str]]:
+    """Loops over the channels of the group from ``c0`` on and the input rows that
+    output rows ``rows`` read (`_image_rows`; all for None or ``"0"``); yields the
+    channel in the group, in the image, and the row."""
     b, c, h = m.body, m.fresh("c"), m.fresh("h")
     channel = c if c0 == "0" else f"{c0} + {c}"
     span = str(g.h)
@@ -326,6 +324,18 @@ def _pad_image(m: KernelModule, g: _Conv, x: str, n: str, c0: str,
                f"{g.h})")
         span = f"{first}, {last}"
     with b.block(f"for {c} in range({g.cg}):"), b.block(f"for {h} in range({span}):"):
+        yield c, channel, h
+
+
+def _pad_image(m: KernelModule, g: _Conv, x: str, n: str, c0: str,
+               rows: tuple[str, str] | None = None, phased: bool = False) -> str:
+    """Copy group ``c0`` of image ``n`` into the inside of ``xpad``: the input rows
+    that output rows ``rows`` read (`_image_rows`; all by default), split by column
+    phase if ``phased`` (`_padded_scratch`). Returns how to index the (padded) image:
+    a prefix taking ``[c, row, column]`` (``[c, row, phase, column]`` phased)."""
+    if not g.padded and not phased:
+        return f"{x}[{n}, {c0} + " if c0 != "0" else f"{x}[{n}, "
+    with _input_rows(m, g, c0, rows) as (c, channel, h):
         row = affine(h, 1, g.pt)
         if phased:
             copy_into_phases(m, lambda phase, column: f"xpad[{c}, {row}, {phase}, {column}]",
@@ -558,16 +568,7 @@ def _fill_phase_planes(m: KernelModule, g: _Conv, x: str, n: str, c0: str,
                        rows: tuple[str, str]) -> None:
     """Copy group ``c0`` of image ``n`` into its phase planes: the input rows that
     output rows ``rows`` read (`_image_rows`; all for ``"0"``)."""
-    b, c, h = m.body, m.fresh("c"), m.fresh("h")
-    channel = c if c0 == "0" else f"{c0} + {c}"
-    span = str(g.h)
-    if rows[0] != "0":
-        first, last = m.fresh("h_lo"), m.fresh("h_hi")
-        b.line(f"{first} = max({rows[0]} * {g.sh} - {g.pt}, 0)")
-        b.line(f"{last} = min(({rows[1]} - 1) * {g.sh} + {(g.kh - 1) * g.dh + 1 - g.pt}, "
-               f"{g.h})")
-        span = f"{first}, {last}"
-    with b.block(f"for {c} in range({g.cg}):"), b.block(f"for {h} in range({span}):"):
+    with _input_rows(m, g, c0, rows) as (c, channel, h):
         row = affine(h, 1, g.pt)
         phase, at = (f"({row}) % {g.sh}", f"({row}) // {g.sh}") if g.sh > 1 else ("0", row)
         if g.sw == 1:

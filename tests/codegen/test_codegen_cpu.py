@@ -1067,18 +1067,28 @@ def test_im2col_in_chunks_of_output_rows(options, epilogue, monkeypatch):
 
     monkeypatch.setattr(cpu_conv, "COL_CHUNK_MIN_COLUMNS", 1)
     monkeypatch.setattr(cpu_conv, "COL_CHUNK_BYTES", 4 * 3 * 3 * 11 * 4 * 2)  # 2 rows
-    attrs = {"stride": [2, 1], "pad": [1, 1]}
-    x_shape, w_shape = (2, 4, 9, 11), (8, 4, 3, 3)
+    check_conv_in_chunks((2, 4, 9, 11), (8, 4, 3, 3), {"stride": [2, 1], "pad": [1, 1]},
+                         epilogue, options)
+
+
+def check_conv_in_chunks(x_shape, w_shape, attrs: dict, epilogue: str | None,
+                         options) -> str:
+    """A convolution (``epilogue`` None), or one fused with a bias and relu (``"bias"``)
+    or with relu, its own output exported (``"exported"``: `conv_with_epilogue`),
+    against the reference, its code computing a few output rows at a time; returns
+    that code."""
     if epilogue is None:
         rng = np.random.default_rng(4)
         x, w = random_array(rng, x_shape, DType.f32), random_array(rng, w_shape, DType.f32)
-        assert "rows_at_once = max(1, " in cpu.render(one_node("conv2d", [x, w], attrs))
+        source = cpu.render(one_node("conv2d", [x, w], attrs), options)
         check("conv2d", [x, w], attrs, options)
-        return
-    graph, node = conv_with_epilogue(x_shape, w_shape, attrs, epilogue == "bias",
-                                     epilogue == "exported")
-    assert "rows_at_once = max(1, " in cpu.render(node, options)
-    check_fused(graph, node, _inputs(graph, 4), options)
+    else:
+        graph, node = conv_with_epilogue(x_shape, w_shape, attrs, epilogue == "bias",
+                                         epilogue == "exported")
+        source = cpu.render(node, options)
+        check_fused(graph, node, _inputs(graph, 4), options)
+    assert "rows_at_once = max(1, " in source
+    return source
 
 
 @pytest.mark.slow  # a Numba compile per case

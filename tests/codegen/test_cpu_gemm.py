@@ -19,9 +19,9 @@ from purinec.codegen.cpu_gemm import KC, MR, NW, VW, tiled_sgemm
 from purinec.codegen.cpu_module import CpuOptions
 from purinec.errors import PurinecError
 from purinec.ir.types import DType
-from tests.codegen.test_codegen_cpu import (FEW, _inputs, check, check_conv_gradients,
-                                            check_fused, conv_problems, conv_with_epilogue,
-                                            one_node, random_array, seeds)
+from tests.codegen.test_codegen_cpu import (FEW, check, check_conv_gradients,
+                                            check_conv_in_chunks, conv_problems, one_node,
+                                            random_array, seeds)
 
 
 @njit
@@ -192,20 +192,10 @@ def test_convolutions_in_chunks_of_output_rows(options, kernel, epilogue, monkey
     monkeypatch.setattr(cpu_conv, "IMPLICIT_MIN_LANE_SHARE", 0)
     width = 11 + 2 if kernel == 3 else 11  # (a phase plane's, with the padding)
     monkeypatch.setattr(cpu_conv, "OUT_CHUNK_BYTES", 8 * width * 4 * 2)  # 2 rows
-    attrs = {"stride": [1, 1], "pad": [kernel // 2] * 2}
-    x_shape, w_shape = (2, 4, 9, 11), (8, 4, kernel, kernel)
-    if epilogue is None:
-        rng = np.random.default_rng(4)
-        x, w = random_array(rng, x_shape, DType.f32), random_array(rng, w_shape, DType.f32)
-        source = cpu.render(one_node("conv2d", [x, w], attrs), options)
-        assert "rows_at_once = max(1, " in source
-        assert ("offsets.ctypes" in source) == (kernel == 3)
-        check("conv2d", [x, w], attrs, options)
-        return
-    graph, node = conv_with_epilogue(x_shape, w_shape, attrs, epilogue == "bias",
-                                     epilogue == "exported")
-    assert "rows_at_once = max(1, " in cpu.render(node, options)
-    check_fused(graph, node, _inputs(graph, 4), options)
+    source = check_conv_in_chunks((2, 4, 9, 11), (8, 4, kernel, kernel),
+                                  {"stride": [1, 1], "pad": [kernel // 2] * 2}, epilogue,
+                                  options)
+    assert ("offsets.ctypes" in source) == (kernel == 3)
 
 
 @pytest.mark.slow  # a Numba compile per case
