@@ -168,16 +168,17 @@ def test_random_convolutions_through_the_tiled_gemm_agree(problem, seed, options
                                                           everywhere, monkeypatch):
     """Small random convolutions, ``everywhere`` implicit (but for 1x1 kernels) however
     few their im2col rows and however wide their phase planes."""
-    if everywhere:
-        monkeypatch.setattr(cpu_conv, "IMPLICIT_MIN_DEPTH", 0)
-        monkeypatch.setattr(cpu_conv, "IMPLICIT_MIN_LANE_SHARE", 0)
     x_shape, w_shape, attrs = problem
     rng = np.random.default_rng(seed)
     x, w = random_array(rng, x_shape, DType.f32), random_array(rng, w_shape, DType.f32)
-    source = cpu.render(one_node("conv2d", [x, w], attrs), options)
-    assert ("offsets.ctypes" in source) == (everywhere and w_shape[2:] != (1, 1))
-    check("conv2d", [x, w], attrs, options)
-    check_conv_gradients(rng, x_shape, w_shape, attrs, DType.f32, options)
+    with monkeypatch.context() as patch:  # (the fixture outlives the example)
+        if everywhere:
+            patch.setattr(cpu_conv, "IMPLICIT_MIN_DEPTH", 0)
+            patch.setattr(cpu_conv, "IMPLICIT_MIN_LANE_SHARE", 0)
+        source = cpu.render(one_node("conv2d", [x, w], attrs), options)
+        assert ("offsets.ctypes" in source) == (everywhere and w_shape[2:] != (1, 1))
+        check("conv2d", [x, w], attrs, options)
+        check_conv_gradients(rng, x_shape, w_shape, attrs, DType.f32, options)
 
 
 @pytest.mark.slow  # a Numba compile per case
