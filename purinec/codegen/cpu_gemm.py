@@ -32,7 +32,7 @@ The kernel cache keys kernels by this file's text too (`purinec.codegen.cache`).
 
 from __future__ import annotations
 
-import functools
+import threading
 from typing import Callable
 
 import llvmlite.binding as llvm
@@ -267,11 +267,19 @@ def lanes(n: int) -> int:
 _EXTERNAL = types.ExternalFunction("purinec_tiled_sgemm", SIGNATURE)
 
 
-@functools.cache
+_compiling = threading.Lock()
+_compiled_code = None
+
+
 def _compiled():
-    compiled = cfunc(SIGNATURE, cache=True)(_tiled_sgemm)
-    llvm.add_symbol("purinec_tiled_sgemm", compiled.address)
-    return compiled
+    """The compiled `_tiled_sgemm`, made once per process, however many threads ask
+    at once: the symbol must lead to code that stays alive."""
+    global _compiled_code
+    with _compiling:
+        if _compiled_code is None:
+            _compiled_code = cfunc(SIGNATURE, cache=True)(_tiled_sgemm)
+            llvm.add_symbol("purinec_tiled_sgemm", _compiled_code.address)
+        return _compiled_code
 
 
 def __getattr__(name: str):
