@@ -55,14 +55,18 @@ def _tiled(m: KernelModule, node: Node, trans_a=False, trans_b=False) -> bool:
 
 
 def _gemm(m: KernelModule, node: Node, a: str, b: str, c: str, rows, cols, inner,
-          lda, ldb, ldc, beta: int = 0, trans_a=False, trans_b=False) -> None:
+          lda, ldb, ldc, beta: int = 0, trans_a=False, trans_b=False,
+          b_rows: str | None = None) -> None:
     """Row-major ``c[rows, cols] = op(a) @ op(b) + beta * c`` in one call: of
-    `tiled_sgemm` where `_tiled`, else of CBLAS."""
+    `tiled_sgemm` where `_tiled`, else of CBLAS. With ``b_rows`` (`_tiled` only), an
+    int64 array: row ``r`` of ``b`` begins ``b_rows[r]`` elements after ``b``."""
     if _tiled(m, node, trans_a, trans_b):
         m.import_line("from purinec.codegen.cpu_gemm import tiled_sgemm")
+        rows_at = f"{b_rows}.ctypes.data" if b_rows else "0"
         m.body.line(f"tiled_sgemm({rows}, {cols}, {inner}, {a}.ctypes.data, {lda}, "
-                    f"{b}.ctypes.data, {ldb}, 0, {c}.ctypes.data, {ldc}, {beta})")
+                    f"{b}.ctypes.data, {ldb}, {rows_at}, {c}.ctypes.data, {ldc}, {beta})")
         return
+    assert b_rows is None, "rows of b at offsets are for tiled_sgemm only"
     dtype = node.outputs[0].type.dtype
     fn = "sgemm" if dtype is DType.f32 else "dgemm"
     m.import_line(f"from purinec.codegen.cpu_runtime import {fn}")
@@ -586,15 +590,14 @@ def _implicit_product(m: KernelModule, node: Node, g: _Conv, weights: str, og, i
     `tiled_sgemm` of ``weights`` by the im2col matrix read from the phase planes at
     ``offsets`` into ``sums``, whose ``ow`` valid columns of each row are then copied
     out."""
-    b, (_, width) = m.body, _plane_shape(g)
-    m.import_line("from purinec.codegen.cpu_gemm import tiled_sgemm")
+    b, (plane_rows, width) = m.body, _plane_shape(g)
     o, p = m.fresh("o"), m.fresh("p")
     lo, hi = rows if rows[0] != "0" else ("0", str(g.oh))
     count = g.oh if rows[0] == "0" else f"{hi} - {lo}"
-    start = "" if lo == "0" else f" + {lo} * {width * 4}"
-    b.line(f"tiled_sgemm({og}, {_times(f'({count})', width)}, {g.K}, {weights}.ctypes.data, "
-           f"{g.K}, planes.ctypes.data{start}, 0, offsets.ctypes.data, sums.ctypes.data, "
-           f"sums.shape[1], 0)")
+    flat = m.view("planes", (g.cg * g.sh * g.sw * plane_rows * width,))
+    planes = flat if lo == "0" else f"{flat}[{_times(lo, width)}:]"
+    _gemm(m, node, weights, planes, "sums", og, _times(f"({count})", width), g.K, g.K, 0,
+          "sums.shape[1]", b_rows="offsets")
     channel = o if o_first == "0" else f"{o_first} + {o}"
     with b.block(f"for {o} in range({og}):"), b.block(f"for {p} in range({count}):"):
         row = p if lo == "0" else f"({lo} + {p})"

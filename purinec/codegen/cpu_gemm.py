@@ -17,7 +17,7 @@ The rows of ``b`` may also lie anywhere, at offsets given by an array: implicit
 convolutions (`purinec.codegen.cpu_conv._implicit`) read their im2col matrix that way
 from the padded image itself.
 
-The tile's inner loop is written in LLVM IR (`_tile`) rather than left to LLVM's loop
+The tile's inner loop is written in LLVM IR (`_TileCode`) rather than left to LLVM's loop
 vectorizer, which keeps accumulators in registers only when it sees the whole tile:
 ``MR`` rows of ``c`` times ``nv`` vectors of its columns, all in registers across
 the k loop, with the last vector masked where the tile is narrower than its vectors.
@@ -39,9 +39,9 @@ import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import cfunc, types
 from numba.core import cgutils
-from numba.core.extending import intrinsic
+from numba.core.extending import intrinsic, register_jitable
 
-from purinec.codegen.cpu_runtime import cpu_features
+from purinec.codegen.cpu_runtime import has_avx512
 
 I1, I32, I64, F32 = ir.IntType(1), ir.IntType(32), ir.IntType(64), ir.FloatType()
 
@@ -49,7 +49,7 @@ I1, I32, I64, F32 = ir.IntType(1), ir.IntType(32), ir.IntType(64), ir.FloatType(
 # columns (64 KB of f32 with AVX-512), which the tiles of every row block then share.
 KC = 256
 
-VW = 16 if "+avx512f" in cpu_features() else 8  # f32 lanes of a vector register
+VW = 16 if has_avx512() else 8  # f32 lanes of a vector register
 MR, NV = (4, 4) if VW == 16 else (6, 2)  # a tile: MR rows of c by NV vectors
 # The last tile of a row of tiles takes up to NV + 1 vectors where that leaves no tile
 # of a few columns (a 196-pixel product 64 + 64 + 68 rather than 64 + 64 + 64 + 4: a
@@ -195,24 +195,31 @@ class _TileCode:
                         builder.call(self.masked_store, [sums[i][v], pointer, four, mask])
 
 
-def _tile(nv: int):
-    """The intrinsic for tiles of up to ``nv`` vectors of columns."""
+@intrinsic
+def _tile(typingctx, vectors, a, lda, b, ldb, b_rows, c, ldc, rows, cols, depth, accumulate):
+    """One tile (`_TileCode`) of ``vectors`` vectors of columns, 1 to `NV_LAST`."""
+    signature = types.void(*[types.int64] * 11, types.boolean)
 
-    @intrinsic
-    def tile(typingctx, a, lda, b, ldb, b_rows, c, ldc, rows, cols, depth, accumulate):
-        signature = types.void(*[types.int64] * 10, types.boolean)
+    def codegen(context, builder, sig, args):
+        done = builder.append_basic_block("tile_done")
+        switch = builder.switch(args[0], done)
+        for nv in range(1, NV_LAST + 1):
+            case = builder.append_basic_block(f"tile_{nv}")
+            switch.add_case(ir.Constant(I64, nv), case)
+            builder.position_at_end(case)
+            _TileCode(builder, nv, args[1:]).emit()
+            builder.branch(done)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
 
-        def codegen(context, builder, sig, args):
-            _TileCode(builder, nv, args).emit()
-            return context.get_dummy_value()
-
-        return signature, codegen
-
-    return tile
+    return signature, codegen
 
 
-# (with NV 2, tiles of 3 and more vectors are never asked for)
-_tile_1, _tile_2, _tile_3, _tile_4, _tile_5 = (_tile(min(nv, NV_LAST)) for nv in range(1, 6))
+@register_jitable
+def _tile_columns(left: int) -> int:
+    """The columns of the next tile of a row of tiles with ``left`` columns to go:
+    `NW`, or all of them where one tile of `NV_LAST` vectors takes them."""
+    return left if left <= NV_LAST * VW else NW
 
 
 # (m, n, k, a, lda, b, ldb, b_rows, c, ldc, beta): sizes and leading dimensions in
@@ -229,23 +236,15 @@ def _tiled_sgemm(m, n, k, a, lda, b, ldb, b_rows, c, ldc, beta):
         pass_rows = b_rows + 8 * k0 if b_rows else 0
         n0 = 0
         while n0 < n:
-            cols = n - n0 if n - n0 <= NV_LAST * VW else NW
+            cols = _tile_columns(n - n0)
             vectors = (cols + VW - 1) // VW
             pb = b + 4 * (n0 if b_rows else k0 * ldb + n0)
             for m0 in range(0, m, MR):
                 rows = min(MR, m - m0)
                 pa = a + 4 * (m0 * lda + k0)
                 pc = c + 4 * (m0 * ldc + n0)
-                if vectors == 5:
-                    _tile_5(pa, lda, pb, ldb, pass_rows, pc, ldc, rows, cols, depth, accumulate)
-                elif vectors == 4:
-                    _tile_4(pa, lda, pb, ldb, pass_rows, pc, ldc, rows, cols, depth, accumulate)
-                elif vectors == 3:
-                    _tile_3(pa, lda, pb, ldb, pass_rows, pc, ldc, rows, cols, depth, accumulate)
-                elif vectors == 2:
-                    _tile_2(pa, lda, pb, ldb, pass_rows, pc, ldc, rows, cols, depth, accumulate)
-                else:
-                    _tile_1(pa, lda, pb, ldb, pass_rows, pc, ldc, rows, cols, depth, accumulate)
+                _tile(vectors, pa, lda, pb, ldb, pass_rows, pc, ldc, rows, cols, depth,
+                      accumulate)
             n0 += cols
 
 
@@ -254,7 +253,7 @@ def lanes(n: int) -> int:
     ones included (as `_tiled_sgemm` cuts them)."""
     total = 0
     while n > 0:
-        cols = n if n <= NV_LAST * VW else NW
+        cols = _tile_columns(n)
         total += -(-cols // VW) * VW
         n -= cols
     return total

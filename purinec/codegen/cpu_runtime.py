@@ -278,6 +278,11 @@ def cpu_features() -> list[str]:
     return (config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()).split(",")
 
 
+def has_avx512() -> bool:
+    """Whether the CPU Numba compiles for has AVX-512 (its foundation)."""
+    return "+avx512f" in cpu_features()
+
+
 def tiled_gemm_wanted() -> bool:
     """Whether kernels should multiply f32 operands with
     `purinec.codegen.cpu_gemm.tiled_sgemm` rather than the BLAS: where the CPU has
@@ -285,7 +290,8 @@ def tiled_gemm_wanted() -> bool:
     choice = os.environ.get(GEMM_ENV, "").strip().lower()
     if choice not in ("", "auto", "blas", "tiled"):
         raise PurinecError(f"{GEMM_ENV}={choice!r}: give blas, tiled or auto")
-    return choice == "tiled" or (choice != "blas" and "+avx512f" in cpu_features())
+    return choice == "tiled" or (choice != "blas" and has_avx512())
+
 
 _settings = threading.local()
 _lock = threading.Lock()
