@@ -9,7 +9,7 @@
   1x1 convolutions with stride 1 and no padding skip im2col: the image is the matrix.
   With stride 1 along rows and enough input channels, one GEMM per kernel row over a
   matrix ``kh`` times smaller than im2col's (see `_by_kernel_rows`). Groups of few
-  channels (depthwise) are a direct loop nest instead (`_direct`), over flat padded
+  channels (depthwise) are a direct loop nest instead (`_direct`), over flat phase
   planes where rows are narrow (`_direct_conv_flat`) and over column phases where a
   column stride would make the loop along a row read every other column
   (`_column_phases`). Threads split the images' output rows (`_image_rows`), so one
@@ -261,16 +261,13 @@ def _times(var: str, factor: int) -> str:
     return var if factor == 1 else f"{var} * {factor}"
 
 
-def _padded_scratch(m: KernelModule, node: Node, g: _Conv, spare_row: bool = False,
-                    phased: bool = False) -> None:
+def _padded_scratch(m: KernelModule, node: Node, g: _Conv, phased: bool = False) -> None:
     """``xpad``: one group of one image with its zero border, for convolutions with
-    padding; with a ``spare_row`` of zeros under each plane (`_direct_conv_flat` reads
-    past a plane's last row); ``phased``, each row split by column phase,
+    padding; ``phased``, each row split by column phase,
     ``xpad[c, row, column % sw, column // sw]`` (`_column_phases`), padding or not.
     The border is zeroed once here and never written again."""
     if phased or g.padded:
-        shape = ((g.cg, g.hp, g.sw, -(-g.wp // g.sw)) if phased
-                 else (g.cg, g.hp + spare_row, g.wp))
+        shape = (g.cg, g.hp, g.sw, -(-g.wp // g.sw)) if phased else (g.cg, g.hp, g.wp)
         m.body.lines(m.filled("xpad", shape, dtype_name(node), "0"))
 
 
@@ -282,7 +279,7 @@ def _column_phases(m: KernelModule, g: _Conv) -> bool:
     process, alternating, Zen 4, ms, rows against phases: batch 32, 96 channels of
     112x112 12.1 against 8.2, 144 of 56x56 4.5 against 4.0; but 192 of 28x28 (rows of
     14) 2.9 against 3.6, 576 of 14x14 1.9 against 2.6; alike at batch 1."""
-    return _direct(m, g) and g.sw > 1 and g.ow >= VECTOR
+    return _direct(m, g) and g.sw > 1 and g.ow >= VECTOR and not _flat_planes(g)
 
 
 def copy_into_phases(m: KernelModule, dst: Callable[[int, str], str],
@@ -444,10 +441,11 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
         b.line(f"y_img = {m.empty((g.cout, g.P), dtype_name(node))}")
     else:
         b.line(f"y_mat = {m.view(y, (g.n, g.cout, g.P))}")
-    if direct:
-        _padded_scratch(m, node, g, spare_row=flat, phased=phased)
-        if flat:
-            b.line(f"sums = {m.empty((g.oh * g.wp,), dtype_name(node))}")
+    if flat:
+        _planes_scratch(m, node, g)
+        b.line(f"sums = {m.empty((g.oh * _plane_shape(g)[1],), dtype_name(node))}")
+    elif direct:
+        _padded_scratch(m, node, g, phased=phased)
     elif g.pointwise:
         b.line(f"x_mat = {m.view(x, (g.n, g.c, g.P))}")
     elif implicit:
@@ -471,7 +469,7 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
                 f0, f1 = filters
                 out, weights, og = f"{image}[{f0}:{f1}]", f"{w_mat}[{f0}:{f1}]", f"{f1} - {f0}"
             if flat:
-                _pad_image(m, g, x, n, c0, rows)
+                _fill_phase_planes(m, g, x, n, c0, rows)
                 _direct_conv_flat(m, node, g, w_mat, image, o0, rows)
             elif implicit:
                 _fill_phase_planes(m, g, x, n, c0, rows)
@@ -543,14 +541,21 @@ def _plane_shape(g: _Conv) -> tuple[int, int]:
     return -(-g.hp // g.sh) + 1, -(-g.wp // g.sw)
 
 
+def _planes_scratch(m: KernelModule, node: Node, g: _Conv) -> None:
+    """``planes``: one group of one image in phase planes, zero where
+    `_fill_phase_planes` writes nothing (the border, the spare row)."""
+    rows, width = _plane_shape(g)
+    m.body.lines(m.filled("planes", (g.cg, g.sh, g.sw, rows, width), dtype_name(node), "0"))
+
+
 def _phase_planes(m: KernelModule, node: Node, g: _Conv, rows_at_once: int | str
                   ) -> None:
-    """The scratch of an implicit convolution: ``planes`` (one group of one image,
-    zero where `_fill_phase_planes` writes nothing), ``offsets``, where each row
-    ``(c*kh + i)*kw + j`` of the im2col matrix begins in it, and ``sums``, the product
-    of ``rows_at_once`` output rows at most (`_implicit_product`)."""
+    """The scratch of an implicit convolution: ``planes`` (`_planes_scratch`),
+    ``offsets``, where each row ``(c*kh + i)*kw + j`` of the im2col matrix begins in
+    it, and ``sums``, the product of ``rows_at_once`` output rows at most
+    (`_implicit_product`)."""
     b, (rows, width) = m.body, _plane_shape(g)
-    m.body.lines(m.filled("planes", (g.cg, g.sh, g.sw, rows, width), dtype_name(node), "0"))
+    _planes_scratch(m, node, g)
     b.line(f"offsets = {m.empty((g.K,), 'np.int64')}")
     c, i, j = m.fresh("c"), m.fresh("i"), m.fresh("j")
     plane = rows * width
@@ -820,47 +825,60 @@ def _direct_conv(m: KernelModule, node: Node, g: _Conv, image: str, w_mat: str, 
             b.line(f"{y_row}[{q}] = {total}")
 
 
-# Direct convolutions with stride 1 and rows narrower than this run over flat padded
-# planes (`_direct_conv_flat`). Depthwise 3x3 on the 2-core Zen 4, batch 1, kernel
-# alone (us, the nest against flat planes): 960 channels of 7x7 144 against 54, 576 of
-# 14x14 225 against 95, 192 of 28x28 186 against 170, 144 of 56x56 267 against 224; 32
-# of 112x112 131 against 148, where a row is long enough to vectorize well.
+# Direct convolutions with rows narrower than this run over flat phase planes
+# (`_direct_conv_flat`), but not those of stride 1 without padding (each of their rows
+# is read where it lies). Depthwise 3x3 on the 2-core Zen 4, batch 1, kernel alone (us,
+# the nest against flat planes): 960 channels of 7x7 144 against 54, 576 of 14x14 225
+# against 95, 192 of 28x28 186 against 170, 144 of 56x56 267 against 224; 32 of
+# 112x112 131 against 148, where a row is long enough to vectorize well.
 FLAT_PLANES_MAX_WIDTH = 64
+# Strided ones (stride 2, both ways) only with rows narrower than this: 576 channels of
+# 14x14 108 against 85 us, 192 of 28x28 229 against 192; 144 of 56x56 200 against 207
+# (`_column_phases`, rows of 28), 96 of 112x112 357 against 421.
+FLAT_STRIDED_MAX_WIDTH = VECTOR
 
 
 def _flat_planes(g: _Conv) -> bool:
-    """Whether a direct convolution runs over flat padded planes (`_direct_conv_flat`):
-    stride 1, padded, and output rows narrower than `FLAT_PLANES_MAX_WIDTH`."""
-    return (g.sh, g.sw) == (1, 1) and g.padded and g.ow < FLAT_PLANES_MAX_WIDTH
+    """Whether a direct convolution runs over flat phase planes (`_direct_conv_flat`):
+    with stride 1, padded and with output rows narrower than `FLAT_PLANES_MAX_WIDTH`;
+    strided, with rows of less than a vector (`FLAT_STRIDED_MAX_WIDTH`)."""
+    if (g.sh, g.sw) == (1, 1):
+        return g.padded and g.ow < FLAT_PLANES_MAX_WIDTH
+    return g.ow < FLAT_STRIDED_MAX_WIDTH
 
 
 def _direct_conv_flat(m: KernelModule, node: Node, g: _Conv, w_mat: str, y_img: str,
                       o0: str, rows: tuple[str, str]) -> None:
-    """`_direct_conv` for stride 1, as one loop over the output rows ``rows`` of a
-    plane laid out as wide as the padded image: ``sums[k] = sum over taps of w *
-    xpad[c].flat[k + (i*dh)*Wp + j*dw]`` with ``k = p*Wp + q``, a contiguous run LLVM
-    vectorizes whatever the width (the nest vectorizes along a row of ``ow`` pixels
-    only: scalar for a 7- or 14-pixel row), computing ``Wp - ow`` columns of nothing
-    per row (reading into the next row and, for the last, the spare row of zeros
-    `_padded_scratch` adds); then each row's ``ow`` pixels into ``y``."""
-    b, width = m.body, g.wp
+    """`_direct_conv` as one loop over the output rows ``rows`` laid out as wide as a
+    phase plane (`_phase_planes`, ``Wq`` wide): ``sums[k]`` for ``k = p*Wq + q`` sums
+    over the taps ``w * planes[c, i*dh % sh, j*dw % sw].flat[k + (i*dh // sh)*Wq +
+    j*dw // sw]``, a contiguous run LLVM vectorizes whatever the width or stride (the
+    nest vectorizes along a row of ``ow`` pixels only: scalar for a 7- or 14-pixel row,
+    strided loads for a strided one), computing ``Wq - ow`` columns of nothing per row
+    (reading into the next row and, for the last, the spare row of zeros); then each
+    row's ``ow`` pixels into ``y``."""
+    b, (plane_rows, width) = m.body, _plane_shape(g)
     o, k, p = m.fresh("o"), m.fresh("k"), m.fresh("p")
     span, first = _row_span(g, rows)
-    start = "0" if rows[0] == "0" else f"{rows[0]} * {width}"
-    planes = m.view("xpad", (g.cg, (g.hp + 1) * width))  # (and the spare row)
-    sources = [m.fresh(f"plane{c}") for c in range(g.cg)]
-    for c, source in enumerate(sources):
-        b.line(f"{source} = {planes}[{c}, {start}:]" if start != "0" else
-               f"{source} = {planes}[{c}]")
-    channel = o if o0 == "0" else f"{o0} + {o}"
+    start = "" if rows[0] == "0" else f", {rows[0]} * {width}:"
+    planes = m.view("planes", (g.cg, g.sh, g.sw, plane_rows * width))
     taps = [(c, i, j) for c in range(g.cg) for i in range(g.kh) for j in range(g.kw)]
+
+    def plane(c: int, i: int, j: int) -> tuple[int, int, int]:
+        return c, i * g.dh % g.sh, j * g.dw % g.sw
+
+    sources = {key: m.fresh("plane") for key in sorted({plane(*tap) for tap in taps})}
+    for key, source in sources.items():
+        b.line(f"{source} = {planes}[{', '.join(map(str, key))}{start}]")
+    channel = o if o0 == "0" else f"{o0} + {o}"
     weights = [m.fresh("w") for _ in taps]
     total = m.fresh("total")
     with b.block(f"for {o} in range({g.og}):"):
         for weight, (c, i, j) in zip(weights, taps):
             b.line(f"{weight} = {w_mat}[{channel}, {(c * g.kh + i) * g.kw + j}]")
         with b.block(f"for {k} in range(({span}) * {width}):"):
-            terms = [f"{weight} * {sources[c]}[{affine(k, 1, i * g.dh * width + j * g.dw)}]"
+            terms = [f"{weight} * {sources[plane(c, i, j)]}"
+                     f"[{affine(k, 1, i * g.dh // g.sh * width + j * g.dw // g.sw)}]"
                      for weight, (c, i, j) in zip(weights, taps)]
             b.line(f"{total} = {terms[0]}")
             for term in terms[1:]:

@@ -742,10 +742,15 @@ def test_conv_by_kernel_rows_agrees(x_shape, w_shape, attrs, options):
     # dilated, padded unevenly: taps dh rows apart, reads past a row's end
     ((2, 4, 8, 9), (8, 1, 3, 5), {"pad": [2, 1, 0, 3], "groups": 4, "dilation": [2, 1]}),
     ((3, 2, 6, 6), (4, 1, 3, 3), {"pad": [1, 1], "groups": 2}),
+    # strided: the taps read four phase planes (two, or three) at their offsets
+    ((2, 6, 14, 14), (6, 1, 3, 3), {"stride": [2, 2], "pad": [1, 1], "groups": 6}),
+    ((1, 4, 9, 11), (8, 2, 3, 3), {"stride": [2, 1], "pad": [1, 0, 2, 1], "groups": 2}),
+    ((2, 3, 8, 13), (6, 1, 2, 3), {"stride": [1, 3], "groups": 3, "dilation": [2, 2]}),
+    ((1, 2, 7, 7), (2, 1, 3, 3), {"stride": [3, 2], "pad": [2, 2], "groups": 2}),
 ])
 @pytest.mark.parametrize("options", OPTIONS)
 def test_direct_convolutions_over_flat_planes_agree(x_shape, w_shape, attrs, options):
-    """Stride 1, padded, narrow rows: one loop over a block's rows of the padded plane
+    """Narrow rows, padded or strided: one loop over a block's rows of the phase planes
     (`cpu_conv._direct_conv_flat`), whose extra columns read into the next row and
     the spare one, then each row's pixels out; and the gradients."""
     rng = np.random.default_rng(9)
