@@ -107,6 +107,7 @@ def _dump_model(args, makedirs: Callable[[str], None]) -> int:
     """The IR of a model after the stages asked for, and its kernels."""
     from purinec.compiler import build_graph, check_differentiable, load_source
     from purinec.layout import parallel_plan, warn_if_idle
+    from purinec.program import step_graph
 
     train = sgd(args) if args.train else None
     source = load_source(args.model, args.batch, **model_kwargs(args))
@@ -194,7 +195,8 @@ def _dump_model(args, makedirs: Callable[[str], None]) -> int:
         warn_if_idle(spread, graph)
     if spread is not None:
         before_fuse[:] = []
-        graph = pipeline.run_physical(graph, _fuse_input(show, before_fuse))
+        steps = step_graph(graph) if train is not None else graph  # as `Program` runs it
+        graph = pipeline.run_physical(steps, _fuse_input(show, before_fuse))
     if "kernels" in wanted:
         _dump_kernels(graph, args, emit)
     for path in written:

@@ -47,6 +47,14 @@ def dce(graph: Graph) -> Graph:
     return new
 
 
+def keep_outputs(graph: Graph, keep) -> Graph:
+    """``graph`` returning only the outputs ``keep(name, value)`` accepts, without the
+    nodes that served only the others (`dce`)."""
+    new = graph.clone()
+    new.set_outputs([(name, v) for name, v in new.outputs if keep(name, v)])
+    return dce(new)
+
+
 def _freeze(value):
     return tuple(value) if isinstance(value, list) else value
 

@@ -570,6 +570,14 @@ def test_dump_parallel_stages_explain_each_collective(capsys):
     parsed = parse(physical.stdout)
     assert {str(n.device) for n in parsed.nodes} == {"cpu:0", "cpu:1"}
     assert any(n.op == "allgather" and len(n.inputs) == 2 for n in parsed.nodes)
+    # What a training step runs: the inference graph gives the logits, a step does not
+    # gather them.
+    step = purinec_here(capsys, "dump", "lenet", "--train", "--batch", "8", "--target",
+                        "reference", "--devices", "2", "--stage", "partition")
+    assert step.returncode == 0, step.stderr
+    parsed = parse(step.stdout)
+    assert not any(n.op == "allgather" for n in parsed.nodes)
+    assert not any(name.startswith("logits") for name, _ in parsed.outputs)
 
 
 def test_dump_parameter_servers_explains_each_reduce_and_broadcast(capsys):

@@ -621,6 +621,49 @@ def test_data_parallelism_communicates_only_gradients_and_outputs(model, batch):
     assert {f"grad.{v.name}" for v in logical.inputs if v.role == "param"} <= reduced
 
 
+@pytest.mark.parametrize("strategy", ["data", "ps", "hybrid", "pipeline"])
+def test_a_training_step_gathers_no_batch_sized_output(strategy):
+    """The logical training iteration returns the logits (gathered from the devices),
+    but a step runs it without them: it returns the loss and keeps the new weights
+    (every gather left feeds a computation: hybrid's model-parallel layers), and the
+    program's inference graph gives the logits."""
+    program = purinec.compile("lenet", batch=6, seed=2, train=SGD, devices=2,
+                              parallel=strategy)
+    assert "logits" in dict(program.ir.outputs)
+    runs = program.physical_ir
+    assert not [n for n, _ in runs.outputs if n.startswith("logits")]
+    readers = runs.users()
+    assert all(readers.get(v) for n in runs.nodes if n.op == "allgather" for v in n.outputs)
+    returned = {n.split(".p")[0] for n, _ in runs.outputs}
+    assert {"loss", "accuracy", "ip2.weight", "ip2.weight.history"} <= returned
+    one = purinec.compile("lenet", batch=6, seed=2, train=SGD)
+    feeds = _feeds(one.ir, np.random.default_rng(0))
+    for _ in range(2):
+        assert program.step(feeds) == pytest.approx(one.step(feeds), rel=1e-5)
+    assert program.last_outputs["accuracy"] == one.last_outputs["accuracy"]
+    images = {"data": feeds["data"]}
+    np.testing.assert_allclose(program.run(images)["logits"], one.run(images)["logits"],
+                               rtol=1e-5, atol=1e-5)
+    program.close()
+
+
+def test_a_training_iteration_from_a_file_keeps_its_outputs(tmp_path):
+    """A training iteration compiled as it is (a .pir file) is its program's inference
+    graph too: its steps keep the logits, which `run` reads."""
+    from purinec.compiler import build_graph, load_source
+
+    logical = build_graph(load_source("lenet", 6), SGD,
+                          parallel=Parallel(parse_devices("cpu:0,cpu:1")))
+    path = tmp_path / "lenet.train.pir"
+    path.write_text(str(logical))
+    program = purinec.compile(str(path))
+    assert program.eval_ir is program.ir
+    assert any(n.startswith("logits") for n, _ in program.physical_ir.outputs)
+    feeds = _feeds(program.ir, np.random.default_rng(0))
+    assert program.run(feeds)["logits"].shape == (6, 10)
+    program.close()
+
+
 def test_parallel_options_are_checked():
     with pytest.raises(PurinecError, match="unknown parallel strategy"):
         Parallel(parse_devices("2"), "sideways")
