@@ -55,6 +55,39 @@ def keep_outputs(graph: Graph, keep) -> Graph:
     return dce(new)
 
 
+def split_fixed_part(graph: Graph) -> tuple[Graph, Graph] | None:
+    """``graph`` cut in two: the nodes that read parameters and state alone, however
+    indirectly (a batch norm's ``gamma / sqrt(var + eps)``), as a graph of their own
+    returning what the others read; and the others, reading those values as data
+    inputs of the same names. None where no node reads only parameters and state.
+    Their results change only when the weights do, so a program that runs inference
+    again and again need not recompute them at every call."""
+    fixed = set(graph.inputs_with_role("param", "state"))
+    part = []
+    for node in graph.nodes:
+        if node.inputs and all(v in fixed for v in node.inputs):
+            part.append(node)
+            fixed.update(node.outputs)
+    if not part:
+        return None
+    in_part = {id(node) for node in part}
+    others = [node for node in graph.nodes if id(node) not in in_part]
+    read = {v for node in others for v in node.inputs} | {v for _, v in graph.outputs}
+    made = [v for node in part for v in node.outputs if v in read]
+    first = Graph(f"{graph.name}.fixed")
+    mapping = {v: first.add_input(v.name, v.type, v.device, v.role, v.dist, v.init)
+               for v in graph.inputs if v in {u for node in part for u in node.inputs}}
+    first.nodes = [first._copy_node(node, mapping) for node in part]
+    first.set_outputs((v.name, mapping[v]) for v in made)
+    rest = Graph(graph.name)
+    mapping = {v: rest.add_input(v.name, v.type, v.device, v.role, v.dist, v.init)
+               for v in graph.inputs}
+    mapping.update((v, rest.add_input(v.name, v.type, v.device)) for v in made)
+    rest.nodes = [rest._copy_node(node, mapping) for node in others]
+    rest.set_outputs((name, mapping[v]) for name, v in graph.outputs)
+    return first, rest
+
+
 def _freeze(value):
     return tuple(value) if isinstance(value, list) else value
 

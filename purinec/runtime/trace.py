@@ -39,6 +39,12 @@ class Trace:
         self.calls = 0
         self.origin = time.perf_counter()
 
+    def opening(self) -> "Trace":
+        """What an executable that runs at the start of another's call records into:
+        this trace, as part of that call, beginning none of its own (`Program`'s
+        cached part of an inference graph, run again after the weights changed)."""
+        return _Opening(self)
+
     # -- Chrome trace events ----------------------------------------------------------
 
     def events(self, origin: float | None = None) -> list[dict]:
@@ -148,3 +154,17 @@ class TraceSummary:
             share = seconds / self.span if self.span else 0.0
             lines.append(f"  {lane}: busy {seconds * 1e3:.3f} ms ({share:.0%} of the span)")
         return "\n".join(lines)
+
+
+class _Opening(Trace):
+    """`Trace.opening`'s view of ``trace``: calls begin nothing, records go to the call
+    about to begin."""
+
+    def __init__(self, trace: Trace):
+        self.trace = trace
+
+    def begin_call(self) -> None:
+        pass
+
+    def record(self, task, lane: Lane, start: float, end: float) -> None:
+        self.trace.records.append((task, lane, start, end, self.trace.calls))

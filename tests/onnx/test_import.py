@@ -71,6 +71,52 @@ def test_a_small_cnn_equals_onnxruntime_at_the_batch_asked_for(tmp_path, target)
                                rtol=1e-5, atol=1e-6)
 
 
+def with_weights(proto, tmp_path, weights: dict, name: str) -> str:
+    """``proto`` saved with the initializers in ``weights`` replaced."""
+    new = onnx.ModelProto()
+    new.CopyFrom(proto)
+    for i, tensor in enumerate(new.graph.initializer):
+        if tensor.name in weights:
+            new.graph.initializer[i].CopyFrom(numpy_helper.from_array(
+                np.asarray(weights[tensor.name], np.float32), tensor.name))
+    return save(new, tmp_path, name)
+
+
+def test_what_reads_the_weights_alone_runs_again_only_after_they_change(tmp_path):
+    """Batch norm's ``scale / sqrt(var + eps)`` reads parameters and state alone: an
+    inference run computes it at the first call and again only after an assignment or
+    a training step changed the weights, each time equal to onnxruntime's with those
+    weights (a trace counts the tasks of each call)."""
+    from purinec.runtime.trace import Trace
+
+    rng = np.random.default_rng(3)
+    proto = small_cnn(rng)
+    path = save(proto, tmp_path)
+    x = rng.standard_normal((2, 3, 9, 9)).astype(np.float32)
+    trace = Trace()
+
+    def check(weights: dict, name: str) -> int:
+        """The run's result against onnxruntime's; how many tasks it ran."""
+        trace.clear()
+        got = program.run({"input": x})["prob"]
+        tasks = len(trace.records)
+        reference = onnxruntime(with_weights(proto, tmp_path, weights, name), {"input": x})
+        np.testing.assert_allclose(got, reference["prob"], rtol=1e-5, atol=1e-6)
+        return tasks
+
+    with purinec.compile(path, target="cpu", batch=2, trace=trace,
+                         train=purinec.SGD(lr=0.1)) as program:
+        first = check({}, "same.onnx")
+        assert trace.calls == 1  # (the cached part's tasks are that call's)
+        again = check({}, "same.onnx")
+        assert first > again
+        program.state["bn.var"] = rng.uniform(0.5, 1.5, 4)
+        assert check({"bn.var": program.state["bn.var"]}, "var.onnx") == first
+        program.step({"input": x, "label": np.array([1, 4], np.int32)})
+        assert check({**program.params, **program.state}, "trained.onnx") == first
+        assert check({**program.params, **program.state}, "trained.onnx") == again
+
+
 def test_initializers_become_parameters_and_running_statistics_state(tmp_path):
     rng = np.random.default_rng(1)
     proto = small_cnn(rng)
