@@ -438,11 +438,17 @@ class _WeightsCached:
     def __init__(self, fixed, rest, fixed_inputs: list[str]):
         self.fixed, self.rest, self.fixed_inputs = fixed, rest, fixed_inputs
         self.results: dict[str, np.ndarray] | None = None
+        self.owners: set[int] = set()  # of the results' memory
 
     def __call__(self, env: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self.results is None:
             self.results = self.fixed({name: env[name] for name in self.fixed_inputs})
-        return self.rest({**env, **self.results})
+            self.owners = {id(_owner(array)) for array in self.results.values()}
+        outputs = self.rest({**env, **self.results})
+        # An output that is a result, or a view of one (a target may return an input
+        # as it is), is the caller's to change: a copy.
+        return {name: array.copy() if id(_owner(array)) in self.owners else array
+                for name, array in outputs.items()}
 
     def weights_changed(self) -> None:
         self.results = None
@@ -455,6 +461,11 @@ class _WeightsCached:
 
     def __getattr__(self, name: str):
         return getattr(self.rest, name)  # (its plan: the tasks of every call)
+
+
+def _owner(array: np.ndarray) -> np.ndarray:
+    """The array whose memory ``array`` is (itself, or what it is a view of)."""
+    return array if array.base is None else array.base
 
 
 def _weights_cached(graph: Graph, target, trace: Any) -> _WeightsCached | None:

@@ -385,3 +385,33 @@ def test_convnet_reaches_97_percent_on_digits_with_the_cpu_target():
                               batch=32, input_shape=data.input_shape, num_classes=10)
     result = train(program, data, epochs=15, batch=32, progress=False)
     assert result.final.test_accuracy >= 0.97, result.epochs
+
+
+@pytest.mark.parametrize("target", ["reference", "cpu"])
+def test_what_reads_the_weights_alone_is_kept_between_runs_and_outputs_stay_the_callers(
+        target):
+    """``sqrt(w)`` reads a parameter alone: it is computed once and kept until ``w``
+    changes. Outputs that are kept values, or views of one, are copies: changing them
+    changes no later run."""
+    graph = parse("""graph kept(
+    %x: f32[2,3] @cpu:0,
+    %w: f32[3] @cpu:0 {param, init="constant(4)"}
+) {
+  %s = sqrt(%w) : f32[3] @cpu:0
+  %r = reshape(%s) {shape=[1,3]} : f32[1,3] @cpu:0
+  %y = bias_add(%x, %s) {axis=1} : f32[2,3] @cpu:0
+  return %y, %s, %r
+}""")
+    x = np.ones((2, 3), np.float32)
+    with purinec.compile(graph, target=target) as program:
+        first = program.run({"x": x})
+        for array in first.values():
+            array[...] = -1
+        again = program.run({"x": x})
+        np.testing.assert_array_equal(again["s"], [2, 2, 2])
+        np.testing.assert_array_equal(again["r"], [[2, 2, 2]])
+        np.testing.assert_array_equal(again["y"], np.full((2, 3), 3))
+        program.params["w"] = np.array([1, 9, 16])
+        changed = program.run({"x": x})
+        np.testing.assert_array_equal(changed["s"], [1, 3, 4])
+        np.testing.assert_array_equal(changed["y"], [[2, 4, 5], [2, 4, 5]])
