@@ -216,7 +216,6 @@ class Program:
         for run in self._runs():
             if isinstance(run, _WeightsCached):
                 run.weights_changed()
-        for run in self._runs():
             kept = self._kept.get(id(run), ())
             changed = [name for name in names if name in kept]
             if run is not but and changed:
@@ -433,7 +432,7 @@ class _WeightsCached:
     changed (`weights_changed`, from `Program._host_changed`: an assignment, a step),
     the rest at every call, reading the first part's results. mobilenet_v2 recomputed
     every batch norm's ``gamma / sqrt(var + eps)`` at every call: 52 of its 106 tasks,
-    about 5% of a batch-1 inference on the 2-core Zen 4."""
+    3.6% of a batch-1 inference on the 2-core Zen 4."""
 
     def __init__(self, fixed, rest, fixed_inputs: list[str]):
         self.fixed, self.rest, self.fixed_inputs = fixed, rest, fixed_inputs
@@ -489,8 +488,8 @@ def step_graph(graph: Graph) -> Graph:
     an inference graph of its own, run: the graph returning the loss and other scalars
     (an accuracy) and the next params and state, not its batch-sized outputs (the
     logits), which would be gathered from every device at every step for nobody
-    (`Program.step` returns the loss; on lenet over two MPI ranks the gather took 1.5%
-    of a step). A graph that is also the program's inference graph (a training
+    (`Program.step` returns the loss; on lenet over two MPI ranks the gather took up
+    to 1.5% of a step). A graph that is also the program's inference graph (a training
     iteration from a .pir file) keeps them: `Program.run` reads them."""
     names = {v.name for v in graph.inputs_with_role("param", "state")}
     return keep_outputs(graph, lambda name, value: name in names or value.type.rank == 0)

@@ -74,9 +74,10 @@ def split_fixed_part(graph: Graph) -> tuple[Graph, Graph] | None:
     others = [node for node in graph.nodes if id(node) not in in_part]
     read = {v for node in others for v in node.inputs} | {v for _, v in graph.outputs}
     made = [v for node in part for v in node.outputs if v in read]
+    weights = {v for node in part for v in node.inputs}
     first = Graph(f"{graph.name}.fixed")
     mapping = {v: first.add_input(v.name, v.type, v.device, v.role, v.dist, v.init)
-               for v in graph.inputs if v in {u for node in part for u in node.inputs}}
+               for v in graph.inputs if v in weights}
     first.nodes = [first._copy_node(node, mapping) for node in part]
     first.set_outputs((v.name, mapping[v]) for v in made)
     rest = Graph(graph.name)
