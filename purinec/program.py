@@ -469,10 +469,11 @@ def _owner(array: np.ndarray) -> np.ndarray:
 
 def _weights_cached(graph: Graph, target, trace: Any) -> _WeightsCached | None:
     """``graph``'s executable as a `_WeightsCached`, where ``graph`` is an inference
-    graph (it updates no variable) with a part that reads parameters and state alone,
-    and ``target`` keeps no variables on a device (there the part's results would be
-    copied to the device at every call); else None."""
-    if updated_variables(graph) or target.keeps_variables:
+    graph (it updates no variable) with a part that reads parameters and state alone;
+    else None. (Where a target keeps variables on its devices, the rest keeps the
+    part's results there too: they are its parameters, the same arrays until the part
+    runs again.)"""
+    if updated_variables(graph):
         return None
     split = split_fixed_part(graph)
     if split is None:

@@ -58,10 +58,11 @@ def keep_outputs(graph: Graph, keep) -> Graph:
 def split_fixed_part(graph: Graph) -> tuple[Graph, Graph] | None:
     """``graph`` cut in two: the nodes that read parameters and state alone, however
     indirectly (a batch norm's ``gamma / sqrt(var + eps)``), as a graph of their own
-    returning what the others read; and the others, reading those values as data
-    inputs of the same names. None where no node reads only parameters and state.
-    Their results change only when the weights do, so a program that runs inference
-    again and again need not recompute them at every call."""
+    returning what the others read; and the others, reading those values as
+    parameters of the same names (which a target that keeps parameters on its devices
+    keeps there). None where no node reads only parameters and state. Their results
+    change only when the weights do, so a program that runs inference again and again
+    need not recompute them at every call."""
     fixed = set(graph.inputs_with_role("param", "state"))
     part = []
     for node in graph.nodes:
@@ -83,7 +84,7 @@ def split_fixed_part(graph: Graph) -> tuple[Graph, Graph] | None:
     rest = Graph(graph.name)
     mapping = {v: rest.add_input(v.name, v.type, v.device, v.role, v.dist, v.init)
                for v in graph.inputs}
-    mapping.update((v, rest.add_input(v.name, v.type, v.device)) for v in made)
+    mapping.update((v, rest.add_input(v.name, v.type, v.device, "param")) for v in made)
     rest.nodes = [rest._copy_node(node, mapping) for node in others]
     rest.set_outputs((name, mapping[v]) for name, v in graph.outputs)
     return first, rest

@@ -216,8 +216,48 @@ def weights_stay_on_the_gpu(devices=None) -> None:
                                    atol=1e-5, err_msg=name)
 
 
+def weight_only_values_stay_on_the_gpu() -> None:
+    """An inference run computes what reads the weights alone (the batch norm's scale
+    and shift) once and keeps it on the GPU as parameters of the rest of the graph; an
+    assignment and a training step each make the next run compute it again; every
+    run equals the reference target's."""
+    import purinec
+    from purinec.program import _WeightsCached
+
+    rng = np.random.default_rng(6)
+    sgd = purinec.SGD(lr=0.1)
+    cuda = purinec.compile(tiny_onnx_cnn(), target="cuda", train=sgd)
+    reference = purinec.compile(tiny_onnx_cnn(), target="reference", train=sgd)
+    run = cuda._inference_run()
+    assert isinstance(run, _WeightsCached), run
+    computed = []
+    fixed = run.fixed
+    run.fixed = lambda env: computed.append(1) or fixed(env)
+    kept = {name for name, _ in fixed.graph.outputs}
+    assert kept and kept <= run.rest.resident, (kept, run.rest.resident)
+
+    def run_both(times_computed: int) -> None:
+        feeds = feeds_for(reference.eval_ir, rng, classes=3)
+        np.testing.assert_allclose(cuda.run(feeds)["logits"],
+                                   reference.run(feeds)["logits"], rtol=2e-4, atol=1e-5)
+        assert len(computed) == times_computed, (len(computed), times_computed)
+        assert all(run.rest._loaded[name] is run.results[name] for name in kept)
+
+    run_both(1)
+    run_both(1)
+    for program in (cuda, reference):
+        program.state["var"] = program.state["var"] * 2
+    run_both(2)
+    feeds = feeds_for(reference.ir, rng, classes=3)
+    assert np.isclose(cuda.step(feeds), reference.step(feeds), rtol=2e-4)
+    run_both(3)
+    run_both(3)
+
+
 PROGRAMS = {
     "program_weights_stay_on_the_gpu": lambda rng: weights_stay_on_the_gpu(),
+    "program_weight_only_values_stay_on_the_gpu":
+        lambda rng: weight_only_values_stay_on_the_gpu(),
     "program_weights_stay_on_2_gpus": lambda rng: weights_stay_on_the_gpu("gpu:0,gpu:1"),
     "program_tiny_mlp_steps": lambda rng: same_training(tiny_mlp(), classes=3),
     "program_tiny_mlp_data_parallel_2_gpus": lambda rng: same_training(
