@@ -309,6 +309,16 @@ def copy_into_phases(m: KernelModule, dst: Callable[[int, str], str],
             store(phase, str(column))
 
 
+def tap_in_phases(i: int, j: int, strides: tuple[int, int], dilations: tuple[int, int],
+                  width: int) -> tuple[int, int, int]:
+    """Where tap ``(i, j)`` of a window lies in an image split into phase planes by row
+    and column modulo ``strides``, each plane ``width`` wide: the row phase and column
+    phase of its plane, and how far along that plane (flat) it is from the window's
+    first pixel."""
+    (sh, sw), (dh, dw) = strides, dilations
+    return i * dh % sh, j * dw % sw, i * dh // sh * width + j * dw // sw
+
+
 @contextmanager
 def _input_rows(m: KernelModule, g: _Conv, c0: str, rows: tuple[str, str] | None
                 ) -> Iterator[tuple[str, str, str]]:
@@ -850,9 +860,9 @@ def _flat_planes(g: _Conv) -> bool:
 def _direct_conv_flat(m: KernelModule, node: Node, g: _Conv, w_mat: str, y_img: str,
                       o0: str, rows: tuple[str, str]) -> None:
     """`_direct_conv` as one loop over the output rows ``rows`` laid out as wide as a
-    phase plane (`_phase_planes`, ``Wq`` wide): ``sums[k]`` for ``k = p*Wq + q`` sums
+    phase plane (`_planes_scratch`, ``Wq`` wide): ``sums[k]`` for ``k = p*Wq + q`` sums
     over the taps ``w * planes[c, i*dh % sh, j*dw % sw].flat[k + (i*dh // sh)*Wq +
-    j*dw // sw]``, a contiguous run LLVM vectorizes whatever the width or stride (the
+    j*dw // sw]`` (`tap_in_phases`), a contiguous run LLVM vectorizes whatever the width or stride (the
     nest vectorizes along a row of ``ow`` pixels only: scalar for a 7- or 14-pixel row,
     strided loads for a strided one), computing ``Wq - ow`` columns of nothing per row
     (reading into the next row and, for the last, the spare row of zeros); then each
@@ -863,11 +873,10 @@ def _direct_conv_flat(m: KernelModule, node: Node, g: _Conv, w_mat: str, y_img: 
     start = "" if rows[0] == "0" else f", {rows[0]} * {width}:"
     planes = m.view("planes", (g.cg, g.sh, g.sw, plane_rows * width))
     taps = [(c, i, j) for c in range(g.cg) for i in range(g.kh) for j in range(g.kw)]
-
-    def plane(c: int, i: int, j: int) -> tuple[int, int, int]:
-        return c, i * g.dh % g.sh, j * g.dw % g.sw
-
-    sources = {key: m.fresh("plane") for key in sorted({plane(*tap) for tap in taps})}
+    # each tap's plane (channel, row phase, column phase) and offset along it
+    places = [((c, *at[:2]), at[2]) for c, i, j in taps
+              for at in [tap_in_phases(i, j, (g.sh, g.sw), (g.dh, g.dw), width)]]
+    sources = {key: m.fresh("plane") for key in sorted({key for key, _ in places})}
     for key, source in sources.items():
         b.line(f"{source} = {planes}[{', '.join(map(str, key))}{start}]")
     channel = o if o0 == "0" else f"{o0} + {o}"
@@ -877,9 +886,8 @@ def _direct_conv_flat(m: KernelModule, node: Node, g: _Conv, w_mat: str, y_img: 
         for weight, (c, i, j) in zip(weights, taps):
             b.line(f"{weight} = {w_mat}[{channel}, {(c * g.kh + i) * g.kw + j}]")
         with b.block(f"for {k} in range(({span}) * {width}):"):
-            terms = [f"{weight} * {sources[plane(c, i, j)]}"
-                     f"[{affine(k, 1, i * g.dh // g.sh * width + j * g.dw // g.sw)}]"
-                     for weight, (c, i, j) in zip(weights, taps)]
+            terms = [f"{weight} * {sources[key]}[{affine(k, 1, offset)}]"
+                     for weight, (key, offset) in zip(weights, places)]
             b.line(f"{total} = {terms[0]}")
             for term in terms[1:]:
                 b.line(f"{total} += {term}")

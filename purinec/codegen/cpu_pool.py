@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from purinec.codegen.cpu_conv import VECTOR, copy_into_phases
+from purinec.codegen.cpu_conv import VECTOR, copy_into_phases, tap_in_phases
 from purinec.codegen.cpu_module import KernelModule, literal, numpy_name, renders
 from purinec.codegen.cpu_ops import affine, dtype_name, span_of, split_loop
 from purinec.ir.graph import Node
@@ -295,9 +295,9 @@ def _max_over_flat_planes(m: KernelModule, g: _Pool, y: str, nc: str) -> None:
 
 def _flat_tap(g: _Pool, k: str, i: int, j: int) -> str:
     """Tap ``(i, j)`` of window ``k`` of the flat phase planes (`_max_over_flat_planes`)."""
-    phase = i * g.dh % g.sh * g.sw + j * g.dw % g.sw
-    return (f"phases[{phase}, "
-            f"{affine(k, 1, i * g.dh // g.sh * _phase_width(g) + j * g.dw // g.sw)}]")
+    row_phase, column_phase, offset = tap_in_phases(i, j, (g.sh, g.sw), (g.dh, g.dw),
+                                                    _phase_width(g))
+    return f"phases[{row_phase * g.sw + column_phase}, {affine(k, 1, offset)}]"
 
 
 @renders("max_pool2d_grad")

@@ -232,16 +232,16 @@ class Graph:
         for v in self.inputs:
             mapping[v] = new.add_input(v.name, v.type, v.device, v.role, v.dist, v.init)
         for node in self.nodes:
-            new.nodes.append(new._copy_node(node, mapping))
+            new.nodes.append(new.copy_node(node, mapping))
         new.outputs = [(name, mapping[v]) for name, v in self.outputs]
         return new
 
-    def _copy_node(self, node: Node, mapping: dict[Value, Value]) -> Node:
+    def copy_node(self, node: Node, mapping: dict[Value, Value]) -> Node:
         """A copy of ``node`` in this graph, reading ``mapping``'s copies of its inputs;
         adds the copies of the values it defines to ``mapping``."""
         inputs = [mapping[v] for v in node.inputs]
         if node.body is not None:
-            body = [self._copy_node(member, mapping) for member in node.body]
+            body = [self.copy_node(member, mapping) for member in node.body]
             return Node(node.op, inputs, [mapping[v] for v in node.outputs],
                         _copy_attrs(node.attrs), node.loc, body)
         copy = Node(node.op, inputs, [], _copy_attrs(node.attrs), node.loc)

@@ -79,13 +79,13 @@ def split_fixed_part(graph: Graph) -> tuple[Graph, Graph] | None:
     first = Graph(f"{graph.name}.fixed")
     mapping = {v: first.add_input(v.name, v.type, v.device, v.role, v.dist, v.init)
                for v in graph.inputs if v in weights}
-    first.nodes = [first._copy_node(node, mapping) for node in part]
+    first.nodes = [first.copy_node(node, mapping) for node in part]
     first.set_outputs((v.name, mapping[v]) for v in made)
     rest = Graph(graph.name)
     mapping = {v: rest.add_input(v.name, v.type, v.device, v.role, v.dist, v.init)
                for v in graph.inputs}
     mapping.update((v, rest.add_input(v.name, v.type, v.device, "param")) for v in made)
-    rest.nodes = [rest._copy_node(node, mapping) for node in others]
+    rest.nodes = [rest.copy_node(node, mapping) for node in others]
     rest.set_outputs((name, mapping[v]) for name, v in graph.outputs)
     return first, rest
 
