@@ -136,6 +136,7 @@ class Program:
             verify(g, program=True)
         _check_variables_stay(graph, self.eval_ir)
         # The params and state each graph returns the next values of (none, or all).
+        self._feeds = {id(g): _Feeds(g) for g in graphs}
         self._updated_by_step = updated_variables(graph)
         self._run_updates = bool(updated_variables(self.eval_ir))
         inputs = {v.name: v for g in graphs for v in g.inputs}
@@ -144,6 +145,8 @@ class Program:
         rng = np.random.default_rng(seed)
         self.params = TensorStore("parameter", _initial_arrays(graphs, "param", params, rng))
         self.state = TensorStore("state", _initial_arrays(graphs, "state", state, rng))
+        self._trainable = any(name in self.params for name, _ in graph.outputs)
+        self._variable_names = frozenset(self.params) | frozenset(self.state)
         # What this rank runs, when the program is distributed.
         self.physical_ir: Graph | None = None
         self.physical_eval_ir: Graph | None = None
@@ -290,37 +293,11 @@ class Program:
 
     @property
     def trainable(self) -> bool:
-        return any(name in self.params for name, _ in self.ir.outputs)
+        return self._trainable
 
     def _env(self, graph: Graph, feeds: Mapping[str, Any], copy_variables: bool = False
              ) -> dict[str, np.ndarray]:
-        if not isinstance(feeds, Mapping):
-            raise ExecutionError(f"feeds: give a dict of input name -> array (graph "
-                                 f"{graph.name} takes "
-                                 f"{', '.join(v.name for v in graph.inputs_with_role('data'))}"
-                                 f"), got a {type(feeds).__name__}")
-        data = graph.inputs_with_role("data")
-        names = {v.name for v in data}
-        unknown = sorted(set(feeds) - names)
-        missing = sorted(names - set(feeds))
-        if unknown or missing:
-            raise ExecutionError(
-                f"graph {graph.name} takes inputs {', '.join(sorted(names)) or 'none'}"
-                + (f"; missing {', '.join(missing)}" if missing else "")
-                + (f"; unknown {', '.join(unknown)}" if unknown else ""))
-        env: dict[str, np.ndarray] = {}
-        for v in data:
-            array = np.asarray(feeds[v.name])
-            want = v.type.dtype.numpy
-            if array.shape != v.type.shape:
-                raise ExecutionError(f"input {v.name}: expected {v.type}, got an array of "
-                                     f"shape {list(array.shape)}")
-            if array.dtype.kind != want.kind and not (array.dtype.kind in "iu" and
-                                                      want.kind in "iu"):
-                raise ExecutionError(f"input {v.name}: expected {v.type}, got {array.dtype}")
-            if want.kind in "iu" and not np.can_cast(array.dtype, want) and array.size:
-                _check_fits(v, array, np.iinfo(want))
-            env[v.name] = array.astype(want, order="C", copy=False)
+        env = self._feeds[id(graph)].arrays(feeds)
         for store in (self.params, self.state):
             # The arrays themselves: a step updates them in place.
             env.update({name: array.copy() for name, array in store._arrays.items()}
@@ -335,8 +312,7 @@ class Program:
             self._pull()
             outputs = self._inference_run()(self._env(self.eval_ir, feeds,
                                                       copy_variables=self._run_updates))
-        return {k: v for k, v in outputs.items()
-                if k not in self.params and k not in self.state}
+        return {k: v for k, v in outputs.items() if k not in self._variable_names}
 
     def step(self, feeds: Mapping[str, Any]) -> float:
         """Run one training iteration, keep the new parameters and state; return the loss."""
@@ -346,12 +322,10 @@ class Program:
         with self._turn:
             outputs = self._run_main(self._env(self.ir, feeds))
             self._partial_weights = getattr(self._run_main, "spans_ranks", False)
-            followed = []
-            for name, value in outputs.items():
-                for store in (self.params, self.state):
-                    if name in store:
-                        store._follow(name, value)
-                        followed.append(name)
+            followed = [name for name in self._updated_by_step if name in outputs]
+            for name in followed:
+                store = self.params if name in self.params else self.state
+                store._follow(name, outputs[name])
             self._host_changed(followed, but=self._run_main)
             self._on_device.update(name for name in self._updated_by_step
                                    if name in self._kept.get(id(self._run_main), ()))
@@ -415,6 +389,54 @@ class Program:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Feeds:
+    """What a graph is fed at each call (its inputs of role data), and how the caller's
+    arrays are checked and converted: built once, as a call's checks should cost little
+    next to small nets' kernels."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph.name
+        self.inputs = [(v, v.name, v.type.shape, v.type.dtype.numpy)
+                       for v in graph.inputs_with_role("data")]
+        self.names = frozenset(name for _, name, _, _ in self.inputs)
+
+    def arrays(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """The fed arrays by name, each of its input's dtype and C-contiguous."""
+        if not isinstance(feeds, Mapping):
+            raise ExecutionError(f"feeds: give a dict of input name -> array (graph "
+                                 f"{self.graph} takes "
+                                 f"{', '.join(name for _, name, _, _ in self.inputs)}), "
+                                 f"got a {type(feeds).__name__}")
+        if feeds.keys() != self.names:
+            self._refuse_names(feeds)
+        env: dict[str, np.ndarray] = {}
+        for v, name, shape, want in self.inputs:
+            array = np.asarray(feeds[name])
+            if array.shape != shape:
+                raise ExecutionError(f"input {name}: expected {v.type}, got an array of "
+                                     f"shape {list(array.shape)}")
+            if array.dtype is not want:
+                self._check_kind(v, array, want)
+            env[name] = array.astype(want, order="C", copy=False)
+        return env
+
+    def _refuse_names(self, feeds: Mapping[str, Any]) -> None:
+        unknown = sorted(set(feeds) - self.names)
+        missing = sorted(self.names - set(feeds))
+        raise ExecutionError(
+            f"graph {self.graph} takes inputs {', '.join(sorted(self.names)) or 'none'}"
+            + (f"; missing {', '.join(missing)}" if missing else "")
+            + (f"; unknown {', '.join(unknown)}" if unknown else ""))
+
+    @staticmethod
+    def _check_kind(v: Value, array: np.ndarray, want: np.dtype) -> None:
+        if array.dtype.kind != want.kind and not (array.dtype.kind in "iu" and
+                                                  want.kind in "iu"):
+            raise ExecutionError(f"input {v.name}: expected {v.type}, got {array.dtype}")
+        if want.kind in "iu" and not np.can_cast(array.dtype, want) and array.size:
+            _check_fits(v, array, np.iinfo(want))
 
 
 def _check_fits(v: Value, array: np.ndarray, limits: np.iinfo) -> None:

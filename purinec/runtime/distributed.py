@@ -53,6 +53,24 @@ class DistributedExecutable:
                         for name, v in logical.outputs]
         self.variables = {v.name for v in logical.inputs_with_role(*VARIABLE_ROLES)}
         self.ranks = ranks
+        # What a call passes of each input this rank has members of, by their physical
+        # names: the array itself (`_whole`: physical name -> logical name), a replica
+        # to each member after the first of a variable (`_replicated`), or each member
+        # its piece (`_split`, with where each lies in the whole).
+        self._whole: list[tuple[str, str]] = []
+        self._replicated, self._split = [], []
+        for v, members in self.inputs:
+            names = [member_name(v.name, k, len(v.dist.group)) for k, _ in members]
+            if v.dist.kind is DistKind.split and members:
+                self._split.append((v.name, members, names,
+                                    [_piece_index(v, v.type.shape, k) for k, _ in members]))
+            elif v.name in self.variables and len(members) > 1:
+                self._replicated.append((v.name, members, names))
+            else:
+                self._whole += [(physical, v.name) for physical in names]
+        # Whether some variable is not whole on this rank after a step (until
+        # `gather_variables`).
+        self.spans_ranks = any(self._elsewhere(v, members) for v, members in self.inputs)
         # Outputs other than variables that live on some ranks only (a pipeline's loss on
         # its last stage): their owner broadcasts them after each call, so every rank
         # returns them.
@@ -61,6 +79,16 @@ class DistributedExecutable:
         self.replicas = replicas or Replicas()
         self.kept: frozenset[str] = frozenset()
         self._members: dict[str, list[str]] = {}  # each kept variable's physical names
+        self._returned = self._returns()
+
+    def _returns(self) -> list[tuple]:
+        """What a call returns of each output this rank has members of (kept variables
+        excepted): its name, the first member's physical name, the other members' devices
+        and physical names, whether it is a variable, and how many members it has."""
+        return [(name, member_name(name, members[0][0], n),
+                 [(device, member_name(name, k, n)) for k, device in members[1:]],
+                 name in self.variables, n)
+                for name, members, n in self.outputs if members and name not in self.kept]
 
     def keep_variables(self) -> frozenset[str]:
         """Keep the variables on the devices between calls, where ``physical`` can and
@@ -73,6 +101,7 @@ class DistributedExecutable:
         self._members = members
         self.kept = frozenset(name for name, names in members.items()
                               if all(member in kept for member in names))
+        self._returned = self._returns()
         return self.kept
 
     def _variable_members(self) -> dict[str, list[str]] | None:
@@ -99,37 +128,26 @@ class DistributedExecutable:
             self.replicas.synced.pop(name, None)
 
     def __call__(self, env: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        physical_env = {}
+        physical_env = {physical: env[name] for physical, name in self._whole}
+        for name, members, names in self._replicated:
+            physical_env.update(self._replicas(name, env[name], members, names))
         split_variables = {}
-        for v, members in self.inputs:
-            if not members:
-                continue  # it lives on other ranks
-            array = env[v.name]
-            if v.dist.kind is DistKind.split:
-                pieces = self._pieces(v, array, members)
-                n = len(v.dist.group)
-                physical_env.update((member_name(v.name, k, n), p)
-                                    for k, (_, p) in pieces.items())
-                if v.name in self.variables:
-                    split_variables[v.name] = (array, pieces)
-            elif v.name in self.variables:
-                physical_env.update(self._replicas(v, array, members))
-            else:
-                physical_env.update({member_name(v.name, k, len(v.dist.group)): array
-                                     for k, _ in members})
+        for name, members, names, indices in self._split:
+            pieces = self._pieces(env[name], members, indices)
+            physical_env.update(zip(names, [piece for _, piece in pieces.values()]))
+            if name in self.variables:
+                split_variables[name] = (env[name], pieces)
         results = self.physical(physical_env)
         outputs = {}
-        for name, members, n in self.outputs:
-            if not members or name in self.kept:
-                continue
+        for name, first, others, is_variable, n in self._returned:
             if name in split_variables:
                 outputs[name] = self._assembled(name, n, results, *split_variables[name])
                 continue
-            outputs[name] = results[member_name(name, members[0][0], n)]
-            if name in self.variables:
-                for k, device in members[1:]:
-                    self.replicas.arrays[name, device] = results[member_name(name, k, n)]
-                self.replicas.synced[name] = outputs[name]
+            value = outputs[name] = results[first]
+            if is_variable:
+                for device, physical in others:
+                    self.replicas.arrays[name, device] = results[physical]
+                self.replicas.synced[name] = value
         self._share_outputs(outputs)
         return outputs
 
@@ -148,14 +166,12 @@ class DistributedExecutable:
         return len({d.rank for d in v.dist.group}) < self.ranks
 
     @staticmethod
-    def _pieces(v, array: np.ndarray, members) -> dict[int, tuple[tuple, np.ndarray]]:
+    def _pieces(array: np.ndarray, members, indices: list[tuple]
+                ) -> dict[int, tuple[tuple, np.ndarray]]:
         """Member -> (index into ``array``, its piece): a view where the piece is
         contiguous (always along axis 0), so in-place updates land in ``array``."""
-        pieces = {}
-        for k, _ in members:
-            index = _piece_index(v, array.shape, k)
-            pieces[k] = (index, np.ascontiguousarray(array[index]))
-        return pieces
+        return {k: (index, np.ascontiguousarray(array[index]))
+                for (k, _), index in zip(members, indices)}
 
     @staticmethod
     def _assembled(name: str, n: int, results, array: np.ndarray, pieces) -> np.ndarray:
@@ -174,12 +190,6 @@ class DistributedExecutable:
         return v.name in self.variables and (
             not members or v.dist.kind is DistKind.split and len(members) < len(v.dist.group))
 
-    @property
-    def spans_ranks(self) -> bool:
-        """Whether some variable is not whole on this rank after a step (until
-        `gather_variables`)."""
-        return any(self._elsewhere(v, members) for v, members in self.inputs)
-
     def gather_variables(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Make every variable whole in ``arrays`` (the program's own, by name) on every
         rank: each rank sends the pieces its members hold of split variables, and the
@@ -196,8 +206,9 @@ class DistributedExecutable:
             if v not in needed or not members:
                 continue
             if v.dist.kind is DistKind.split:
+                indices = [_piece_index(v, v.type.shape, k) for k, _ in members]
                 mine[v.name] = {k: piece for k, (_, piece) in
-                                self._pieces(v, arrays[v.name], members).items()}
+                                self._pieces(arrays[v.name], members, indices).items()}
             else:
                 mine[v.name] = {None: arrays[v.name]}
         for theirs in world.comm.allgather(mine):
@@ -206,18 +217,18 @@ class DistributedExecutable:
                 for k, piece in theirs.get(v.name, {}).items():
                     array[... if k is None else _piece_index(v, array.shape, k)] = piece
 
-    def _replicas(self, v, array: np.ndarray, members) -> dict[str, np.ndarray]:
-        name, n = v.name, len(v.dist.group)
-        (first, _), *others = members
+    def _replicas(self, name: str, array: np.ndarray, members, names: list[str]
+                  ) -> dict[str, np.ndarray]:
+        """The caller's array for the first member, a replica for each other one."""
         replicas = self.replicas
+        others = members[1:]
         if replicas.synced.get(name) is not array or any(
                 (name, device) not in replicas.arrays for _, device in others):
             for _, device in others:
                 replicas.arrays[name, device] = array.copy()
             replicas.synced[name] = array
-        return {member_name(name, first, n): array,
-                **{member_name(name, k, n): replicas.arrays[name, device]
-                   for k, device in others}}
+        return {names[0]: array, **{physical: replicas.arrays[name, device]
+                                    for physical, (_, device) in zip(names[1:], others)}}
 
     def close(self) -> None:
         close = getattr(self.physical, "close", None)

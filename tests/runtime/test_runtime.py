@@ -454,14 +454,52 @@ def test_contiguous_arrays_with_any_strides_on_unit_dimensions_are_taken():
         exe({"x": column})
 
 
-def test_no_reference_to_env_arrays_is_kept():
-    graph = small_graph()
-    exe = Executable(graph, reference_kernels(graph))
-    exe(random_env(graph))
+def bound_arrays(exe, graph) -> dict[str, list]:
+    """What the plan's argument slots hold of each graph input, between calls."""
+    held: dict[str, list] = {}
     for task in exe.plan.tasks:
         for value, array in zip([*task.node.inputs, *task.node.outputs], task.args):
             if value in graph.inputs:
-                assert array is None
+                held.setdefault(value.name, []).append(array)
+    return held
+
+
+def test_only_the_variables_arrays_stay_bound_between_calls():
+    graph = small_graph()
+    exe = Executable(graph, reference_kernels(graph))
+    env = random_env(graph)
+    exe(env)
+    held = bound_arrays(exe, graph)
+    assert all(array is None for array in held["x"])  # the caller's batch: dropped
+    assert all(array is env["w"] for array in held["w"])  # a parameter: kept bound
+    exe.close()
+    assert all(array is None for arrays in bound_arrays(exe, graph).values()
+               for array in arrays)
+    env = random_env(graph, seed=1)
+    assert_same(execute(graph, copied(env)), exe(env))  # (works again after closing)
+
+
+def test_a_held_variable_is_checked_again_when_another_array_comes():
+    graph = small_graph()
+    exe = Executable(graph, reference_kernels(graph))
+    env = random_env(graph)
+    exe(copied(env))
+    with pytest.raises(ExecutionError, match=r"%w .* f32\[2,3\] array, got a float64"):
+        exe({**env, "w": env["w"].astype(np.float64)})
+    frozen = env["w"].copy()
+    frozen.flags.writeable = False
+    with pytest.raises(ExecutionError, match="read-only"):
+        exe({**env, "w": frozen})
+    w = env["w"].copy()
+    exe({**env, "w": w})
+    w.flags.writeable = False  # the same array, held, made read-only since
+    with pytest.raises(ExecutionError, match="read-only"):
+        exe({**env, "w": w})
+    w.flags.writeable = True
+    with pytest.raises(ExecutionError, match="share memory"):
+        exe({"x": w, "w": w})  # a new batch that is the held parameter
+    env = random_env(graph, seed=2)
+    assert_same(execute(graph, copied(env)), exe(copied(env)))  # the new values count
 
 
 def test_missing_kernel_is_an_error():
