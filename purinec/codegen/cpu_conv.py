@@ -467,6 +467,10 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
     else:
         b.line(f"col = {m.empty((g.K, col_width), dtype_name(node))}")
         _padded_scratch(m, node, g)
+    if direct and epilogue is not None:
+        _direct_by_groups(m, node, g, x, w_mat, "y_img" if y is None else "y_mat", epilogue,
+                          flat, phased)
+        return
     with _image_blocks(m, g, by_filters) as (n, block_rows, filters), \
             _row_chunks(m, g, block_rows, chunk_rows) as rows:
         image = "y_img" if y is None else f"y_mat[{n}]"
@@ -505,6 +509,31 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
             block = ((1, *filters) if filters[0] != "0" else
                      (2, *rows) if rows[0] != "0" else None)
             epilogue(n, "y_img" if y is None else None, block, (g.n, g.cout, g.oh, g.ow))
+
+
+def _direct_by_groups(m: KernelModule, node: Node, g: _Conv, x: str, w_mat: str, y: str,
+                      epilogue: Callable, flat: bool, phased: bool) -> None:
+    """A direct convolution with an epilogue, group by group: threads split the groups
+    (a block computes every row of its groups, of every image), and each group's
+    epilogue runs right after the group, on its channels while they are in cache.
+    Blocks of rows of every channel (`_image_rows`) left the epilogue half an image to
+    read back: a depthwise 3x3 layer of 144 channels of 56x56 with its batch norm and
+    clip took 387 us with cold caches that way, 321 this way (hot: the same)."""
+    lo, hi = m.split(g.groups, g.macs, products=False)
+    n, group = m.fresh("n"), m.fresh("g")
+    rows = ("0", str(g.oh))
+    with m.body.block(f"for {n} in range({g.n}):"), \
+            m.body.block(f"for {group} in range({span_of(lo, hi)}):"):
+        c0, o0 = f"{group} * {g.cg}", f"{group} * {g.og}"
+        image = y if y == "y_img" else f"{y}[{n}]"
+        if flat:
+            _fill_phase_planes(m, g, x, n, c0, rows)
+            _direct_conv_flat(m, node, g, w_mat, image, o0, rows)
+        else:
+            _direct_conv(m, node, g, _pad_image(m, g, x, n, c0, rows, phased), w_mat,
+                         image, o0, rows, phased)
+        epilogue(n, "y_img" if y == "y_img" else None, (1, o0, f"{o0} + {g.og}"),
+                 (g.n, g.cout, g.oh, g.ow))
 
 
 # Implicit convolutions: where products go to `tiled_sgemm` (`_tiled`), which can read

@@ -19,7 +19,7 @@ from purinec.codegen.cpu_module import KernelModule, renders
 from purinec.codegen.cpu_ops import span_of
 from purinec.codegen.elementwise import emit_loop
 from purinec.codegen.kernel import CodegenError
-from purinec.ir.graph import Node, Value
+from purinec.ir.graph import Node, Value, anchor_destination
 from purinec.ir.ops import Trait, op_has
 
 
@@ -80,43 +80,46 @@ def _render_epilogue(node: Node, m: KernelModule, arrays: dict[Value, str]) -> N
 def _conv2d_epilogue(node: Node, m: KernelModule, arrays: dict[Value, str],
                      outputs: list[Value]) -> None:
     """The convolution image by image (or block of rows or of channels), each image's
-    epilogue on what was just computed of it."""
+    epilogue on what was just computed of it: into the output it exports, else where
+    the members rewrite it in place (`anchor_destination`), else a scratch."""
     anchor, rest = node.body[0], node.body[1:]
     (produced,) = anchor.outputs
-    exported = produced in node.outputs
+    into = produced if produced in node.outputs else anchor_destination(node)
 
     def epilogue(n: str, scratch: str | None, block: tuple | None,
                  sizes: tuple[int, ...]) -> None:
         local = dict(arrays)
-        if scratch is not None:
-            local[produced] = scratch
+        local[produced] = scratch if scratch is not None else arrays[into]
         emit_loop(m, rest, local, outputs, outer=n,
                   local=frozenset([produced]) if scratch else frozenset(),
                   block=block, sizes=sizes)
     with m.body.origin(anchor):
         emit_conv2d(anchor, m, *[arrays[v] for v in anchor.inputs],
-                    arrays[produced] if exported else None, epilogue)
+                    arrays[into] if into is not None else None, epilogue)
 
 
 def _matmul_epilogue(node: Node, m: KernelModule, arrays: dict[Value, str],
                      outputs: list[Value]) -> None:
-    """The product (in blocks of rows or columns), then the epilogue on each row of
-    the block."""
+    """The product (in blocks of rows or columns) into the output it exports, else
+    where the members rewrite it in place (`anchor_destination`), else a scratch; then
+    the epilogue on each row of the block."""
     anchor, rest = node.body[0], node.body[1:]
     (produced,) = anchor.outputs
-    exported = produced in node.outputs
+    into = produced if produced in node.outputs else anchor_destination(node)
     with m.body.origin(anchor):
         lo, hi, by_columns = emit_matmul(anchor, m, *[arrays[v] for v in anchor.inputs],
-                                         arrays[produced] if exported else None)
+                                         arrays[into] if into is not None else None)
     r = m.fresh("r")
     rows = produced.type.shape[0]
     with m.body.block(f"for {r} in range({rows if by_columns else span_of(lo, hi)}):"):
         local = dict(arrays)
-        if not exported:
+        if into is not None:
+            local[produced] = arrays[into]
+        else:
             local[produced] = (f"product[{r}]" if by_columns or lo == "0"
                                else f"product[{r} - {lo}]")
         emit_loop(m, rest, local, outputs, outer=r,
-                  local=frozenset() if exported else frozenset([produced]),
+                  local=frozenset() if into is not None else frozenset([produced]),
                   block=(1, lo, hi) if by_columns and lo != "0" else None)
 
 

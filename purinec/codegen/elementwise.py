@@ -180,7 +180,8 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
     if restricted:  # the block's indices times the size of the axes merged after it
         blocked = restricted[0]
         inner = _prod(shape[first + a] for a in groups[blocked] if a > cut)
-        bounds = tuple(bound if inner == 1 else f"{bound} * {inner}" for bound in block[1:])
+        bounds = tuple(bound if inner == 1 else f"{_atom(bound)} * {inner}"
+                       for bound in block[1:])
     block_start = bounds[0] if bounds and bounds[0] != "0" else None
 
     # Evaluate the members' rules in order; each result becomes a local.
@@ -251,21 +252,30 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
                     view = store_views.get(k, op.view)
                     body.line(f"{view}[{_index(op, loop_vars)}] = {results[value]}")
 
-    pairs = _in_place_pairs(loads, stores, outputs, local)
-    # (a loop reading its length from its arrays serves every size: it has both copies)
-    if not pairs or (length is None and _prod(shape) < IN_PLACE_MIN):
-        nest({})
-        return
     # The memory planner often puts an output over an input of its shape (an SGD step
-    # updates the weight and its history in place). LLVM cannot tell "the same array"
-    # from "overlapping", so it would run such a loop unvectorized; storing through the
-    # input's own view when the arrays coincide lets it vectorize (an SGD step: 3x).
+    # updates the weight and its history in place), and an epilogue rewrites its
+    # anchor's result where it lies (`anchor_destination`). LLVM cannot tell "the same
+    # array" from "overlapping", so it would run such a loop unvectorized; storing
+    # through the input's own view lets it vectorize (an SGD step: 3x). Where the two
+    # are one array by name that is the loop; where they may coincide, a test picks.
+    pairs = _in_place_pairs(loads, stores, outputs, local, arrays)
+    known = {k: load.view for k, value, load in pairs if arrays[outputs[k]] == arrays[value]}
+    maybe = [(k, value, load) for k, value, load in pairs if k not in known]
+    # (a loop reading its length from its arrays serves every size: it has both copies)
+    if not maybe or (length is None and _prod(shape) < IN_PLACE_MIN):
+        nest(known)
+        return
     same = " and ".join(f"{arrays[outputs[k]]}.ctypes.data == {arrays[value]}.ctypes.data"
-                        for k, value, _ in pairs)
+                        for k, value, _ in maybe)
     with body.origin(*members), body.block(f"if {same}:"):
-        nest({k: load.view for k, _, load in pairs})
+        nest(known | {k: load.view for k, _, load in maybe})
     with body.origin(*members), body.block("else:"):
-        nest({})
+        nest(known)
+
+
+def _atom(expression: str) -> str:
+    """``expression``, parenthesized unless a name or a number."""
+    return expression if expression.isidentifier() or expression.isdigit() else f"({expression})"
 
 
 def _has_shape(op: _Operand, dims: list[str], length: str | None) -> bool:
@@ -294,17 +304,21 @@ IN_PLACE_MIN = 4096
 
 
 def _in_place_pairs(loads: dict, stores: list[_Operand], outputs: Sequence[Value],
-                    local: frozenset[Value]) -> list[tuple[int, Value, _Operand]]:
-    """For each output k, the first input not yet paired that the memory planner could
-    put it over: of its type and read at every element (not a producer's scratch)."""
+                    local: frozenset[Value], arrays: dict[Value, str]
+                    ) -> list[tuple[int, Value, _Operand]]:
+    """For each output k, an input not yet paired that the memory planner could put it
+    over (of its type and read at every element, not a producer's scratch): the one in
+    the same array if there is one, else the first."""
     pairs, taken = [], set()
     for k, (out, store) in enumerate(zip(outputs, stores)):
-        for (value, _), load in loads.items():
-            if (value not in taken and value not in local and value.type == out.type
-                    and load.axes == store.axes):
-                taken.add(value)
-                pairs.append((k, value, load))
-                break
+        fits = [(value, load) for (value, _), load in loads.items()
+                if value not in taken and value not in local and value.type == out.type
+                and load.axes == store.axes]
+        if fits:
+            value, load = next(((value, load) for value, load in fits
+                                if arrays[value] == arrays[out]), fits[0])
+            taken.add(value)
+            pairs.append((k, value, load))
     return pairs
 
 

@@ -8,12 +8,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from purinec.errors import MemoryLimitError
-from purinec.ir.graph import Graph, Node
+from purinec.ir.graph import Graph, Node, anchor_destination, external_inputs
 from purinec.ir.ops import REGISTRY, FusionKind
 from purinec.ir.types import DType, Device, TensorType
 from purinec.runtime.executor import Executable
 from purinec.runtime.memory import (ALIGNMENT, ARENA, COPY, EXTERNAL, FRESH, LIMIT_VARIABLE,
-                                    VARIABLE, aligned, is_view, plan_memory)
+                                    VARIABLE, aligned, is_view, may_alias, plan_memory)
 from purinec.runtime.plan import Plan, reference_kernels
 from purinec.runtime.reference import execute
 from test_runtime import assert_same, copied, random_env, random_graph
@@ -306,6 +306,57 @@ def test_fused_nodes_alias_only_through_their_one_elementwise_reader():
     relu_ = np.maximum(a_, 0)
     expected = {"y0": relu_, "y1": np.tanh(b_), "y2": relu_ + b_}
     assert_same(expected, Executable(graph, reference_kernels(graph))(env))
+
+
+def epilogue_node(graph: Graph, members_of) -> Node:
+    """A fused matmul of ``x`` by itself whose epilogue ``members_of(graph, product)``
+    makes (returning the members and the node's outputs)."""
+    x = graph.add_input("x", T44)
+    product = graph.make_node("matmul", [x, x])
+    members, outputs = members_of(graph, product.outputs[0])
+    body = [product, *members]
+    node = graph.add_fused(body, external_inputs(body), outputs, kernel="fused_test")
+    graph.set_outputs([(f"y{i}", v) for i, v in enumerate(outputs)])
+    return node
+
+
+def test_an_epilogue_computes_into_an_output_no_input_may_lie_under():
+    """The anchor writes its result into `anchor_destination` before the members read
+    their inputs: the planner never puts that output over one. An output whose writer
+    reads an input of its type (a residual sum, an update) is not the destination, and
+    may still take that input's memory."""
+    graph = Graph("epilogue")
+    skip = graph.add_input("skip", T44)
+
+    def members_of(g, product):
+        relu = g.make_node("relu", [product])
+        summed = g.make_node("add", [relu.outputs[0], skip])
+        return [relu, summed], [relu.outputs[0], summed.outputs[0]]
+
+    node = epilogue_node(graph, members_of)
+    relu_out, sum_out = node.outputs
+    assert anchor_destination(node) is relu_out
+    assert not any(may_alias(node, relu_out, v) for v in node.inputs)
+    assert may_alias(node, sum_out, skip)
+    memory = plan_memory(graph)
+    assert all(cls.donor is None or cls.donor.root is skip for cls in memory.classes)
+    env = random_env(graph)
+    relu_ = np.maximum(env["x"] @ env["x"], 0)
+    expected = {"y0": relu_, "y1": relu_ + env["skip"]}
+    assert_same(expected, Executable(graph, reference_kernels(graph))(copied(env)))
+
+
+def test_no_destination_where_the_anchor_is_exported_or_every_output_updates():
+    graph = Graph("update")
+    w = graph.add_input("w", T44)
+    node = epilogue_node(graph, lambda g, product: (
+        [sgd := g.make_node("sgd", [w, g.add_input("h", T44), product], {"lr": 0.1})],
+        list(sgd.outputs)))
+    assert anchor_destination(node) is None  # w.next may be made over w, in place
+    graph = Graph("exported")
+    node = epilogue_node(graph, lambda g, product: (
+        [relu := g.make_node("relu", [product])], [product, relu.outputs[0]]))
+    assert anchor_destination(node) is None
 
 
 def test_a_transfer_in_flight_keeps_its_input_memory():
