@@ -272,27 +272,24 @@ def member_name(name: str, member: int, members: int) -> str:
 def anchor_destination(node: Node) -> Value | None:
     """The output of fused ``node`` its epilogue anchor (a conv2d or matmul that
     elementwise members follow, `Trait.epilogue_anchor`) computes into when nothing
-    outside the node reads the anchor's result: the first output of its type whose
-    writer reads no input of that type, which the members then rewrite in place,
-    element by element. A scratch of the anchor's size would take a write and a read
-    more through memory (a 1x1 convolution to 96 channels of 112x112 with its batch
-    norm: 306 -> 261 us hot, 706 -> 537 with cold caches). The anchor writes it before
-    any member reads the node's inputs, so it must not lie over one: the memory planner
-    puts an output over an input of its type only where the output's writer reads that
-    input (`purinec.runtime.memory.may_alias`), so an output whose writer reads an input
-    of its type (an update of a weight, a residual sum) is not the destination. None
-    where the anchor's result is exported or no output qualifies: the anchor then
-    computes into a scratch."""
+    outside the node reads the anchor's result: the first output of its type that no
+    solver update writes (an update goes over its variable, in place), which the
+    members then rewrite in place, element by element. A scratch of the anchor's size
+    would take a write and a read more through memory (a 1x1 convolution to 96 channels
+    of 112x112 with its batch norm: 306 -> 261 us hot, 706 -> 537 with cold caches).
+    The anchor writes it before any member reads the node's inputs, so the memory
+    planner never puts it over one (`purinec.runtime.memory.may_alias`; a residual sum
+    then takes memory of its own rather than its input's). None where the anchor's
+    result is exported or no output qualifies: the anchor then computes into a
+    scratch."""
     if node.body is None or not get_op(node.body[0].op).has(Trait.epilogue_anchor):
         return None
     (produced,) = node.body[0].outputs
     if produced in node.outputs:
         return None
     for value in node.outputs:
-        if value.type != produced.type:
-            continue
         writer = next(member for member in node.body if value in member.outputs)
-        if not any(v.type == value.type for v in writer.inputs if v in node.inputs):
+        if value.type == produced.type and not get_op(writer.op).has(Trait.solver_update):
             return value
     return None
 

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from purinec.errors import MemoryLimitError, PurinecError, VerifyError
-from purinec.ir.graph import Graph, Node, Value, stable_topological_order
+from purinec.ir.graph import (Graph, Node, Value, anchor_destination,
+                               stable_topological_order)
 from purinec.ir.ops import REGISTRY, FusionKind, Trait, op_has
 from purinec.ir.types import Device
 
@@ -71,11 +72,14 @@ def may_alias(node: Node, output: Value, input: Value) -> bool:
     ops, and for an op marked `in_place` when both hold the same position (an allreduce
     then sums a gradient where it lies, with no copy). In a fused node it holds when one
     elementwise member writes ``output`` and no other member reads ``input`` (members of
-    a group may run as separate loops)."""
+    a group may run as separate loops), but never over the output an epilogue's anchor
+    computes into (`anchor_destination`: written before any member reads)."""
     if in_place(node):
         return node.outputs.index(output) == node.inputs.index(input)
     if node.body is None:
         return elementwise(node)
+    if output is anchor_destination(node):
+        return False
     writers = [m for m in node.body if output in m.outputs]
     readers = [m for m in node.body if input in m.inputs]
     return len(writers) == 1 and readers == writers and elementwise(writers[0])
