@@ -368,10 +368,11 @@ class Blocked:
 # Everything the helpers share with the kernels that call on them is int64 words of
 # `_TEAM`: a header line, then one line per helper, read and written only with the
 # atomics below. A helper waits for its STATE to say GO (spinning for about
-# `SPIN_SECONDS`, then asleep on a futex), runs the block its words describe by calling
-# the kernel's C entry, and says DONE. Handing a block over and hearing back cost about
-# a microsecond while the helper spins; through Python threads and locks they cost 22
-# (each a change of hands of the GIL).
+# `SPIN_SECONDS`, then asleep on a futex), says RUNNING (unless its caller called it
+# off meanwhile), claims blocks of the kernel its words describe as the caller does,
+# running each by the kernel's C entry, and says DONE. Handing a block over and hearing
+# back cost about a microsecond while the helper spins; through Python threads and
+# locks they cost 22 (each a change of hands of the GIL).
 
 _FUTEX_SYSCALL = ({"x86_64": 202, "aarch64": 98}.get(platform.machine())
                   if sys.platform.startswith("linux") else None)
@@ -385,8 +386,9 @@ _MAX_HELPERS = 63  # `_run_blocks` notes the helpers it took as bits of an int64
 HELPERS, SPINS, RUN_BLOCKS = range(3)
 NOT_SPLIT, DONE_BLOCKS, FAILED_BLOCK = range(3)  # what `_run_blocks` says
 # A helper's words. Futexes compare 32 bits: STATE's low half, on little-endian CPUs.
-STATE, CLAIM, ASLEEP, CALLER_ASLEEP, ENTRY, ARGS, LO, HI, FAILED = range(9)
-IDLE, GO, DONE, STOP = range(4)  # its STATE
+STATE, CLAIM, ASLEEP, CALLER_ASLEEP, ENTRY, ARGS, LO, HI, FAILED, BLOCKS, COUNTER, NEXT = \
+    range(12)
+IDLE, GO, RUNNING, DONE, STOP = range(5)  # its STATE
 # Never freed: a kernel may read the address just before the team stops.
 _TEAM = np.zeros(_WORDS_PER_LINE * (1 + min(_MAX_HELPERS, os.cpu_count() or 1)), np.int64)
 _TEAM_ADDRESS = _TEAM.ctypes.data
@@ -426,6 +428,26 @@ def _claim(typingctx, address, index):
         return builder.extract_value(swapped, 1)
 
     return types.boolean(types.int64, types.int64), codegen
+
+
+@intrinsic
+def _swap(typingctx, address, index, expected, new):
+    """Make word ``index`` ``new`` if it is ``expected``; whether it was."""
+    def codegen(context, builder, signature, args):
+        swapped = builder.cmpxchg(_word(builder, args[0], args[1]), args[2], args[3],
+                                  "seq_cst", "seq_cst")
+        return builder.extract_value(swapped, 1)
+
+    return types.boolean(types.int64, types.int64, types.int64, types.int64), codegen
+
+
+@intrinsic
+def _fetch_add(typingctx, address, index, value):
+    """Add ``value`` to word ``index``; what it held."""
+    def codegen(context, builder, signature, args):
+        return builder.atomic_rmw("add", _word(builder, args[0], args[1]), args[2], "seq_cst")
+
+    return types.int64(types.int64, types.int64, types.int64), codegen
 
 
 @intrinsic
@@ -543,41 +565,67 @@ def _line(team, helper):
 
 @njit(nogil=True, cache=True)
 def _run_blocks(team, threads, lo, hi, entry, arrays):
-    """`run_blocks`: hands blocks 1, 2, ... of ``lo:hi`` to free helpers, runs block 0
-    and the blocks no helper took, waits for the helpers and frees them. NOT_SPLIT (one
-    block: the kernel runs it itself), DONE_BLOCKS, or FAILED_BLOCK if a block raised."""
+    """`run_blocks`: cuts ``lo:hi`` into ``threads`` blocks (no more than items), offers
+    them to free helpers, and claims blocks itself as the helpers do, one at a time from
+    a counter, until none is left. A helper the host has not yet given a core to when
+    the blocks are gone is called off, not waited for: its block was run by whoever
+    came first (on a shared machine a woken helper may wait milliseconds for a core,
+    and every kernel would wait with it). Then waits for the helpers that started and
+    frees them all. NOT_SPLIT (one block: the kernel runs it itself), DONE_BLOCKS, or
+    FAILED_BLOCK if a block raised."""
     blocks = min(threads, hi - lo)
     if blocks < 2:
         return NOT_SPLIT
     taken = 0
-    block = 1
+    counter = 0  # the first helper's line, whose NEXT word counts the blocks claimed
+    offered = 1
     for helper in range(_load(team, HELPERS)):
-        if block == blocks:
+        if offered == blocks:
             break
         line = _line(team, helper)
         if _claim(line, CLAIM):
+            if counter == 0:
+                counter = line
+                _store(line, NEXT, 0)
             taken |= 1 << helper
             _store(line, ENTRY, entry)
             _store(line, ARGS, arrays)
-            _store(line, LO, _bound(lo, hi, blocks, block))
-            _store(line, HI, _bound(lo, hi, blocks, block + 1))
+            _store(line, LO, lo)
+            _store(line, HI, hi)
+            _store(line, BLOCKS, blocks)
+            _store(line, COUNTER, counter)
             _store(line, STATE, GO)
             if _load(line, ASLEEP):
                 _futex(line, STATE, _FUTEX_WAKE, 1)
-            block += 1
-    failed = _run_block(entry, arrays, lo, _bound(lo, hi, blocks, 1))
-    for rest in range(block, blocks):
-        failed |= _run_block(entry, arrays, _bound(lo, hi, blocks, rest),
-                             _bound(lo, hi, blocks, rest + 1))
+            offered += 1
+    if counter == 0:  # no helper free: every block here, as one
+        return FAILED_BLOCK if _run_block(entry, arrays, lo, hi) else DONE_BLOCKS
+    failed = _claim_blocks(counter, entry, arrays, lo, hi, blocks)
     spins = _load(team, SPINS)
     for helper in range(_MAX_HELPERS):
         if (taken >> helper) & 1:
             line = _line(team, helper)
-            _wait(line, DONE, DONE, CALLER_ASLEEP, spins)
-            failed |= _load(line, FAILED)
-            _store(line, STATE, IDLE)
-            _store(line, CLAIM, 0)
+            if not _swap(line, STATE, GO, IDLE):  # it started: wait for it
+                _wait(line, DONE, DONE, CALLER_ASLEEP, spins)
+                failed |= _load(line, FAILED)
+                _store(line, STATE, IDLE)
+    for helper in range(_MAX_HELPERS):  # (the counter's line stays taken until here)
+        if (taken >> helper) & 1:
+            _store(_line(team, helper), CLAIM, 0)
     return FAILED_BLOCK if failed else DONE_BLOCKS
+
+
+@njit(nogil=True, cache=True)
+def _claim_blocks(counter, entry, arrays, lo, hi, blocks):
+    """Run blocks of ``lo:hi`` (cut in ``blocks``) claimed from ``counter``'s NEXT word
+    until none is left; whether one raised."""
+    failed = 0
+    while True:
+        block = _fetch_add(counter, NEXT, 1)
+        if block >= blocks:
+            return failed
+        failed |= _run_block(entry, arrays, _bound(lo, hi, blocks, block),
+                             _bound(lo, hi, blocks, block + 1))
 
 
 @njit(nogil=True, cache=True)
@@ -602,12 +650,15 @@ def _wait(line, wanted, other, asleep, spins):
 
 @njit(nogil=True, cache=True)
 def _serve(team, helper):
-    """A helper thread's life: run the blocks it is handed until told to STOP."""
+    """A helper thread's life: claim blocks of the kernels it is offered, unless its
+    caller called it off first (`_run_blocks`), until told to STOP."""
     line = _line(team, helper)
     spins = _load(team, SPINS)
     while _wait(line, GO, STOP, ASLEEP, spins) == GO:
-        failed = _run_block(_load(line, ENTRY), _load(line, ARGS), _load(line, LO),
-                            _load(line, HI))
+        if not _swap(line, STATE, GO, RUNNING):
+            continue  # called off: the blocks were done without it
+        failed = _claim_blocks(_load(line, COUNTER), _load(line, ENTRY), _load(line, ARGS),
+                               _load(line, LO), _load(line, HI), _load(line, BLOCKS))
         _store(line, FAILED, failed)
         _store(line, STATE, DONE)
         if _load(line, CALLER_ASLEEP):

@@ -100,6 +100,22 @@ def test_blocks_run_side_by_side_on_the_helpers():
     assert met.tolist() == [1, 1]
 
 
+def test_each_block_is_claimed_once_whoever_comes_first():
+    """The caller and its helpers claim blocks from one counter, and a helper called off
+    before it started (every block done) is not waited for: thousands of calls of a few
+    items, the helpers often asleep or still waking, each item computed once, none lost,
+    every call returning."""
+    let_go = hold_team()
+    try:
+        with _threads(max(2, available_cpus())):
+            for count in [2, 3, 7, 64] * 1000:
+                hits, blocks = np.zeros(count, np.int64), np.zeros((count, 2), np.int64)
+                Blocked(_cover, count)(hits, blocks)
+                assert hits.tolist() == [1] * count
+    finally:
+        let_go()
+
+
 @pytest.mark.parametrize("first_failing", [0, 3])  # block 0 (on the caller), block 1
 def test_a_failed_block_on_any_thread_reaches_the_caller_and_frees_the_helpers(first_failing):
     hits = np.zeros(9, np.int64)
