@@ -21,9 +21,10 @@ too (`purinec.codegen.cache.runtime_stamp`).
 Threads. A big kernel is *blocked*: its function takes ``lo, hi, team, threads`` and
 computes items ``lo:hi`` of one loop over independent items (see `KernelModule.split`).
 It begins with `run_blocks`: given a *team* of helper threads, that cuts the items
-into up to ``threads`` blocks, hands them to free helpers, runs the first and those no
-helper was free to take, waits, and the kernel returns; without a team (or on a
-helper) the kernel computes ``lo:hi`` itself. Every block runs through the kernel's
+into up to ``threads`` blocks, offers them to free helpers, claims blocks itself until
+none is left, waits for the helpers that started (calling off those that had not),
+and the kernel returns; without a team (or on a helper) the kernel computes ``lo:hi``
+itself. Every block runs through the kernel's
 own C entry, so none needs Python or the GIL; a helper spins for a fifth of a
 millisecond after its block before it sleeps, so that the next kernel's blocks start
 at once (Numba's ``parallel=True`` was avoided: it doubles a kernel's compile time).
