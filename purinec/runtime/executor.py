@@ -146,6 +146,9 @@ class Executable:
     ``order``, a random.Random, is a test hook: run every task on the calling thread,
     picking each next one at random among those ready, to check the plan is correct under
     any order its counts allow.
+    A call keeps no reference to the caller's arrays but those of parameters and state,
+    which stay bound (unchecked while the caller passes the same arrays: `Plan.bind`)
+    until the next call passes others or `close`.
     """
 
     def __init__(self, graph: Graph, kernels: Mapping[Node, Callable],
