@@ -136,9 +136,9 @@ class Program:
             verify(g, program=True)
         _check_variables_stay(graph, self.eval_ir)
         # The params and state each graph returns the next values of (none, or all).
-        self._feeds = {id(g): _Feeds(g) for g in graphs}
         self._updated_by_step = updated_variables(graph)
         self._run_updates = bool(updated_variables(self.eval_ir))
+        self._feeds = {id(g): _Feeds(g) for g in graphs}
         inputs = {v.name: v for g in graphs for v in g.inputs}
         check_values_fit(inputs.values(), f"the inputs of graph {graph.name} (parameters, "
                                           f"state and one batch of data)")
