@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 from purinec.codegen.cpu_gemm import lanes
-from purinec.codegen.cpu_module import KernelModule, literal, renders
+from purinec.codegen.cpu_module import KernelModule, atom, literal, renders
 from purinec.codegen.cpu_ops import affine, dtype_name, row_slice, span_of, split_loop
 from purinec.ir.graph import Node
 from purinec.ir.nnref import pad_edges
@@ -468,8 +468,7 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
         b.line(f"col = {m.empty((g.K, col_width), dtype_name(node))}")
         _padded_scratch(m, node, g)
     if direct and epilogue is not None:
-        _direct_by_groups(m, node, g, x, w_mat, "y_img" if y is None else "y_mat", epilogue,
-                          flat, phased)
+        _direct_by_groups(m, node, g, x, w_mat, y is None, epilogue, flat, phased)
         return
     with _image_blocks(m, g, by_filters) as (n, block_rows, filters), \
             _row_chunks(m, g, block_rows, chunk_rows) as rows:
@@ -482,16 +481,12 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
             if filters[0] != "0":  # a block of the output channels (of one group)
                 f0, f1 = filters
                 out, weights, og = f"{image}[{f0}:{f1}]", f"{w_mat}[{f0}:{f1}]", f"{f1} - {f0}"
-            if flat:
-                _fill_phase_planes(m, g, x, n, c0, rows)
-                _direct_conv_flat(m, node, g, w_mat, image, o0, rows)
+            if direct:
+                _direct_group(m, node, g, x, w_mat, image, n, c0, o0, rows, flat, phased)
             elif implicit:
                 _fill_phase_planes(m, g, x, n, c0, rows)
                 _implicit_product(m, node, g, weights, og, image,
                                   filters[0] if filters[0] != "0" else o0, rows)
-            elif direct:
-                _direct_conv(m, node, g, _pad_image(m, g, x, n, c0, rows, phased), w_mat,
-                             image, o0, rows, phased)
             elif by_rows:
                 _row_im2col(m, g, _pad_image(m, g, x, n, c0, rows), "col", out_rows=rows)
                 _kernel_row_gemms(m, node, g, o0, out, count)
@@ -511,28 +506,38 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
             epilogue(n, "y_img" if y is None else None, block, (g.n, g.cout, g.oh, g.ow))
 
 
-def _direct_by_groups(m: KernelModule, node: Node, g: _Conv, x: str, w_mat: str, y: str,
-                      epilogue: Callable, flat: bool, phased: bool) -> None:
+def _direct_group(m: KernelModule, node: Node, g: _Conv, x: str, w_mat: str, image: str,
+                  n: str, c0: str, o0: str, rows: tuple[str, str], flat: bool,
+                  phased: bool) -> None:
+    """Output rows ``rows`` of the group of image ``n`` whose first input and output
+    channels are ``c0`` and ``o0``, into ``image``, by a direct convolution: over flat
+    phase planes (`_direct_conv_flat`) or as a loop nest (`_direct_conv`)."""
+    if flat:
+        _fill_phase_planes(m, g, x, n, c0, rows)
+        _direct_conv_flat(m, node, g, w_mat, image, o0, rows)
+    else:
+        _direct_conv(m, node, g, _pad_image(m, g, x, n, c0, rows, phased), w_mat, image,
+                     o0, rows, phased)
+
+
+def _direct_by_groups(m: KernelModule, node: Node, g: _Conv, x: str, w_mat: str,
+                      scratch: bool, epilogue: Callable, flat: bool, phased: bool) -> None:
     """A direct convolution with an epilogue, group by group: threads split the groups
     (a block computes every row of its groups, of every image), and each group's
     epilogue runs right after the group, on its channels while they are in cache.
     Blocks of rows of every channel (`_image_rows`) left the epilogue half an image to
     read back: a depthwise 3x3 layer of 144 channels of 56x56 with its batch norm and
-    clip took 387 us with cold caches that way, 321 this way (hot: the same)."""
+    clip took 387 us with cold caches that way, 321 this way (hot: the same). With
+    ``scratch`` the output lives in the per-image ``y_img``, else in ``y_mat``."""
     lo, hi = m.split(g.groups, g.macs, products=False)
     n, group = m.fresh("n"), m.fresh("g")
     rows = ("0", str(g.oh))
     with m.body.block(f"for {n} in range({g.n}):"), \
             m.body.block(f"for {group} in range({span_of(lo, hi)}):"):
         c0, o0 = f"{group} * {g.cg}", f"{group} * {g.og}"
-        image = y if y == "y_img" else f"{y}[{n}]"
-        if flat:
-            _fill_phase_planes(m, g, x, n, c0, rows)
-            _direct_conv_flat(m, node, g, w_mat, image, o0, rows)
-        else:
-            _direct_conv(m, node, g, _pad_image(m, g, x, n, c0, rows, phased), w_mat,
-                         image, o0, rows, phased)
-        epilogue(n, "y_img" if y == "y_img" else None, (1, o0, f"{o0} + {g.og}"),
+        _direct_group(m, node, g, x, w_mat, "y_img" if scratch else f"y_mat[{n}]", n, c0,
+                      o0, rows, flat, phased)
+        epilogue(n, "y_img" if scratch else None, (1, o0, f"{o0} + {g.og}"),
                  (g.n, g.cout, g.oh, g.ow))
 
 
@@ -856,7 +861,7 @@ def _direct_conv(m: KernelModule, node: Node, g: _Conv, image: str, w_mat: str, 
             with b.block(f"for {c} in range({g.cg}):"), b.block(f"for {i} in range({g.kh}):"), \
                     b.block(f"for {j} in range({g.kw}):"):
                 shift = _times(j, g.dw)
-                whole = shift if shift.isidentifier() else f"({shift})"
+                whole = atom(shift)
                 column = (f"{whole} % {g.sw}, {q} + {whole} // {g.sw}" if phased
                           else affine(q, g.sw, shift))
                 b.line(f"{total} += {w_mat}[{channel}, ({c} * {g.kh} + {i}) * {g.kw} + {j}] * "

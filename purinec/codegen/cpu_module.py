@@ -87,6 +87,11 @@ def numpy_name(dtype: DType) -> str:
     return "np.bool_" if dtype is DType.bool else f"np.{dtype.numpy.name}"
 
 
+def atom(expression: str) -> str:
+    """``expression``, parenthesized unless a name or a number: safe to multiply."""
+    return expression if expression.isidentifier() or expression.isdigit() else f"({expression})"
+
+
 def literal(value, dtype: DType) -> str:
     """Source text for ``dtype.numpy.type(value)``: a constant of exactly that type, so
     float32 arithmetic stays float32 (a bare Python float would widen it)."""

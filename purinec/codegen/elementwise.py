@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from purinec.codegen.cpu_module import HELPERS, KernelModule, literal, numpy_name
+from purinec.codegen.cpu_module import HELPERS, KernelModule, atom, literal, numpy_name
 from purinec.codegen.expr_print import PYTHON_OPERATORS, print_exprs
 from purinec.codegen.kernel import CodegenError
 from purinec.ir.expr import U64, Arg, Call, Const, walk
@@ -180,7 +180,7 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
     if restricted:  # the block's indices times the size of the axes merged after it
         blocked = restricted[0]
         inner = _prod(shape[first + a] for a in groups[blocked] if a > cut)
-        bounds = tuple(bound if inner == 1 else f"{_atom(bound)} * {inner}"
+        bounds = tuple(bound if inner == 1 else f"{atom(bound)} * {inner}"
                        for bound in block[1:])
     block_start = bounds[0] if bounds and bounds[0] != "0" else None
 
@@ -271,11 +271,6 @@ def emit_loop(module: KernelModule, members: Sequence[Node], arrays: dict[Value,
         nest(known | {k: load.view for k, _, load in maybe})
     with body.origin(*members), body.block("else:"):
         nest(known)
-
-
-def _atom(expression: str) -> str:
-    """``expression``, parenthesized unless a name or a number."""
-    return expression if expression.isidentifier() or expression.isdigit() else f"({expression})"
 
 
 def _has_shape(op: _Operand, dims: list[str], length: str | None) -> bool:
