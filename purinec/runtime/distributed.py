@@ -56,14 +56,15 @@ class DistributedExecutable:
         # What a call passes of each input this rank has members of, by their physical
         # names: the array itself (`_whole`: physical name -> logical name), a replica
         # to each member after the first of a variable (`_replicated`), or each member
-        # its piece (`_split`, with where each lies in the whole).
+        # its piece (`_split`, by name, with where each lies in the whole).
         self._whole: list[tuple[str, str]] = []
-        self._replicated, self._split = [], []
+        self._replicated: list[tuple] = []
+        self._split: dict[str, tuple] = {}
         for v, members in self.inputs:
             names = [member_name(v.name, k, len(v.dist.group)) for k, _ in members]
             if v.dist.kind is DistKind.split and members:
-                self._split.append((v.name, members, names,
-                                    [_piece_index(v, v.type.shape, k) for k, _ in members]))
+                self._split[v.name] = (members, names,
+                                       [_piece_index(v, v.type.shape, k) for k, _ in members])
             elif v.name in self.variables and len(members) > 1:
                 self._replicated.append((v.name, members, names))
             else:
@@ -132,7 +133,7 @@ class DistributedExecutable:
         for name, members, names in self._replicated:
             physical_env.update(self._replicas(name, env[name], members, names))
         split_variables = {}
-        for name, members, names, indices in self._split:
+        for name, (members, names, indices) in self._split.items():
             pieces = self._pieces(env[name], members, indices)
             physical_env.update(zip(names, [piece for _, piece in pieces.values()]))
             if name in self.variables:
@@ -206,7 +207,7 @@ class DistributedExecutable:
             if v not in needed or not members:
                 continue
             if v.dist.kind is DistKind.split:
-                indices = [_piece_index(v, v.type.shape, k) for k, _ in members]
+                _, _, indices = self._split[v.name]
                 mine[v.name] = {k: piece for k, (_, piece) in
                                 self._pieces(arrays[v.name], members, indices).items()}
             else:
