@@ -80,7 +80,9 @@ def _broadcaster(tensors: int) -> Callable:
     return fn
 
 
-def _reducer(tensors: int) -> Callable:
+def reducer(tensors: int) -> Callable:
+    """Each of ``tensors`` tensors' members (``fn``'s inputs, member-major) summed in
+    group order into its output (``fn``'s last ``tensors`` arrays)."""
     def fn(*arrays: np.ndarray) -> None:
         xs, totals = arrays[:-tensors], arrays[-tensors:]
         for t, total in enumerate(totals):
@@ -208,6 +210,6 @@ _HOST_KERNELS: dict[str, Callable[[dict], Callable]] = {
     "slice": lambda attrs: _slicer(attrs["axis"], attrs["start"], attrs["stop"]),
     "allreduce": lambda attrs: _allreducer(attrs["tensors"]),
     "allgather": lambda attrs: _allgatherer(attrs["axis"]),
-    "reduce": lambda attrs: _reducer(attrs["tensors"]),
+    "reduce": lambda attrs: reducer(attrs["tensors"]),
     "broadcast": lambda attrs: _broadcaster(len(broadcast_types(attrs))),
 }

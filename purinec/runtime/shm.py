@@ -9,11 +9,12 @@ memory arenas (and the kernels' staging buffers) in one MPI-3 shared window
 they lie, and a collective is one pass over memory:
 
 1. post: a rank writes where its buffers lie (byte offsets in its own segment) into its
-   control line for the kernel (when they change), fences and sets ``ready`` to the
+   control words for the kernel (when they change), fences and sets ``ready`` to the
    call's step number;
 2. once every rank is ready, the work, cut into items that whoever claims them (an
-   atomic compare-and-swap) does: an allreduce's buffers in one chunk per rank, whose
-   claimer sums every rank's copy in rank order and stores the sum into all of them,
+   atomic compare-and-swap) does: an allreduce's buffers (its outputs where they lie,
+   or a bucket packed) in one share per rank, whose claimer sums every rank's copy in
+   rank order and stores the sum into all of them,
    so every rank ends with the same bytes, as replicas must; a parameter server's
    reduce likewise, adding into the root's copy only; its broadcast, a copy of the
    root's tensor into each other rank's buffer. A rank does items only when it has
@@ -60,8 +61,8 @@ from purinec.ir.graph import Node
 from purinec.ir.ops import broadcast_types
 from purinec.ir.types import Device
 from purinec.runtime.atomics import compare_and_swap, fence, fetch_add, ready as ready_atomics
-from purinec.runtime.collectives import (Packing, PerArrays, broadcast_copies, sum_in_order,
-                                         summand_types)
+from purinec.runtime.collectives import (Copies, Packing, PerArrays, broadcast_copies,
+                                         reducer, summand_types)
 from purinec.runtime.memory import ALIGNMENT, aligned
 from purinec.runtime.plan import FreshArenas, aligned_start
 
@@ -75,11 +76,9 @@ SHARED_MEMORY_DIR = "/dev/shm"
 
 # ALIGNMENT (the arenas' 64 bytes) is a cache line: ranks writing neighbouring chunks
 # never share one.
-# Each kernel has one control line per rank, int64 words: ready, done, then the byte
-# offset of each of its buffers (one per dtype of a bucket) in the rank's segment.
+# Each kernel has its control words on each rank, on cache lines of their own (int64):
+# ready, done, then the byte offset of each of its buffers in the rank's segment.
 READY, DONE, OFFSETS = 0, 1, 2
-CONTROL_WORDS = ALIGNMENT // 8
-MAX_BUFFERS = CONTROL_WORDS - OFFSETS
 
 
 def shared_groups(spans: Sequence[tuple[int, ...]], world: "World") -> dict:
@@ -130,7 +129,7 @@ class SharedGroup:
         """Each device's arena of ``arena_bytes`` bytes: in a shared window (collective
         over the group's ranks), to which the kernels are then bound, when every rank
         agrees there is room; else private memory, and the kernels use MPI. This rank's
-        segment: the kernels' control lines and claims, then, on pages of their own, the
+        segment: the kernels' control words and claims, then, on pages of their own, the
         kernels' staging buffers and the arenas."""
         from mpi4py import MPI
 
@@ -142,7 +141,9 @@ class SharedGroup:
             raise PurinecError(f"ranks disagree on the collectives they share: "
                                f"{', '.join(map(str, counts))} kernels")
         size = self.comm.size
-        claims, top = {}, len(self.kernels) * ALIGNMENT
+        controls, claims, top = {}, {}, 0
+        for kernel in self.kernels:
+            controls[kernel], top = top, top + aligned(8 * (OFFSETS + kernel.buffer_count))
         for kernel in self.kernels:
             claims[kernel], top = top, top + aligned(8 * kernel.claim_words(size))
         # The rest (scratch, which `release` gives back) on whole pages of its own.
@@ -168,11 +169,11 @@ class SharedGroup:
         self.segments = [_aligned_segment(self.window, r) for r in range(size)]
         mine = self.segments[self.comm.rank]
         mine[:control] = 0  # no step is ready, done or claimed yet
-        for k, kernel in enumerate(self.kernels):
+        for kernel in self.kernels:
             staging = mine[starts[kernel]:starts[kernel] + kernel.staging_bytes]
-            kernel.bind(k, claims[kernel], staging)
+            kernel.bind(controls[kernel], claims[kernel], staging)
         fence()
-        self.comm.Barrier()  # every rank's control lines are zero before any is read
+        self.comm.Barrier()  # every rank's control words are zero before any is read
         return {device: mine[starts[device]:starts[device] + arena_bytes[device]]
                 for device in arena_bytes}
 
@@ -180,7 +181,7 @@ class SharedGroup:
         """Give the pages of this rank's staging buffers and arenas back to the system
         (``MADV_REMOVE``: they read as zeros when next touched). Not collective: once a
         call has returned here, no rank touches these buffers until the next one, and
-        what a call leaves there is scratch. The control lines stay, with their steps."""
+        what a call leaves there is scratch. The control words stay, with their steps."""
         if not self.shared or not hasattr(mmap, "MADV_REMOVE"):
             return
         base = self.segments[self.comm.rank].ctypes.data
@@ -235,6 +236,7 @@ class _SharedCollective:
     the op's."""
 
     asynchronous = True
+    buffer_count = 1  # the most buffers a call publishes
 
     def __init__(self, node: Node, group: SharedGroup, fallback: Callable,
                  staging_bytes: int):
@@ -252,16 +254,18 @@ class _SharedCollective:
         (see `_ClaimedWork`)."""
         return 0
 
-    def bind(self, k: int, claims: int, staging: np.ndarray) -> None:
-        """Kernel ``k`` of the group's window, its shared words from byte ``claims`` of
-        rank 0's segment, and ``staging`` bytes in this rank's segment."""
+    def bind(self, control: int, claims: int, staging: np.ndarray) -> None:
+        """The kernel's control words from byte ``control`` of each rank's segment, its
+        shared words from byte ``claims`` of rank 0's, and ``staging`` bytes in this
+        rank's."""
         segments, rank = self.group.segments, self.group.comm.rank
-        self.controls = [segment[k * ALIGNMENT:(k + 1) * ALIGNMENT].view(np.int64)
+        words = OFFSETS + self.buffer_count
+        self.controls = [segment[control:control + 8 * words].view(np.int64)
                          for segment in segments]
         self.mine = self.controls[rank]
         self.peers = [c for q, c in enumerate(self.controls) if q != rank]
-        words = self.claim_words(len(segments))
-        self.claims = segments[0][claims:claims + 8 * words].view(np.int64)
+        shared = self.claim_words(len(segments))
+        self.claims = segments[0][claims:claims + 8 * shared].view(np.int64)
         self._bind_staging(staging)
 
     def __call__(self, *arrays: np.ndarray):
@@ -413,8 +417,8 @@ class _ClaimedWork(_SharedCollective):
     def _do(self, item: int, buffers: list[np.ndarray]) -> None:
         raise NotImplementedError
 
-    def bind(self, k: int, claims: int, staging: np.ndarray) -> None:
-        super().bind(k, claims, staging)
+    def bind(self, control: int, claims: int, staging: np.ndarray) -> None:
+        super().bind(control, claims, staging)
         size, rank = len(self.controls), self.group.comm.rank
         self.items = self._items(size)
         own = self._owned(size, rank)
@@ -435,52 +439,61 @@ class _ClaimedWork(_SharedCollective):
 
 
 class _Sum(_ClaimedWork):
-    """A sum over the members (an allreduce's or a reduce's): this rank's members' pieces
-    of each tensor added up in group order, packed into the kernel's staging buffers
-    (one per dtype of the bucket; one tensor whose output lies in the window, the
-    planner's arena, is summed where it lies instead), and each buffer cut into one
-    chunk per rank, which is an item: `_combine` says what a chunk's claimer does with
-    every rank's copy of it."""
+    """A sum over the members (an allreduce's or a reduce's) of a bucket's tensors, in
+    buffers in the window: where this rank's outputs of the sums all lie in the window
+    (the planner's arena), each tensor's own output, summed
+    where it lies (`_into_place` puts this rank's part there first); otherwise the
+    kernel's staging buffers, one per dtype, into which this rank's members' pieces are
+    packed. The buffers' elements, taken as one sequence, are cut into one share per
+    rank (`_shares`), which is an item: `_combine` says what its claimer does with
+    every rank's copy of each of its pieces."""
 
     def __init__(self, node: Node, group: SharedGroup, fallback: Callable):
         members = len(node.inputs) // node.attrs["tensors"]
         self.types = summand_types(node, members)
-        dtypes = {t.dtype for t in self.types}
-        if len(dtypes) > MAX_BUFFERS:
-            raise PurinecError(f"node {node!r}: a bucket of more than {MAX_BUFFERS} dtypes")
         super().__init__(node, group, fallback, _packed_bytes(self.types))
-        self.members, self.per, self.buffer_count = members, len(self.types), len(dtypes)
+        self.members, self.per = members, len(self.types)
+        self.buffer_count = self.per  # (packed: one per dtype, no more)
         self._chunked: tuple[list | None, list] = (None, [])
 
     def _items(self, size: int) -> int:
-        return self.buffer_count * size  # item c: chunk c % size of buffer c // size
+        return size
 
     def _owned(self, size: int, rank: int) -> list[int]:
-        return [i * size + rank for i in range(self.buffer_count)]
+        return [rank]
 
     def _bind_staging(self, staging: np.ndarray) -> None:
         self.packing = Packing(self.types, self.members, _staging_allocator(staging))
 
-    def _packed(self, inputs, outputs):
+    def _stage(self, arrays):
+        inputs, outputs = self._operands(arrays)
+        if len(outputs) == self.per and all(
+                self.group.offset(y) is not None for y in outputs):
+            return ([y.reshape(-1) for y in outputs], self._into_place(inputs, outputs),
+                    _nothing)
         return (list(self.packing.buffers.values()),
                 self.packing.packer(inputs), self.packing.unpacker(outputs))
 
+    def _operands(self, arrays) -> tuple[Sequence[np.ndarray], Sequence[np.ndarray]]:
+        raise NotImplementedError
+
+    def _into_place(self, inputs, outputs) -> Callable[[], None]:
+        """What puts this rank's part of each sum into its output, at every call."""
+        raise NotImplementedError
+
     def _do(self, item: int, buffers: list[np.ndarray]) -> None:
-        copies = self._chunks(buffers)[item]
-        if copies:
+        for copies in self._chunks(buffers)[item]:
             self._combine(copies)
 
-    def _chunks(self, buffers: list[np.ndarray]) -> list[list[np.ndarray]]:
-        """Each item's chunk in every rank's copy (none where the chunk is empty), made
-        again only when some rank's buffers have moved (`views`)."""
+    def _chunks(self, buffers: list[np.ndarray]) -> list[list[list[np.ndarray]]]:
+        """Each item's pieces, each in every rank's copy, made again only when some
+        rank's buffers have moved (`views`)."""
         views = self.views([b.nbytes for b in buffers])
         if views is not self._chunked[0]:
-            size, chunks = len(self.controls), []
-            for item in range(self.items):
-                i, r = divmod(item, size)
-                lo, hi = _chunk(buffers[i].size, buffers[i].itemsize, r, size)
-                chunks.append([copy.view(buffers[i].dtype)[lo:hi] for copy in views[i]]
-                              if lo < hi else [])
+            shares = _shares([b.size for b in buffers], [b.itemsize for b in buffers],
+                             len(self.controls))
+            chunks = [[[copy.view(buffers[i].dtype)[lo:hi] for copy in views[i]]
+                       for i, lo, hi in share] for share in shares]
             self._chunked = (views, chunks)
         return self._chunked[1]
 
@@ -497,14 +510,12 @@ class SharedAllreduce(_Sum):
         super().__init__(node, group, fallback)
         self.count = len(node.inputs)
 
-    def _stage(self, arrays):
-        inputs, outputs = arrays[:self.count], arrays[self.count:]
-        if self.count == 1 and self.group.offset(outputs[0]) is not None:
-            x, y = inputs[0], outputs[0]
-            same = x.ctypes.data == y.ctypes.data
-            prepare = _nothing if same else functools.partial(np.copyto, y, x)
-            return [y.reshape(-1)], prepare, _nothing
-        return self._packed(inputs, outputs)
+    def _operands(self, arrays):
+        return arrays[:self.count], arrays[self.count:]
+
+    def _into_place(self, inputs, outputs) -> Callable[[], None]:
+        pairs = [(y, x) for x, y in zip(inputs, outputs) if x.ctypes.data != y.ctypes.data]
+        return Copies(pairs) if pairs else _nothing
 
     def _combine(self, copies: list[np.ndarray]) -> None:
         total = copies[0]
@@ -523,12 +534,11 @@ class SharedReduce(_Sum):
         super().__init__(node, group, fallback)
         self.root = fallback.root  # the root's rank in the group's communicator
 
-    def _stage(self, arrays):
-        inputs, outputs = arrays[:-self.per], arrays[-self.per:]
-        if self.per == 1 and self.group.offset(outputs[0]) is not None:
-            return ([outputs[0].reshape(-1)], functools.partial(sum_in_order, *arrays),
-                    _nothing)
-        return self._packed(inputs, outputs)
+    def _operands(self, arrays):
+        return arrays[:-self.per], arrays[-self.per:]
+
+    def _into_place(self, inputs, outputs) -> Callable[[], None]:
+        return functools.partial(reducer(self.per), *inputs, *outputs)
 
     def _combine(self, copies: list[np.ndarray]) -> None:
         total = copies[self.root]
@@ -601,11 +611,24 @@ class SharedAllgather(_SharedCollective):
         return all(control[DONE] >= pending.step for control in self.peers)
 
 
-def _chunk(n: int, itemsize: int, rank: int, size: int) -> tuple[int, int]:
-    """Rank ``rank``'s share of ``n`` items: consecutive, starting on a cache line."""
-    per_line = max(1, ALIGNMENT // itemsize)
+def _shares(sizes: Sequence[int], itemsizes: Sequence[int], parts: int
+            ) -> list[list[tuple[int, int, int]]]:
+    """The elements of buffers of ``sizes`` (and ``itemsizes``), taken as one sequence,
+    cut into ``parts`` shares as even as cache lines allow: for each share, its pieces
+    (buffer, lo, hi), none empty. A cut within a buffer falls on one of its cache lines,
+    so ranks writing neighbouring shares never write one line."""
+    total, start = sum(sizes), 0
+    shares: list[list[tuple[int, int, int]]] = [[] for _ in range(parts)]
+    for i, (n, itemsize) in enumerate(zip(sizes, itemsizes)):
+        per_line = max(1, ALIGNMENT // itemsize)
 
-    def bound(r: int) -> int:
-        return n if r == size else n * r // size // per_line * per_line
+        def cut(part: int) -> int:
+            local = min(max(total * part // parts - start, 0), n)
+            return local if local == n else local // per_line * per_line
 
-    return bound(rank), bound(rank + 1)
+        for part in range(parts):
+            lo, hi = cut(part), cut(part + 1)
+            if lo < hi:
+                shares[part].append((i, lo, hi))
+        start += n
+    return shares

@@ -1,5 +1,5 @@
 """Each rank runs a graph of allreduce and allgather nodes over every rank (two devices a
-rank), over this rank's two devices only, and (with 3 ranks or more, unless an option
+rank; and a bucket over the first device of each), over this rank's two devices only, and (with 3 ranks or more, unless an option
 says "no-ends") over the first and last rank, and a parameter server's reduce (of a
 bucket) and broadcast (of the bucket's f32 sums) over every rank; saves its inputs and
 outputs of each call to OUTDIR/rank<R>.call<C>.npz, and the kind of kernel each
@@ -24,6 +24,8 @@ from purinec.runtime import comm, shm
 
 CALLS = 2
 BUCKET = [((5, 4), DType.f32), ((7,), DType.f64), ((3, 2, 2), DType.f32)]
+# More tensors than a cache line of control words has room for the offsets of.
+PAIRS = BUCKET + [((3,), DType.f32)] * 3 + [((2, 5), DType.f64)] * 3
 
 
 def build(world: comm.World, ends: bool = True) -> Graph:
@@ -50,6 +52,7 @@ def build(world: comm.World, ends: bool = True) -> Graph:
         outputs.extend((v.name, v) for v in node.outputs)
 
     reduce("bucket", both, BUCKET)
+    reduce("pair", firsts, PAIRS)  # (one member a rank: summed where the outputs lie)
     reduce("one", firsts, [((1000,), DType.f64)])
     reduce("local", mine, [((6,), DType.f32)])
     if ends and size >= 3 and rank in (0, size - 1):

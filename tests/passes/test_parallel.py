@@ -871,11 +871,12 @@ def test_a_bucket_never_grows_past_a_read_of_its_results():
 
 
 def test_a_bucket_spans_little_work_counting_memory_traffic():
-    """Two gradients made on either side of a node that does no arithmetic but moves a
-    lot of memory (a pooling gradient, a concat) are not held back for each other."""
-    from purinec.passes.parallel.bucket import bucket
+    """Two gradients (not small ones) made on either side of a node that does no
+    arithmetic but moves a lot of memory (a pooling gradient, a concat) are not held
+    back for each other."""
+    from purinec.passes.parallel.bucket import SMALL_BUCKET_BYTES, bucket
 
-    g, reduced = _partial_graph([10, 10])
+    g, reduced = _partial_graph([SMALL_BUCKET_BYTES // 4, 10])
     group = reduced[0].outputs[0].dist.group
     whole = Distribution(DistKind.replicated, group)
     a = g.add_input("a", TensorType((64, 64), DType.f32), group[0], dist=whole)
@@ -893,6 +894,24 @@ def test_a_bucket_spans_little_work_counting_memory_traffic():
     g.nodes = [product, reduced[0], reduced[1], joined]  # nothing between them: one bucket
     assert [n.op for n in bucket(g, limit=1 << 20).nodes] == ["matmul", "allreduce",
                                                              "concat"]
+
+
+def test_small_gradients_wait_for_the_next_bucket_however_much_work_comes_between():
+    from purinec.passes.parallel.bucket import SMALL_BUCKET_BYTES, bucket
+
+    g, reduced = _partial_graph([10, SMALL_BUCKET_BYTES // 8])
+    group = reduced[0].outputs[0].dist.group
+    whole = Distribution(DistKind.replicated, group)
+    a = g.add_input("a", TensorType((64, 64), DType.f32), group[0], dist=whole)
+    product = g.make_node("matmul", [a, a], names=["p"])  # the graph's work
+    product.outputs[0].dist = whole
+    g.nodes = [reduced[0], product, *reduced[1:]]
+    g.set_outputs([("p", product.outputs[0])] +
+                  [(f"y{i}", n.outputs[0]) for i, n in enumerate(reduced)])
+    merged = bucket(g, limit=1 << 20)
+    verify(merged)
+    assert [(n.op, n.attrs.get("tensors")) for n in merged.nodes] == [
+        ("matmul", None), ("allreduce", 2)]
 
 
 def test_reduces_onto_one_server_are_bucketed_and_sum_as_before():

@@ -168,14 +168,25 @@ def test_kernels_refuse_what_they_cannot_do():
         comm.mpi_kernel(graph.add_node("copy", [b]), comm.world())
 
 
-@given(n=st.integers(0, 5000), itemsize=st.sampled_from([4, 8]), size=st.integers(1, 9))
-def test_shared_memory_chunks_cover_a_buffer_once_each_from_a_cache_line(n, itemsize, size):
-    chunks = [shm._chunk(n, itemsize, rank, size) for rank in range(size)]
-    assert chunks[0][0] == 0 and chunks[-1][1] == n
-    for (_, hi), (lo, _) in zip(chunks, chunks[1:]):
-        assert hi == lo
-    for lo, hi in chunks:
-        assert lo <= hi and lo * itemsize % shm.ALIGNMENT == 0
+@given(buffers=st.lists(st.tuples(st.integers(0, 3000), st.sampled_from([4, 8])),
+                        min_size=1, max_size=6),
+       parts=st.integers(1, 9))
+def test_shared_memory_shares_cover_every_buffer_once_evenly_from_cache_lines(buffers,
+                                                                            parts):
+    sizes, itemsizes = [n for n, _ in buffers], [itemsize for _, itemsize in buffers]
+    shares = shm._shares(sizes, itemsizes, parts)
+    assert len(shares) == parts
+    covered = [np.zeros(n, int) for n in sizes]
+    for share in shares:
+        for i, lo, hi in share:
+            assert lo < hi and lo * itemsizes[i] % shm.ALIGNMENT == 0
+            covered[i][lo:hi] += 1
+    assert all((c == 1).all() for c in covered)
+    # Each share within a cache line per buffer of an even cut.
+    slack = sum(shm.ALIGNMENT // itemsize for itemsize in itemsizes)
+    for part, share in enumerate(shares):
+        even = sum(sizes) * (part + 1) // parts - sum(sizes) * part // parts
+        assert abs(sum(hi - lo for _, lo, hi in share) - even) <= slack
 
 
 def test_a_shared_memory_allreduce_without_its_window_says_so():
@@ -255,6 +266,11 @@ def check_collectives(outdir: Path, size: int, ends: bool = True) -> None:
         for t in range(3):
             check_sum([inputs[f"bucket{t}.p{k}"] for k in range(2 * size)],
                       member_outs(f"bucket_out{t}"))
+        pairs = {name.split(".")[0] for name in inputs if name.startswith("pair")}
+        assert len(pairs) == 9
+        for pair in pairs:
+            check_sum([inputs[f"{pair}.p{r}"] for r in range(size)],
+                      member_outs(pair.replace("pair", "pair_out")))
         check_sum([inputs[f"one.p{r}"] for r in range(size)], member_outs("one_out"))
         for r_in, r_out in ranks:
             check_sum([r_in["local.p0"], r_in["local.p1"]],
@@ -296,7 +312,7 @@ def kernels_over_all_ranks(outdir: Path, size: int) -> set[str]:
     that every rank describes its communication as they say."""
     saved = [json.loads((outdir / f"rank{r}.kernels.json").read_text()) for r in range(size)]
     kinds = {kind for ranks in saved for name, kind in ranks["kinds"].items()
-             if name.startswith(("bucket_out", "one_out", "gather_out", "rows_out", "ps_"))}
+             if name.startswith(("bucket_out", "pair_out", "one_out", "gather_out", "rows_out", "ps_"))}
     shared = any(kind.endswith("in shared memory") for kind in kinds)
     for ranks in saved:
         assert ranks["communication"] == ("shared memory" if shared else "MPI")

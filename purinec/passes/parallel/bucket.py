@@ -9,7 +9,10 @@ last gradient exists, while the rest of the backward pass goes on. A bucket neve
 past a point where one of its results is already needed, nor across more than
 BUCKET_SPAN of the graph's work (`cost.node_work`: FLOPs, or memory traffic where that
 dominates): a gradient made early is not held back for one made much later (the last
-bucket of an iteration, which nothing can hide, stays small).
+bucket of an iteration, which nothing can hide, stays small). A bucket of under
+SMALL_BUCKET_BYTES has no such limit: its bytes take less time to move than its fixed
+cost (posting and completing a collective costs a rank 10-40 us of Python with cold
+caches), so sending them early gains nothing and a collective of their own costs that.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from purinec.passes.cost import node_work
 
 BUCKET_BYTES = 1 << 19
 BUCKET_SPAN = 0.05  # of the graph's work, from a bucket's first member to its last
+SMALL_BUCKET_BYTES = 1 << 16
 
 
 def bucket(graph: Graph, limit: int = BUCKET_BYTES) -> Graph:
@@ -38,7 +42,8 @@ def bucket(graph: Graph, limit: int = BUCKET_BYTES) -> Graph:
         key = _kind(node)
         current = filling.get(key)
         if (current is not None and _fits(current, node, limit, position, first_use) and
-                done[position[id(node)]] - done[position[id(current[0])]] <= span):
+                (sum(map(_bytes, current)) < SMALL_BUCKET_BYTES or
+                 done[position[id(node)]] - done[position[id(current[0])]] <= span)):
             current.append(node)
         else:
             filling[key] = [node]
