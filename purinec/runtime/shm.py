@@ -440,20 +440,20 @@ class _ClaimedWork(_SharedCollective):
 
 class _Sum(_ClaimedWork):
     """A sum over the members (an allreduce's or a reduce's) of a bucket's tensors, in
-    buffers in the window: where this rank's outputs of the sums all lie in the window
-    (the planner's arena), each tensor's own output, summed
-    where it lies (`_into_place` puts this rank's part there first); otherwise the
-    kernel's staging buffers, one per dtype, into which this rank's members' pieces are
-    packed. The buffers' elements, taken as one sequence, are cut into one share per
-    rank (`_shares`), which is an item: `_combine` says what its claimer does with
-    every rank's copy of each of its pieces."""
+    one buffer a tensor in the window: where this rank's outputs of the sums all lie in
+    the window (the planner's arena), the outputs themselves, summed where they lie
+    (`_into_place` puts this rank's part there first); otherwise their segments of the
+    kernel's staging buffers, into which this rank's members' pieces are packed. Either
+    way, buffer i is tensor i on every rank. The buffers' elements, taken as one
+    sequence, are cut into one share per rank (`_shares`), which is an item: `_combine`
+    says what its claimer does with every rank's copy of each of its pieces."""
 
     def __init__(self, node: Node, group: SharedGroup, fallback: Callable):
         members = len(node.inputs) // node.attrs["tensors"]
         self.types = summand_types(node, members)
         super().__init__(node, group, fallback, _packed_bytes(self.types))
         self.members, self.per = members, len(self.types)
-        self.buffer_count = self.per  # (packed: one per dtype, no more)
+        self.buffer_count = self.per
         self._chunked: tuple[list | None, list] = (None, [])
 
     def _items(self, size: int) -> int:
@@ -471,8 +471,7 @@ class _Sum(_ClaimedWork):
                 self.group.offset(y) is not None for y in outputs):
             return ([y.reshape(-1) for y in outputs], self._into_place(inputs, outputs),
                     _nothing)
-        return (list(self.packing.buffers.values()),
-                self.packing.packer(inputs), self.packing.unpacker(outputs))
+        return self.packing.segments, self.packing.packer(inputs), self.packing.unpacker(outputs)
 
     def _operands(self, arrays) -> tuple[Sequence[np.ndarray], Sequence[np.ndarray]]:
         raise NotImplementedError

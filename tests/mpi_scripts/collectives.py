@@ -21,6 +21,7 @@ from common import add_collective, executable, group_text, random_env, save
 from purinec.ir.graph import Graph
 from purinec.ir.types import DType, Device, TensorType
 from purinec.runtime import comm, shm
+from purinec.runtime.memory import ALIGNMENT
 
 CALLS = 2
 BUCKET = [((5, 4), DType.f32), ((7,), DType.f64), ((3, 2, 2), DType.f32)]
@@ -130,7 +131,35 @@ def main() -> int:
     y = np.full(one.inputs[0].type.shape, world.rank + 1.0)
     ran(y, y).wait()
     save(f"{sys.argv[1]}/rank{world.rank}.aliased.npz", {}, {"x": x, "y": y})
+    # The bucket of one member a rank, its arrays in rank 0's window (summed where they
+    # lie) and the caller's elsewhere (staged): every rank's buffers still line up.
+    [pair] = [task for task in exe.plan.tasks if task.node.op == "allreduce" and
+              task.node.outputs[0].name.startswith("pair_out")]
+    arrays = [_in_window(exe, value.type) if world.rank == 0 else
+              np.empty(value.type.shape, value.type.dtype.numpy)
+              for value in pair.node.inputs]
+    group = getattr(pair.fn, "group", None)  # (a shared-memory kernel's)
+    if world.rank == 0 and group is not None and group.shared:
+        assert all(group.offset(array) is not None for array in arrays)
+    for t, array in enumerate(arrays):
+        array[...] = (world.rank + 1) * (t + 1)
+    pair.fn(*arrays, *arrays).wait()
+    save(f"{sys.argv[1]}/rank{world.rank}.mixed.npz", {},
+         {f"t{t}": array for t, array in enumerate(arrays)})
     return 0
+
+
+_carved = 0
+
+
+def _in_window(exe, value_type) -> np.ndarray:
+    """An array of ``value_type`` in this rank's arena (scratch between calls)."""
+    global _carved
+    arena = max(exe.plan.arenas.values(), key=len)  # (in the window of every rank's group)
+    assert len(arena) >= _carved + ALIGNMENT + value_type.nbytes, "too small an arena"
+    start = -(-_carved // ALIGNMENT) * ALIGNMENT
+    _carved = start + value_type.nbytes
+    return arena[start:_carved].view(value_type.dtype.numpy).reshape(value_type.shape)
 
 
 if __name__ == "__main__":

@@ -305,6 +305,10 @@ def check_collectives(outdir: Path, size: int, ends: bool = True) -> None:
         _, aliased = load(outdir / f"rank{r}.aliased.npz")
         np.testing.assert_array_equal(aliased["x"], size * (size + 1) / 2)
         np.testing.assert_array_equal(aliased["y"], size * (size + 1) / 2)
+        _, mixed = load(outdir / f"rank{r}.mixed.npz")
+        assert len(mixed) == 9
+        for t in range(9):
+            np.testing.assert_array_equal(mixed[f"t{t}"], (t + 1) * size * (size + 1) / 2)
 
 
 def kernels_over_all_ranks(outdir: Path, size: int) -> set[str]:
