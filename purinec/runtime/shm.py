@@ -452,8 +452,8 @@ class _Sum(_ClaimedWork):
         members = len(node.inputs) // node.attrs["tensors"]
         self.types = summand_types(node, members)
         super().__init__(node, group, fallback, _packed_bytes(self.types))
-        self.members, self.per = members, len(self.types)
-        self.buffer_count = self.per
+        self.members = members
+        self.per = self.buffer_count = len(self.types)
         self._chunked: tuple[list | None, list] = (None, [])
 
     def _items(self, size: int) -> int:
@@ -471,7 +471,8 @@ class _Sum(_ClaimedWork):
                 self.group.offset(y) is not None for y in outputs):
             return ([y.reshape(-1) for y in outputs], self._into_place(inputs, outputs),
                     _nothing)
-        return self.packing.segments, self.packing.packer(inputs), self.packing.unpacker(outputs)
+        packing = self.packing
+        return packing.segments, packing.packer(inputs), packing.unpacker(outputs)
 
     def _operands(self, arrays) -> tuple[Sequence[np.ndarray], Sequence[np.ndarray]]:
         raise NotImplementedError
