@@ -1331,3 +1331,24 @@ def test_compile_kernels_covers_every_node_of_a_graph():
     assert list(kernels) == g.nodes
     assert [k.name for k in kernels.values()] == ["matmul", "relu"]
     assert kernels[g.nodes[1]].nodes == (g.nodes[1],)
+
+
+@given(size=st.integers(0, 40), before=st.integers(0, 5), after=st.integers(0, 5),
+       stride=st.integers(1, 4), spare=st.integers(0, 2))
+def test_a_padded_axis_is_zeroed_exactly_outside_its_image(size, before, after, stride,
+                                                           spare):
+    """`cpu_conv._outside`: in each phase of an axis of ``before + size + after``
+    positions split ``stride`` ways (and ``spare`` more indices, as a phase plane's spare
+    row), the ranges zeroed are the indices standing for positions outside the image."""
+    from purinec.codegen.cpu_conv import _outside
+
+    padded = before + size + after
+    extent = -(-padded // stride) + spare
+    for phase in range(stride):
+        zeroed = np.zeros(extent, bool)
+        for span in _outside(size, before, stride, phase, extent):
+            lo, hi = map(int, span.split(":"))
+            assert lo < hi
+            zeroed[lo:hi] = True
+        position = np.arange(extent) * stride + phase
+        assert (zeroed == ((position < before) | (position >= before + size))).all()
