@@ -62,8 +62,10 @@ MODELS = {"lenet": 64, "cifar_quick": 100}
 SOLVER = {"lr": 0.01, "momentum": 0.9, "weight_decay": 5e-4}
 REPO = Path(__file__).resolve().parent.parent
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
-# The weak-scaling goals of 2 ranks against one (issue 4): efficiency, hidden share.
+# The weak-scaling goals of 2 ranks against one (issue 4): efficiency, hidden share;
+# and (issue 27) the efficiency within this much of the lockstep bound.
 GOALS = {"efficiency": 0.90, "hidden": 0.90}
+LOCKSTEP_GAP = 0.03
 
 
 def worker(args) -> None:
@@ -367,13 +369,15 @@ def _row(model: str, mode: str, summary: dict) -> str:
 
 
 def goals_met(runs: list[dict]) -> str:
-    """How many runs met the weak-scaling goals (unrounded values), and in how many the
-    lockstep bound even allowed the efficiency goal. Where runs measured it, also how
-    many hid that much of the communication once every rank had posted it (the
-    transfers themselves, without the waits for a peer still computing)."""
+    """How many runs met the weak-scaling goals (unrounded values), in how many the
+    lockstep bound even allowed the efficiency goal, and in how many the efficiency
+    came within LOCKSTEP_GAP of that bound. Where runs measured it, also how many hid
+    that much of the communication once every rank had posted it (the transfers
+    themselves, without the waits for a peer still computing)."""
     efficient = [run["efficiency"] >= GOALS["efficiency"] for run in runs]
     hidden = [run["hidden_fraction"] >= GOALS["hidden"] for run in runs]
     bound = [run["lockstep_efficiency"] >= GOALS["efficiency"] for run in runs]
+    near = [run["efficiency"] >= run["lockstep_efficiency"] - LOCKSTEP_GAP for run in runs]
     both = [e and h for e, h in zip(efficient, hidden)]
     posted = [share for run in runs
               if (share := run.get("hidden_once_posted_fraction")) is not None]
@@ -381,7 +385,8 @@ def goals_met(runs: list[dict]) -> str:
             f"{len(posted)})" if posted else "")
     return (f"  {len(runs)} runs: efficiency >= {GOALS['efficiency']:.2f} in "
             f"{sum(efficient)}, hidden >= {GOALS['hidden']:.0%} in {sum(hidden)}{once}, "
-            f"both in {sum(both)}; lockstep >= {GOALS['efficiency']:.2f} in {sum(bound)}")
+            f"both in {sum(both)}; lockstep >= {GOALS['efficiency']:.2f} in {sum(bound)}; "
+            f"within {LOCKSTEP_GAP * 100:.0f} points of lockstep in {sum(near)}")
 
 
 def _maybe(value: float | None, spec: str) -> str:
