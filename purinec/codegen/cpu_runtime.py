@@ -421,17 +421,6 @@ def _store(typingctx, address, index, value):
 
 
 @intrinsic
-def _claim(typingctx, address, index):
-    """Make word ``index`` 1 if it is 0; whether it was."""
-    def codegen(context, builder, signature, args):
-        swapped = builder.cmpxchg(_word(builder, *args), ir.Constant(I64, 0),
-                                  ir.Constant(I64, 1), "seq_cst", "seq_cst")
-        return builder.extract_value(swapped, 1)
-
-    return types.boolean(types.int64, types.int64), codegen
-
-
-@intrinsic
 def _swap(typingctx, address, index, expected, new):
     """Make word ``index`` ``new`` if it is ``expected``; whether it was."""
     def codegen(context, builder, signature, args):
@@ -584,7 +573,7 @@ def _run_blocks(team, threads, lo, hi, entry, arrays):
         if offered == blocks:
             break
         line = _line(team, helper)
-        if _claim(line, CLAIM):
+        if _swap(line, CLAIM, 0, 1):
             if counter == 0:
                 counter = line
                 _store(line, NEXT, 0)
@@ -670,7 +659,7 @@ def _serve(team, helper):
 def _retire(team, helper):
     """Take the helper for good (once its caller frees it) and tell it to STOP."""
     line = _line(team, helper)
-    while not _claim(line, CLAIM):
+    while not _swap(line, CLAIM, 0, 1):
         _pause()
     _store(line, STATE, STOP)
     if _load(line, ASLEEP):
