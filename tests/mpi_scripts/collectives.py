@@ -135,9 +135,9 @@ def main() -> int:
     # lie) and the caller's elsewhere (staged): every rank's buffers still line up.
     [pair] = [task for task in exe.plan.tasks if task.node.op == "allreduce" and
               task.node.outputs[0].name.startswith("pair_out")]
-    arrays = [_in_window(exe, value.type) if world.rank == 0 else
-              np.empty(value.type.shape, value.type.dtype.numpy)
-              for value in pair.node.inputs]
+    value_types = [value.type for value in pair.node.inputs]
+    arrays = (_in_window(exe, value_types) if world.rank == 0 else
+              [np.empty(t.shape, t.dtype.numpy) for t in value_types])
     group = getattr(pair.fn, "group", None)  # (a shared-memory kernel's)
     if world.rank == 0 and group is not None and group.shared:
         assert all(group.offset(array) is not None for array in arrays)
@@ -149,17 +149,17 @@ def main() -> int:
     return 0
 
 
-_carved = 0
-
-
-def _in_window(exe, value_type) -> np.ndarray:
-    """An array of ``value_type`` in this rank's arena (scratch between calls)."""
-    global _carved
+def _in_window(exe, value_types) -> list[np.ndarray]:
+    """Arrays of ``value_types`` one after another in this rank's arena (scratch between
+    calls), each from an aligned byte."""
     arena = max(exe.plan.arenas.values(), key=len)  # (in the window of every rank's group)
-    assert len(arena) >= _carved + ALIGNMENT + value_type.nbytes, "too small an arena"
-    start = -(-_carved // ALIGNMENT) * ALIGNMENT
-    _carved = start + value_type.nbytes
-    return arena[start:_carved].view(value_type.dtype.numpy).reshape(value_type.shape)
+    arrays, top = [], 0
+    for t in value_types:
+        start = -(-top // ALIGNMENT) * ALIGNMENT
+        top = start + t.nbytes
+        assert top <= len(arena), "too small an arena"
+        arrays.append(arena[start:top].view(t.dtype.numpy).reshape(t.shape))
+    return arrays
 
 
 if __name__ == "__main__":
