@@ -13,7 +13,7 @@ import numpy as np
 
 from purinec.errors import (ExecutionError, ExportError, PurinecError, PurinecWarning,
                             UnknownNameError)
-from purinec.ir.graph import Graph, Value
+from purinec.ir.graph import Graph, Value, updated_variables
 from purinec.ir.init import initial_value
 from purinec.ir.types import Device, DType, TensorType
 from purinec.ir.verify import verify
@@ -516,13 +516,6 @@ def step_graph(graph: Graph) -> Graph:
     iteration from a .pir file) keeps them: `Program.run` reads them."""
     names = {v.name for v in graph.inputs_with_role("param", "state")}
     return keep_outputs(graph, lambda name, value: name in names or value.type.rank == 0)
-
-
-def updated_variables(graph: Graph) -> list[str]:
-    """The params and state whose next value ``graph`` returns (an output of the name):
-    none for an inference graph, all of them for a training iteration."""
-    names = {v.name for v in graph.inputs_with_role("param", "state")}
-    return [name for name, _ in graph.outputs if name in names]
 
 
 def _warn_if_frozen(graph: Graph, params: TensorStore) -> None:

@@ -38,10 +38,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
-from purinec.codegen.cpu_gemm import lanes
+from purinec.codegen.cpu_gemm import MR, NW, lanes
+from purinec.codegen.kernel import CodegenError
 from purinec.codegen.cpu_module import KernelModule, atom, literal, renders
 from purinec.codegen.cpu_ops import affine, dtype_name, row_slice, span_of, split_loop
 from purinec.ir.graph import Node
+from purinec.ir.ops.linalg import panels_oihw
 from purinec.ir.nnref import pad_edges
 from purinec.ir.types import DType
 
@@ -56,17 +58,21 @@ def _tiled(m: KernelModule, node: Node, trans_a=False, trans_b=False) -> bool:
 
 def _gemm(m: KernelModule, node: Node, a: str, b: str, c: str, rows, cols, inner,
           lda, ldb, ldc, beta: int = 0, trans_a=False, trans_b=False,
-          b_rows: str | None = None) -> None:
+          b_rows: str | None = None, a_at: tuple[str, str] | None = None) -> None:
     """Row-major ``c[rows, cols] = op(a) @ op(b) + beta * c`` in one call: of
     `tiled_sgemm` where `_tiled`, else of CBLAS. With ``b_rows`` (`_tiled` only), an
-    int64 array: row ``r`` of ``b`` begins ``b_rows[r]`` elements after ``b``."""
+    int64 array: row ``r`` of ``b`` begins ``b_rows[r]`` elements after ``b``; with
+    ``a_at`` (likewise), int64 arrays ``(rows, taps)``: ``a[i, k]`` is ``rows[i] +
+    taps[k]`` elements after ``a``."""
     if _tiled(m, node, trans_a, trans_b):
         m.import_line("from purinec.codegen.cpu_gemm import tiled_sgemm")
         rows_at = f"{b_rows}.ctypes.data" if b_rows else "0"
-        m.body.line(f"tiled_sgemm({rows}, {cols}, {inner}, {a}.ctypes.data, {lda}, "
-                    f"{b}.ctypes.data, {ldb}, {rows_at}, {c}.ctypes.data, {ldc}, {beta})")
+        a_rows, a_taps = (f"{array}.ctypes.data" for array in a_at) if a_at else ("0", "0")
+        m.body.line(f"tiled_sgemm({rows}, {cols}, {inner}, {a}.ctypes.data, {lda}, {a_rows}, "
+                    f"{a_taps}, {b}.ctypes.data, {ldb}, {rows_at}, {c}.ctypes.data, {ldc}, "
+                    f"{beta})")
         return
-    assert b_rows is None, "rows of b at offsets are for tiled_sgemm only"
+    assert b_rows is None and a_at is None, "operands at offsets are for tiled_sgemm only"
     dtype = node.outputs[0].type.dtype
     fn = "sgemm" if dtype is DType.f32 else "dgemm"
     m.import_line(f"from purinec.codegen.cpu_runtime import {fn}")
@@ -440,7 +446,7 @@ def _groups(m: KernelModule, g: _Conv) -> Iterator[tuple[str, str]]:
         yield f"{gi} * {g.cg}", f"{gi} * {g.og}"
 
 
-@renders("conv2d")
+@renders("conv2d", "conv2d_panels")
 def render_conv2d(node: Node, m: KernelModule) -> None:
     emit_conv2d(node, m, *m.inputs, m.outputs[0])
 
@@ -448,12 +454,158 @@ def render_conv2d(node: Node, m: KernelModule) -> None:
 def emit_conv2d(node: Node, m: KernelModule, x: str, w: str, y: str | None,
                 epilogue: Callable[[str, str | None, tuple | None, tuple], None] | None = None
                 ) -> None:
-    g = _conv(node.inputs[0].type.shape, node.inputs[1].type.shape,
-              node.outputs[0].type.shape, node.attrs)
+    """A conv2d, or a conv2d_panels (`_pixel_major_forward`), into ``y`` (None: a
+    scratch), then ``epilogue`` on each block of it (see `_conv_forward`)."""
+    g = node_conv(node)
+    if node.op == "conv2d_panels":
+        width = node.inputs[1].type.shape[4]
+        if width != PANEL:
+            raise CodegenError(f"{node.op} {node.outputs[0].name}: the cpu target computes "
+                               f"panels of {PANEL} filters, not {width}")
+        panels = m.extent(w, 0, g.cout // PANEL, "panels")
+        g = replace(g, n=m.extent(x, 0, g.n, "images"), c=m.extent(x, 1, g.c, "channels"),
+                    cout=panels * PANEL)
+        _pixel_major_forward(node, m, g, x, w, y, panels, epilogue)
+        return
     if not _direct(m, g):  # (a direct nest unrolls its channels' loops: they stay constants)
         g = _read_sizes(m, g, images=(x, 0), channels=(x, 1), filters=(w, 0))
     m.body.line(f"w_mat = {m.view(w, (g.cout, g.K))}")
     _conv_forward(node, m, g, x, "w_mat", y, epilogue)
+
+
+def node_conv(node: Node) -> _Conv:
+    """The sizes of a conv2d or conv2d_panels node."""
+    w_shape = node.inputs[1].type.shape
+    if node.op == "conv2d_panels":
+        w_shape = panels_oihw(w_shape)
+    return _conv(node.inputs[0].type.shape, w_shape, node.outputs[0].type.shape, node.attrs)
+
+
+# Pixel-major convolutions (conv2d_panels): the product is pixels by filters, ``sums[p,
+# o] = sum over k of image_k[p] * w[k, o]``, vectors along the filters, the rows of
+# ``tiled_sgemm``'s left operand read from the (padded) image at ``pixels[p] +
+# taps[k]``: no im2col matrix, no phase planes, no column computed for nothing. Where
+# an image has few pixels its filter-major product fills few of a tile's lanes (49
+# pixels of a 7x7 map in 64; an implicit 3x3 product of 14x14 computes 16 columns a
+# row); its filters fill them. The weights come in panels of `PANEL` filters, one
+# product each, read in order: as one (C*kh*kw) x O matrix, a product read each tile's
+# rows 4 KB or more apart, and with the weights in memory (each read once at batch 1)
+# it ran slower than filter-major. One thread, tiled_sgemm alone (us, filter-major
+# against pixel-major), hot: 3x3 of 512 channels of 7x7 2922 / 2483, 256 of 14x14
+# 2516 / 2205, 128 of 28x28 2338 / 2183; 1x1 320 -> 1280 at 7x7 497 / 410; caches
+# flushed, half of the filters: 512 of 7x7 1521 / 1355 (one matrix 1895), 256 of 14x14
+# 1401 / 1199 (1291). Each block's sums are then transposed into the output (48, 50,
+# 67, 46 us hot).
+PANEL = NW
+
+
+def _pixel_major_forward(node: Node, m: KernelModule, g: _Conv, x: str, w: str,
+                         y: str | None, panels, epilogue: Callable | None) -> None:
+    """A conv2d_panels (one group, ``w`` of (``panels``, C, kh, kw, PANEL)) as
+    `_conv_forward` computes a conv2d, in blocks of output rows (`_image_rows`) or, for
+    few rows (`_by_filters`), of filters; each block's pixel-major ``sums`` transposed
+    into the output, then the epilogue."""
+    b, dtype, filters = m.body, dtype_name(node), g.cout
+    b.line(f"w_panels = {m.view(w, (panels, g.K, PANEL))}")
+    if y is None:
+        b.line(f"y_img = {m.empty((filters, g.P), dtype)}")
+    else:
+        b.line(f"y_mat = {m.view(y, (g.n, filters, g.P))}")
+    height, width = (g.hp, g.wp) if g.padded else (g.h, g.w)
+    if g.padded:
+        _padded_scratch(m, node, g)
+        source = m.view("xpad", (g.c * height * width,))
+    else:
+        b.line(f"x_flat = {m.view(x, (g.n, g.c * height * width))}")
+    _pixel_major_offsets(m, g, height, width)
+    by_filters = g.n * g.oh < FILTER_SPLIT_MAX_ROWS_TILED
+    chunk_rows = None if by_filters else _pixel_chunk_rows(m, g)
+    b.line(f"sums = {m.empty((_times(chunk_rows, g.ow) if chunk_rows else g.P, filters), dtype)}")
+    with _pixel_major_blocks(m, g, by_filters) as (n, block_rows, (f0, f1)), \
+            _row_chunks(m, g, block_rows, chunk_rows) as rows:
+        image = "y_img" if y is None else f"y_mat[{n}]"
+        first = "0" if rows[0] == "0" else f"{rows[0]} * {g.ow}"
+        count = g.P if rows[0] == "0" else f"({rows[1]} - {rows[0]}) * {g.ow}"
+        if g.padded:
+            _pad_image(m, g, x, n, "0", rows)
+        else:
+            source = f"x_flat[{n}]"
+        pixels = "pixels" if first == "0" else f"pixels[{first}:]"
+        _panel_products(m, node, g, source, pixels, count, (f0, f1))
+        o, p = m.fresh("o"), m.fresh("p")
+        pixel = p if first == "0" else f"{first} + {p}"
+        with b.block(f"for {o} in range({span_of(f0, f1)}):"), \
+                b.block(f"for {p} in range({count}):"):
+            b.line(f"{image}[{o}, {pixel}] = sums[{p}, {o}]")
+        if epilogue is not None:
+            block = ((1, f0, f1) if f0 != "0" else
+                     (2, *rows) if rows[0] != "0" else None)
+            epilogue(n, "y_img" if y is None else None, block, (g.n, filters, g.oh, g.ow))
+
+
+def _panel_products(m: KernelModule, node: Node, g: _Conv, source: str, pixels: str,
+                    count, filters: tuple[str, str]) -> None:
+    """``sums[:count, f0:f1]`` for the filters ``filters``: a product per panel, or per
+    the part of a panel among a block's filters."""
+    b, (f0, f1) = m.body, filters
+    j = m.fresh("j")
+    if f0 == "0":
+        with b.block(f"for {j} in range({f1} // {PANEL}):"):
+            _gemm(m, node, source, f"w_panels[{j}]", f"sums[:, {j} * {PANEL}:]", count,
+                  PANEL, g.K, 0, PANEL, g.cout, a_at=(pixels, "taps"))
+        return
+    c0, c1 = m.fresh("c0"), m.fresh("c1")
+    with b.block(f"for {j} in range({f0} // {PANEL}, ({f1} + {PANEL - 1}) // {PANEL}):"):
+        b.line(f"{c0} = max({f0}, {j} * {PANEL})")
+        b.line(f"{c1} = min({f1}, {j} * {PANEL} + {PANEL})")
+        _gemm(m, node, source, f"w_panels[{j}, :, {c0} - {j} * {PANEL}:]",
+              f"sums[:, {c0}:]", count, f"{c1} - {c0}", g.K, 0, PANEL, g.cout,
+              a_at=(pixels, "taps"))
+
+
+@contextmanager
+def _pixel_major_blocks(m: KernelModule, g: _Conv, by_filters: bool
+                        ) -> Iterator[tuple[str, tuple[str, str], tuple[str, str]]]:
+    """The loop over images; yields the image, its output rows and its filters to
+    compute: split by output rows (`_image_rows`), or with ``by_filters`` every row of
+    every image, the kernel's split loop over the filters, in whole vectors."""
+    if not by_filters:
+        with _image_rows(m, g) as (n, rows):
+            yield n, rows, ("0", str(g.cout))
+        return
+    lo, hi = m.split(g.cout // VECTOR, g.macs, products=True)
+    n = m.fresh("n")
+    with m.body.block(f"for {n} in range({g.n}):"):
+        yield n, ("0", str(g.oh)), ((f"{lo} * {VECTOR}", f"{hi} * {VECTOR}") if lo != "0"
+                                    else ("0", str(g.cout)))
+
+
+def _pixel_major_offsets(m: KernelModule, g: _Conv, height: int, width: int) -> None:
+    """``taps[(c*kh + i)*kw + j]``: where tap ``(i, j)`` of channel ``c`` lies in an
+    image of ``height`` by ``width`` (flat) from its window's first pixel;
+    ``pixels[p*ow + q]``: where the window of output pixel ``(p, q)`` begins."""
+    b = m.body
+    b.line(f"taps = {m.empty((g.K,), 'np.int64')}")
+    c, i, j = m.fresh("c"), m.fresh("i"), m.fresh("j")
+    with b.block(f"for {c} in range({g.c}):"), b.block(f"for {i} in range({g.kh}):"), \
+            b.block(f"for {j} in range({g.kw}):"):
+        b.line(f"taps[({c} * {g.kh} + {i}) * {g.kw} + {j}] = {c} * {height * width} + "
+               f"{_times(i, g.dh * width)} + {_times(j, g.dw)}")
+    b.line(f"pixels = {m.empty((g.P,), 'np.int64')}")
+    p, q = m.fresh("p"), m.fresh("q")
+    with b.block(f"for {p} in range({g.oh}):"), b.block(f"for {q} in range({g.ow}):"):
+        b.line(f"pixels[{p} * {g.ow} + {q}] = {_times(p, g.sh * width)} + {_times(q, g.sw)}")
+
+
+def _pixel_chunk_rows(m: KernelModule, g: _Conv) -> str | None:
+    """The local holding how many output rows at a time a pixel-major convolution
+    computes (`OUT_CHUNK_BYTES` of sums), or None: all of a block's at once."""
+    row_bytes = g.cout * g.ow * 4
+    if g.oh * row_bytes <= OUT_CHUNK_BYTES:
+        return None
+    local = m.fresh("rows_at_once")
+    m.body.line(f"{local} = max(1, {OUT_CHUNK_BYTES} // ({row_bytes}))")
+    return local
 
 
 def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: str | None,
@@ -606,10 +758,25 @@ def _implicit(m: KernelModule, node: Node, g: _Conv, direct: bool) -> bool:
     its image is its matrix; strided, its im2col matrix is the one phase it reads,
     which the planes would copy with all the others: resnet18's 1x1 stride-2 layers
     102-117 -> 120-144 us)."""
-    if not _tiled(m, node) or direct or g.kh * g.kw == 1 or g.K < IMPLICIT_MIN_DEPTH:
+    return _tiled(m, node) and not direct and _implicit_fits(g)
+
+
+def _implicit_fits(g: _Conv) -> bool:
+    """Whether a tiled convolution's forward product would be implicit (`_implicit`)."""
+    if g.kh * g.kw == 1 or g.K < IMPLICIT_MIN_DEPTH:
         return False
-    plane_width = _plane_shape(g)[1]
-    return lanes(g.P) >= IMPLICIT_MIN_LANE_SHARE * lanes(g.oh * plane_width)
+    return lanes(g.P) >= IMPLICIT_MIN_LANE_SHARE * lanes(g.oh * _plane_shape(g)[1])
+
+
+def pixel_major_gain(node: Node) -> float:
+    """How much more of its tiles' lanes a conv2d's product of one image would use
+    computed pixel by filter (`_pixel_major_forward`) than filter by pixel, as
+    `tiled_sgemm` computes them: pixels in tiles of `MR` rows by filters in vectors,
+    against filters by the pixels (implicit: each row of the planes' width)."""
+    g = node_conv(node)
+    computed = lanes(g.oh * _plane_shape(g)[1]) if _implicit_fits(g) else lanes(g.P)
+    pixel_rows = -(-g.P // MR) * MR
+    return (g.P / pixel_rows) * (g.cout / lanes(g.cout)) / (g.P / computed)
 
 
 def _plane_shape(g: _Conv) -> tuple[int, int]:

@@ -124,4 +124,5 @@ def _matmul_epilogue(node: Node, m: KernelModule, arrays: dict[Value, str],
 
 
 # The renderer of each epilogue anchor's op (`Trait.epilogue_anchor`) and its epilogue.
-EPILOGUES = {"conv2d": _conv2d_epilogue, "matmul": _matmul_epilogue}
+EPILOGUES = {"conv2d": _conv2d_epilogue, "conv2d_panels": _conv2d_epilogue,
+             "matmul": _matmul_epilogue}

@@ -73,10 +73,12 @@ class _TileCode:
 
     def __init__(self, builder, nv: int, args):
         self.builder, self.nv = builder, nv
-        a, self.lda, b, self.ldb, b_rows, c, self.ldc, self.rows, self.cols, self.depth, \
-            self.accumulate = args
+        a, self.lda, a_rows, a_taps, b, self.ldb, b_rows, c, self.ldc, self.rows, self.cols, \
+            self.depth, self.accumulate = args
         pointer = F32.as_pointer()
         self.a, self.b, self.c = (builder.inttoptr(p, pointer) for p in (a, b, c))
+        self.a_offsets = builder.icmp_signed("!=", a_taps, ir.Constant(I64, 0))
+        self.a_taps = builder.inttoptr(a_taps, I64.as_pointer())
         self.offsets = builder.icmp_signed("!=", b_rows, ir.Constant(I64, 0))
         self.b_rows = builder.inttoptr(b_rows, I64.as_pointer())
         self.vector = ir.VectorType(F32, VW)
@@ -95,9 +97,15 @@ class _TileCode:
         self.last_mask = builder.icmp_signed("<", lanes, _splat(
             builder, ir.VectorType(I64, VW), builder.sub(self.cols, ir.Constant(I64, last))))
         final_row = builder.sub(self.rows, ir.Constant(I64, 1))
-        self.a_rows = [builder.gep(self.a, [builder.mul(builder.select(
-            builder.icmp_signed("<", ir.Constant(I64, i), self.rows), ir.Constant(I64, i),
-            final_row), self.lda)]) for i in range(MR)]
+        # (without offsets, a_rows is 0: the address of a, loaded from and not used)
+        row_offsets = builder.inttoptr(builder.select(self.a_offsets, a_rows, a), I64.as_pointer())
+        self.a_rows = []
+        for i in range(MR):
+            row = builder.select(builder.icmp_signed("<", ir.Constant(I64, i), self.rows),
+                                 ir.Constant(I64, i), final_row)
+            self.a_rows.append(builder.gep(self.a, [builder.select(
+                self.a_offsets, builder.load(builder.gep(row_offsets, [row])),
+                builder.mul(row, self.lda))]))
 
     def vector_at(self, row_pointer, v: int):
         return self.builder.bitcast(
@@ -107,8 +115,9 @@ class _TileCode:
         """The k loops (rows of ``b`` ``ldb`` apart or at offsets; every vector full or
         the last one masked), then the stores."""
         full = self.builder.icmp_signed("==", self.cols, ir.Constant(I64, self.nv * VW))
-        self.store(self.choose(self.offsets, lambda offsets: self.choose(
-            full, lambda whole: self.k_loop(not whole, offsets))))
+        self.store(self.choose(self.a_offsets, lambda a_offsets: self.choose(
+            self.offsets, lambda offsets: self.choose(
+                full, lambda whole: self.k_loop(not whole, offsets, a_offsets)))))
 
     def choose(self, condition, sums_of: Callable[[bool], list]) -> list:
         """``sums_of(True)`` where ``condition`` holds, else ``sums_of(False)``, each
@@ -137,9 +146,10 @@ class _TileCode:
                                                         self.last_mask, self.zero])
         return self.builder.load(pointer, align=4)
 
-    def k_loop(self, masked: bool, offsets: bool) -> list:
+    def k_loop(self, masked: bool, offsets: bool, a_offsets: bool) -> list:
         """The sums of a tile over ``depth`` k steps (zero for none), as phis of the
-        block after the loop."""
+        block after the loop; rows of ``b`` at ``offsets``, columns of ``a`` at
+        ``a_offsets``."""
         builder, nv = self.builder, self.nv
         entry = builder.basic_block
         loop, done = builder.append_basic_block("k"), builder.append_basic_block("k_done")
@@ -155,8 +165,9 @@ class _TileCode:
                                      else builder.mul(k, self.ldb)])
         b_vectors = [self.load_b(b_row, v, masked) for v in range(nv)]
         updated = []
+        a_k = builder.load(builder.gep(self.a_taps, [k])) if a_offsets else k
         for i in range(MR):
-            a_ik = _splat(builder, self.vector, builder.load(builder.gep(self.a_rows[i], [k])))
+            a_ik = _splat(builder, self.vector, builder.load(builder.gep(self.a_rows[i], [a_k])))
             updated.append([builder.call(self.fma, [a_ik, b_vectors[v], sums[i][v]])
                             for v in range(nv)])
         next_k, body_end = builder.add(k, ir.Constant(I64, 1)), builder.basic_block
@@ -196,9 +207,10 @@ class _TileCode:
 
 
 @intrinsic
-def _tile(typingctx, vectors, a, lda, b, ldb, b_rows, c, ldc, rows, cols, depth, accumulate):
+def _tile(typingctx, vectors, a, lda, a_rows, a_taps, b, ldb, b_rows, c, ldc, rows, cols,
+          depth, accumulate):
     """One tile (`_TileCode`) of ``vectors`` vectors of columns, 1 to `NV_LAST`."""
-    signature = types.void(*[types.int64] * 11, types.boolean)
+    signature = types.void(*[types.int64] * 13, types.boolean)
 
     def codegen(context, builder, sig, args):
         done = builder.append_basic_block("tile_done")
@@ -222,13 +234,13 @@ def _tile_columns(left: int) -> int:
     return left if left <= NV_LAST * VW else NW
 
 
-# (m, n, k, a, lda, b, ldb, b_rows, c, ldc, beta): sizes and leading dimensions in
-# elements, operands by address (as signed integers: their offsets are, and mixing the
-# two would make Numba compute in floating point).
-SIGNATURE = types.void(*[types.int64] * 11)
+# (m, n, k, a, lda, a_rows, a_taps, b, ldb, b_rows, c, ldc, beta): sizes and leading
+# dimensions in elements, operands by address (as signed integers: their offsets are,
+# and mixing the two would make Numba compute in floating point).
+SIGNATURE = types.void(*[types.int64] * 13)
 
 
-def _tiled_sgemm(m, n, k, a, lda, b, ldb, b_rows, c, ldc, beta):
+def _tiled_sgemm(m, n, k, a, lda, a_rows, a_taps, b, ldb, b_rows, c, ldc, beta):
     """`tiled_sgemm`'s code, compiled by `_compiled`."""
     for k0 in range(0, max(k, 1), KC):  # (k == 0: one pass of empty sums, zeros)
         depth = min(KC, k - k0)
@@ -241,10 +253,13 @@ def _tiled_sgemm(m, n, k, a, lda, b, ldb, b_rows, c, ldc, beta):
             pb = b + 4 * (n0 if b_rows else k0 * ldb + n0)
             for m0 in range(0, m, MR):
                 rows = min(MR, m - m0)
-                pa = a + 4 * (m0 * lda + k0)
                 pc = c + 4 * (m0 * ldc + n0)
-                _tile(vectors, pa, lda, pb, ldb, pass_rows, pc, ldc, rows, cols, depth,
-                      accumulate)
+                if a_taps:
+                    _tile(vectors, a, lda, a_rows + 8 * m0, a_taps + 8 * k0, pb, ldb,
+                          pass_rows, pc, ldc, rows, cols, depth, accumulate)
+                else:
+                    _tile(vectors, a + 4 * (m0 * lda + k0), lda, 0, 0, pb, ldb, pass_rows,
+                          pc, ldc, rows, cols, depth, accumulate)
             n0 += cols
 
 
@@ -282,13 +297,16 @@ def _compiled():
 
 
 def __getattr__(name: str):
-    """``tiled_sgemm(m, n, k, a, lda, b, ldb, b_rows, c, ldc, beta)``: row-major
-    ``c[:m, :n] = a[:m, :k] @ b[:k, :n] + beta * c`` for f32 operands at addresses
-    ``a``, ``b``, ``c`` (``array.ctypes.data``) with leading dimensions ``lda``,
-    ``ldc`` (elements), ``beta`` 0 or 1. Row ``r`` of ``b`` starts ``r * ldb``
+    """``tiled_sgemm(m, n, k, a, lda, a_rows, a_taps, b, ldb, b_rows, c, ldc, beta)``:
+    row-major ``c[:m, :n] = a[:m, :k] @ b[:k, :n] + beta * c`` for f32 operands at
+    addresses ``a``, ``b``, ``c`` (``array.ctypes.data``) with leading dimensions
+    ``lda``, ``ldc`` (elements), ``beta`` 0 or 1. Row ``r`` of ``b`` starts ``r * ldb``
     elements after ``b``, or, with ``b_rows`` the address of an int64 array (not 0),
     ``b_rows[r]`` elements after it: the rows of an im2col matrix read in place, from
-    the padded image (`purinec.codegen.cpu_conv`'s implicit convolutions)."""
+    the padded image (`purinec.codegen.cpu_conv`'s implicit convolutions). Likewise
+    ``a[i, k]`` is ``a_rows[i] + a_taps[k]`` elements after ``a`` where ``a_taps``, the
+    address of an int64 array, is not 0 (``lda`` unused), else ``i * lda + k``: the
+    transposed im2col matrix of a pixel-major convolution, read in place."""
     if name == "tiled_sgemm":
         _compiled()
         return _EXTERNAL

@@ -334,3 +334,10 @@ def stable_topological_order(keys: Sequence, successors: Sequence[Iterable[int]]
 
 def _copy_attrs(attrs: dict) -> dict:
     return {k: (list(v) if isinstance(v, list) else v) for k, v in attrs.items()}
+
+
+def updated_variables(graph: Graph) -> list[str]:
+    """The params and state whose next value ``graph`` returns (an output of the name):
+    none for an inference graph, all of them for a training iteration."""
+    names = {v.name for v in graph.inputs_with_role("param", "state")}
+    return [name for name, _ in graph.outputs if name in names]

@@ -85,14 +85,16 @@ class Target:
     def lay_out(self, spread: Parallel | None) -> Parallel | None:
         return spread
 
-    def passes(self) -> list[Pass]:
+    def passes(self, training: bool) -> list[Pass]:
+        """This target's own passes, after the others, for a training iteration or an
+        inference graph."""
         return []
 
     def pipeline(self, train: SGD | None = None, parallel: Parallel | None = None,
                  rank: int = 0) -> Pipeline:
         """The passes to what this target runs, for a training (``train``) or inference
         graph laid out by ``parallel``; `Pipeline.physical` gives ``rank``'s graph."""
-        return Pipeline(train, parallel, tuple(self.passes()), rank)
+        return Pipeline(train, parallel, tuple(self.passes(train is not None)), rank)
 
     def check_devices(self, devices, what: str) -> None:
         """Refuse devices this target has no kernels for, rather than run them on the

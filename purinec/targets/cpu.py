@@ -18,8 +18,14 @@ class CpuTarget(Target):
     records_traces = True
     generates_code = True
 
-    def passes(self) -> list[Pass]:
-        return [Pass("fuse", fuse, "group nodes into fused kernels")]
+    def passes(self, training: bool) -> list[Pass]:
+        fusion = [Pass("fuse", fuse, "group nodes into fused kernels")]
+        if training:
+            return fusion
+        from purinec.codegen.cpu_layout import filters_in_panels
+
+        return [Pass("panels", filters_in_panels,
+                     "small maps' convolutions pixel by filter, weights in panels"), *fusion]
 
     def generated(self, graph: Graph) -> dict:
         from purinec.codegen.cpu import compile_kernels  # Numba: only when compiling

@@ -97,7 +97,7 @@ class CudaTarget(Target):
             return spread
         return replace(spread, devices=tuple(map(_gpu, spread.devices)))
 
-    def passes(self) -> list[Pass]:
+    def passes(self, training: bool) -> list[Pass]:
         return [Pass("on_gpus", on_gpus, "run a graph placed on cpu devices only on the "
                                          "gpu devices of the same numbers"),
                 Pass("local_collectives", lower_local_collectives,

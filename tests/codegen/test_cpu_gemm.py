@@ -27,8 +27,16 @@ from tests.codegen.test_codegen_cpu import (FEW, check, check_conv_gradients,
 @njit
 def _product(a, b, c, beta):
     """``tiled_sgemm`` on 2-D f32 arrays whose rows may be longer than they are used."""
-    tiled_sgemm(a.shape[0], b.shape[1], a.shape[1], a.ctypes.data, a.strides[0] // 4,
+    tiled_sgemm(a.shape[0], b.shape[1], a.shape[1], a.ctypes.data, a.strides[0] // 4, 0, 0,
                 b.ctypes.data, b.strides[0] // 4, 0, c.ctypes.data, c.strides[0] // 4, beta)
+
+
+@njit
+def _product_of_gathered(source, a_rows, a_taps, b, c):
+    """``tiled_sgemm`` of ``a[i, k] = source[a_rows[i] + a_taps[k]]`` by ``b``."""
+    tiled_sgemm(a_rows.size, b.shape[1], a_taps.size, source.ctypes.data, 0,
+                a_rows.ctypes.data, a_taps.ctypes.data, b.ctypes.data, b.shape[1], 0,
+                c.ctypes.data, c.shape[1], 0)
 
 
 def check_product(rng, m: int, n: int, k: int, beta: int, spare: int = 3) -> None:
@@ -68,6 +76,26 @@ def test_tiled_sgemm_agrees_on_tiles_edges_and_passes(m, n, k, beta):
        k=st.integers(0, KC + 20), beta=st.sampled_from([0, 1]), spare=st.integers(0, 17))
 def test_tiled_sgemm_agrees_on_random_sizes(m, n, k, beta, spare):
     check_product(np.random.default_rng(m + 31 * n + 977 * k), m, n, k, beta, spare)
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(m=st.integers(1, 3 * MR + 1), n=st.integers(1, 2 * NW + VW + 1),
+       k=st.integers(0, KC + 20), seed=st.integers(0, 2**16))
+def test_tiled_sgemm_reads_a_at_offsets(m, n, k, seed):
+    """Rows and columns of ``a`` at offsets of their own (a pixel-major convolution's
+    transposed im2col matrix, read from the padded image): the product of the matrix
+    those offsets gather, rows past the last one never read past it."""
+    rng = np.random.default_rng(seed)
+    source = rng.standard_normal(4 * (m + k) + 8, dtype=np.float32)
+    a_rows = rng.integers(0, 2 * m + 4, m).astype(np.int64)
+    a_taps = rng.integers(0, 2 * k + 4, k).astype(np.int64)
+    b = rng.standard_normal((k, n), dtype=np.float32)
+    c = np.full((m, n), np.nan, np.float32)
+    _product_of_gathered(source, a_rows, a_taps, b, c)
+    a = source[a_rows[:, None] + a_taps[None, :]].astype(np.float64)
+    want = a @ b.astype(np.float64)
+    np.testing.assert_allclose(c, want, rtol=1e-5,
+                               atol=2e-6 * max(1.0, np.sqrt(k)) * np.abs(want).max(initial=1))
 
 
 AVX2_CHECK = """

@@ -30,7 +30,7 @@ def test_traits_replace_the_name_lists():
                                           "broadcast", "send", "recv"}
     assert having(Trait.host) == having(Trait.communicates) | {"slice"}
     assert having(Trait.bucketable) == {"allreduce", "reduce", "broadcast"}
-    assert having(Trait.epilogue_anchor) == {"conv2d", "matmul"}
+    assert having(Trait.epilogue_anchor) == {"conv2d", "conv2d_panels", "matmul"}
     assert having(Trait.solver_update) == {"sgd"}
     assert having(Trait.view) == {"reshape"}
     assert {name for name, d in REGISTRY.items() if d.row_mean} == {

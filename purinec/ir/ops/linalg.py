@@ -163,6 +163,46 @@ register(OpDef("conv2d", ("x", "w"), _conv2d_infer, nnref.conv2d, O, attrs=dict(
                    "- dh*(kh-1) - 1)/sh) + 1"))
 
 
+# ``conv2d_panels``: conv2d with its weight in panels of filters, (O/V, C, kh, kw, V):
+# panel j, a matrix of C*kh*kw rows by V filters, holds filters j*V to (j + 1)*V, what
+# a product of pixels (rows) by filters (columns) reads, one contiguous panel at a time.
+# The cpu target computes small maps that way in inference graphs
+# (`purinec.codegen.cpu_layout`), from weights rearranged once: it has no gradient.
+
+
+def panels_oihw(shape) -> tuple[int, int, int, int]:
+    """The OIHW shape of a conv2d_panels weight of ``shape``."""
+    panels, c, kh, kw, width = shape
+    return panels * width, c, kh, kw
+
+
+def _conv2d_panels_infer(types, attrs):
+    x, w = types
+    check_float("conv2d_panels", x)
+    check_rank("conv2d_panels", w, 5, "weight")
+    if w.dtype != x.dtype:
+        raise fail("conv2d_panels", f"weight {w} and input {x} differ in dtype")
+    if attrs["groups"] != 1:
+        raise fail("conv2d_panels", f"groups must be 1, got {attrs['groups']}")
+    return [x.with_shape(_conv_check(x, panels_oihw(w.shape), attrs, "conv2d_panels"))]
+
+
+def _conv2d_panels_reference(x, w, **attrs):
+    oihw = np.transpose(w, (0, 4, 1, 2, 3)).reshape(panels_oihw(w.shape))
+    return nnref.conv2d(x, oihw, **attrs)
+
+
+register(OpDef("conv2d_panels", ("x", "w"), _conv2d_panels_infer, _conv2d_panels_reference,
+               O, attrs=dict(CONV_ATTRS),
+               split=lambda types, attrs: [SplitSignature(("S0", "B"), ("S0",)),
+                                           SplitSignature(("B", "B"), ("B",))],
+               flops=lambda node: _conv_flops(node.outputs[0],
+                                              panels_oihw(node.inputs[1].type.shape)),
+               traits=ANCHOR,
+               doc="conv2d (one group) with its weight in panels of filters, (O/V, C, "
+                   "kh, kw, V): what the cpu target computes pixel by filter"))
+
+
 def _conv2d_grad_input_infer(types, attrs):
     gy, w = types
     x = TensorType(shape_attr("conv2d_grad_input", attrs, "input_shape"), gy.dtype)
