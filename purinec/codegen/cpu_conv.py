@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
-from purinec.codegen.cpu_gemm import MR, NW, lanes
+from purinec.codegen.cpu_gemm import MR, lanes
 from purinec.codegen.kernel import CodegenError
 from purinec.codegen.cpu_module import KernelModule, atom, literal, renders
 from purinec.codegen.cpu_ops import affine, dtype_name, row_slice, span_of, split_loop
@@ -62,9 +62,9 @@ def _gemm(m: KernelModule, node: Node, a: str, b: str, c: str, rows, cols, inner
     """Row-major ``c[rows, cols] = op(a) @ op(b) + beta * c`` in one call: of
     `tiled_sgemm` where `_tiled`, else of CBLAS. With ``b_rows`` (`_tiled` only), an
     int64 array: row ``r`` of ``b`` begins ``b_rows[r]`` elements after ``b``; with
-    ``a_at`` (likewise), int64 arrays ``(rows, taps)``: ``a[i, k]`` is ``rows[i] +
-    taps[k]`` elements after ``a``."""
-    if _tiled(m, node, trans_a, trans_b):
+    ``a_at`` (f32, always `tiled_sgemm`), int64 arrays ``(rows, taps)``: ``a[i, k]`` is
+    ``rows[i] + taps[k]`` elements after ``a``."""
+    if _tiled(m, node, trans_a, trans_b) or a_at is not None:
         m.import_line("from purinec.codegen.cpu_gemm import tiled_sgemm")
         rows_at = f"{b_rows}.ctypes.data" if b_rows else "0"
         a_rows, a_taps = (f"{array}.ctypes.data" for array in a_at) if a_at else ("0", "0")
@@ -458,14 +458,14 @@ def emit_conv2d(node: Node, m: KernelModule, x: str, w: str, y: str | None,
     scratch), then ``epilogue`` on each block of it (see `_conv_forward`)."""
     g = node_conv(node)
     if node.op == "conv2d_panels":
-        width = node.inputs[1].type.shape[4]
-        if width != PANEL:
+        if node.outputs[0].type.dtype is not DType.f32:
             raise CodegenError(f"{node.op} {node.outputs[0].name}: the cpu target computes "
-                               f"panels of {PANEL} filters, not {width}")
-        panels = m.extent(w, 0, g.cout // PANEL, "panels")
+                               f"it in f32 only, not {node.outputs[0].type.dtype}")
+        width = node.inputs[1].type.shape[4]
+        panels = m.extent(w, 0, g.cout // width, "panels")
         g = replace(g, n=m.extent(x, 0, g.n, "images"), c=m.extent(x, 1, g.c, "channels"),
-                    cout=panels * PANEL)
-        _pixel_major_forward(node, m, g, x, w, y, panels, epilogue)
+                    cout=panels * width)
+        _pixel_major_forward(node, m, g, x, w, y, (panels, width), epilogue)
         return
     if not _direct(m, g):  # (a direct nest unrolls its channels' loops: they stay constants)
         g = _read_sizes(m, g, images=(x, 0), channels=(x, 1), filters=(w, 0))
@@ -487,26 +487,25 @@ def node_conv(node: Node) -> _Conv:
 # taps[k]``: no im2col matrix, no phase planes, no column computed for nothing. Where
 # an image has few pixels its filter-major product fills few of a tile's lanes (49
 # pixels of a 7x7 map in 64; an implicit 3x3 product of 14x14 computes 16 columns a
-# row); its filters fill them. The weights come in panels of `PANEL` filters, one
-# product each, read in order: as one (C*kh*kw) x O matrix, a product read each tile's
+# row); its filters fill them. The weights come in panels of filters (64: a tile's
+# width with AVX-512, `cpu_layout.PANEL`), one product each, read in order: as one (C*kh*kw) x O matrix, a product read each tile's
 # rows 4 KB or more apart, and with the weights in memory (each read once at batch 1)
 # it ran slower than filter-major. One thread, tiled_sgemm alone (us, filter-major
 # against pixel-major), hot: 3x3 of 512 channels of 7x7 2922 / 2483, 256 of 14x14
 # 2516 / 2205, 128 of 28x28 2338 / 2183; 1x1 320 -> 1280 at 7x7 497 / 410; caches
 # flushed, half of the filters: 512 of 7x7 1521 / 1355 (one matrix 1895), 256 of 14x14
-# 1401 / 1199 (1291). Each block's sums are then transposed into the output (48, 50,
-# 67, 46 us hot).
-PANEL = NW
+# 1401 / 1199 (1291). Each block's sums are then transposed into the output (NumPy's
+# copy of the transposed sums alone: 48, 50, 67, 46 us hot).
 
 
 def _pixel_major_forward(node: Node, m: KernelModule, g: _Conv, x: str, w: str,
-                         y: str | None, panels, epilogue: Callable | None) -> None:
-    """A conv2d_panels (one group, ``w`` of (``panels``, C, kh, kw, PANEL)) as
+                         y: str | None, panels: tuple, epilogue: Callable | None) -> None:
+    """A conv2d_panels (one group, ``w`` of ``panels`` (count, width) by C, kh, kw) as
     `_conv_forward` computes a conv2d, in blocks of output rows (`_image_rows`) or, for
     few rows (`_by_filters`), of filters; each block's pixel-major ``sums`` transposed
     into the output, then the epilogue."""
     b, dtype, filters = m.body, dtype_name(node), g.cout
-    b.line(f"w_panels = {m.view(w, (panels, g.K, PANEL))}")
+    b.line(f"w_panels = {m.view(w, (panels[0], g.K, panels[1]))}")
     if y is None:
         b.line(f"y_img = {m.empty((filters, g.P), dtype)}")
     else:
@@ -531,7 +530,7 @@ def _pixel_major_forward(node: Node, m: KernelModule, g: _Conv, x: str, w: str,
         else:
             source = f"x_flat[{n}]"
         pixels = "pixels" if first == "0" else f"pixels[{first}:]"
-        _panel_products(m, node, g, source, pixels, count, (f0, f1))
+        _panel_products(m, node, g, source, pixels, count, (f0, f1), panels[1])
         o, p = m.fresh("o"), m.fresh("p")
         pixel = p if first == "0" else f"{first} + {p}"
         with b.block(f"for {o} in range({span_of(f0, f1)}):"), \
@@ -544,22 +543,22 @@ def _pixel_major_forward(node: Node, m: KernelModule, g: _Conv, x: str, w: str,
 
 
 def _panel_products(m: KernelModule, node: Node, g: _Conv, source: str, pixels: str,
-                    count, filters: tuple[str, str]) -> None:
-    """``sums[:count, f0:f1]`` for the filters ``filters``: a product per panel, or per
-    the part of a panel among a block's filters."""
+                    count, filters: tuple[str, str], width: int) -> None:
+    """``sums[:count, f0:f1]`` for the filters ``filters``: a product per panel of
+    ``width`` filters, or per the part of a panel among a block's filters."""
     b, (f0, f1) = m.body, filters
     j = m.fresh("j")
     if f0 == "0":
-        with b.block(f"for {j} in range({f1} // {PANEL}):"):
-            _gemm(m, node, source, f"w_panels[{j}]", f"sums[:, {j} * {PANEL}:]", count,
-                  PANEL, g.K, 0, PANEL, g.cout, a_at=(pixels, "taps"))
+        with b.block(f"for {j} in range({f1} // {width}):"):
+            _gemm(m, node, source, f"w_panels[{j}]", f"sums[:, {j} * {width}:]", count,
+                  width, g.K, 0, width, g.cout, a_at=(pixels, "taps"))
         return
     c0, c1 = m.fresh("c0"), m.fresh("c1")
-    with b.block(f"for {j} in range({f0} // {PANEL}, ({f1} + {PANEL - 1}) // {PANEL}):"):
-        b.line(f"{c0} = max({f0}, {j} * {PANEL})")
-        b.line(f"{c1} = min({f1}, {j} * {PANEL} + {PANEL})")
-        _gemm(m, node, source, f"w_panels[{j}, :, {c0} - {j} * {PANEL}:]",
-              f"sums[:, {c0}:]", count, f"{c1} - {c0}", g.K, 0, PANEL, g.cout,
+    with b.block(f"for {j} in range({f0} // {width}, ({f1} + {width - 1}) // {width}):"):
+        b.line(f"{c0} = max({f0}, {j} * {width})")
+        b.line(f"{c1} = min({f1}, {j} * {width} + {width})")
+        _gemm(m, node, source, f"w_panels[{j}, :, {c0} - {j} * {width}:]",
+              f"sums[:, {c0}:]", count, f"{c1} - {c0}", g.K, 0, width, g.cout,
               a_at=(pixels, "taps"))
 
 

@@ -4,11 +4,14 @@ graphs computed pixel by filter, from weights rearranged into panels of filters
 
 from __future__ import annotations
 
-from purinec.codegen.cpu_conv import PANEL, pixel_major_gain
+from purinec.codegen.cpu_conv import pixel_major_gain
 from purinec.codegen.cpu_runtime import tiled_gemm_wanted
 from purinec.ir.graph import Graph, Node, Value, updated_variables
 from purinec.ir.types import DType
 
+# Filters a panel: an AVX-512 tile's width (`cpu_gemm.NW`; four tiles with AVX2), the
+# same on every machine, so that an artifact's IR is.
+PANEL = 64
 # A convolution turns pixel-major where that uses this much more of its tiles' lanes
 # (`pixel_major_gain`): transposing each block's sums into the output costs 2-4% of the
 # product (7x7 and 14x14 maps gain 1.3 and 1.14; 28x28 1.08, measured 5% faster alone).

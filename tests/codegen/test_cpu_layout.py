@@ -8,8 +8,7 @@ import pytest
 
 import purinec
 from purinec.codegen import cpu
-from purinec.codegen.cpu_conv import PANEL
-from purinec.codegen.cpu_layout import filters_in_panels
+from purinec.codegen.cpu_layout import PANEL, filters_in_panels
 from purinec.codegen.cpu_module import CpuOptions
 from purinec.errors import PurinecError
 from purinec.ir.graph import Graph
@@ -20,17 +19,18 @@ from tests.codegen.test_codegen_cpu import check, one_node, random_array
 TILED = CpuOptions(tiled_gemm=True, direct_max_channels=0)
 TILED_BLOCKED = CpuOptions(tiled_gemm=True, direct_max_channels=0, parallel_min=0,
                            parallel_min_products=0)
+BLAS = CpuOptions(tiled_gemm=False)
 
 
-def in_panels(w: np.ndarray) -> np.ndarray:
+def in_panels(w: np.ndarray, width: int = PANEL) -> np.ndarray:
     """An OIHW weight as conv2d_panels reads it, rearranged independently of the pass."""
-    o, c, kh, kw = w.shape
-    return np.ascontiguousarray(np.stack([w[j:j + PANEL].transpose(1, 2, 3, 0)
-                                          for j in range(0, o, PANEL)]))
+    return np.ascontiguousarray(np.stack([w[j:j + width].transpose(1, 2, 3, 0)
+                                          for j in range(0, w.shape[0], width)]))
 
 
-CASES = {  # x shape, filters, kernel, attrs
+CASES = {  # x shape, filters, kernel, attrs[, panel width]
     "3x3-7x7": ((1, 24, 7, 7), 128, 3, {"stride": [1, 1], "pad": [1, 1]}),
+    "narrow-panels": ((1, 16, 7, 7), 96, 3, {"stride": [1, 1], "pad": [1, 1]}, 48),
     "3x3-stride-2": ((2, 16, 14, 13), 64, 3, {"stride": [2, 2], "pad": [1, 1]}),
     "1x1-7x7": ((3, 40, 7, 7), 192, 1, {"stride": [1, 1], "pad": [0, 0]}),
     "1x1-stride-2": ((1, 32, 13, 14), 64, 1, {"stride": [2, 2], "pad": [0, 0]}),
@@ -41,18 +41,20 @@ CASES = {  # x shape, filters, kernel, attrs
 
 
 @pytest.mark.slow  # a Numba compile per case
-@pytest.mark.parametrize("options", [TILED, TILED_BLOCKED], ids=["whole", "blocked"])
+@pytest.mark.parametrize("options", [TILED, TILED_BLOCKED, BLAS], ids=["whole", "blocked",
+                                                                       "blas"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_panel_convolutions_agree_with_conv2d(case, options):
     """conv2d_panels computes what conv2d computes of the same weights, for strides,
     padding, dilation, 1x1 kernels read in place, blocks of filters that cut panels
-    (few rows) and blocks of rows (many); its kernel reads the image at offsets."""
-    x_shape, filters, k, attrs = CASES[case]
+    (few rows) and blocks of rows (many), panels of any width; its kernel reads the
+    image at offsets, with purinec's GEMM wherever the others use the BLAS."""
+    x_shape, filters, k, attrs, *width = CASES[case]
     rng = np.random.default_rng(len(case))
     attrs = {"groups": 1, "dilation": [1, 1], **attrs}
     x = random_array(rng, x_shape, DType.f32)
     w = random_array(rng, (filters, x_shape[1], k, k), DType.f32)
-    panels = in_panels(w)
+    panels = in_panels(w, *width)
     source = cpu.render(one_node("conv2d_panels", [x, panels], attrs), options)
     assert "taps.ctypes" in source and "sgemm(101" not in source
     (want,) = reference_conv2d(x, w, **attrs)
@@ -64,14 +66,15 @@ def test_panel_convolutions_agree_with_conv2d(case, options):
 def test_panel_convolutions_refuse_what_they_cannot_compute():
     x = np.zeros((1, 16, 7, 7), np.float32)
     attrs = {"stride": [1, 1], "pad": [1, 1], "groups": 1}
-    with pytest.raises(PurinecError, match="groups must be 1"):
+    with pytest.raises(PurinecError, match="groups must be 1, got 2"):
         one_node("conv2d_panels", [x, np.zeros((1, 8, 3, 3, 64), np.float32)],
                  {**attrs, "groups": 2})
-    with pytest.raises(PurinecError, match="rank 5|rank"):
+    with pytest.raises(PurinecError, match="weight must have rank 5"):
         one_node("conv2d_panels", [x, np.zeros((64, 16, 3, 3), np.float32)], attrs)
-    narrow = one_node("conv2d_panels", [x, np.zeros((2, 16, 3, 3, 32), np.float32)], attrs)
-    with pytest.raises(PurinecError, match="panels of 64 filters, not 32"):
-        cpu.render(narrow, TILED)
+    wide = one_node("conv2d_panels", [x.astype(np.float64),
+                                      np.zeros((1, 16, 3, 3, 64), np.float64)], attrs)
+    with pytest.raises(PurinecError, match="f32 only, not f64"):
+        cpu.render(wide, TILED)
 
 
 def net(filters: int = 128, channels: int = 32, size: int = 7, groups: int = 1) -> Graph:
