@@ -860,20 +860,27 @@ def _implicit_product(m: KernelModule, node: Node, g: _Conv, weights: str, og, i
 # no more per pixel than one of all), implicit and pointwise convolutions compute a few
 # output rows at a time, their product `OUT_CHUNK_BYTES` at most, so that the
 # epilogue (`_conv_forward`) finds them in the core's cache: mobilenet_v2's 1x1
-# layer of 96 channels of 112x112 wrote 4.8 MB, then read and wrote it again.
+# layer of 96 channels of 112x112 wrote 4.8 MB, then read and wrote it again. But never
+# fewer columns than `OUT_CHUNK_MIN_COLUMNS`: a chunk's product fills its last tile's
+# lanes as it can (squeezenet1_1's classifier at batch 32, 1000 filters of 13x13, in
+# chunks of 5 rows: 65 columns in 80 lanes).
 OUT_CHUNK_BYTES = 256 * 1024
+OUT_CHUNK_MIN_COLUMNS = 256
 
 
 def _output_chunk_rows(m: KernelModule, node: Node, g: _Conv, implicit: bool) -> str | None:
     """The local holding how many output rows at a time an implicit or pointwise
-    convolution computes (`OUT_CHUNK_BYTES`), or None: all of a block's at once."""
+    convolution computes (`OUT_CHUNK_BYTES`, `OUT_CHUNK_MIN_COLUMNS`), or None: all of
+    a block's at once."""
     if not (implicit or (g.pointwise and _tiled(m, node))):
         return None
-    row_bytes = g.og * (_plane_shape(g)[1] if implicit else g.ow) * 4
-    if g.oh * row_bytes <= OUT_CHUNK_BYTES:
+    width = _plane_shape(g)[1] if implicit else g.ow
+    row_bytes = g.og * width * 4
+    least = -(-OUT_CHUNK_MIN_COLUMNS // width)
+    if g.oh * row_bytes <= OUT_CHUNK_BYTES or least >= g.oh:
         return None
     local = m.fresh("rows_at_once")
-    m.body.line(f"{local} = max(1, {OUT_CHUNK_BYTES} // ({row_bytes}))")
+    m.body.line(f"{local} = max({least}, {OUT_CHUNK_BYTES} // ({row_bytes}))")
     return local
 
 

@@ -221,10 +221,22 @@ def test_convolutions_in_chunks_of_output_rows(options, kernel, epilogue, monkey
     monkeypatch.setattr(cpu_conv, "IMPLICIT_MIN_LANE_SHARE", 0)
     width = 11 + 2 if kernel == 3 else 11  # (a phase plane's, with the padding)
     monkeypatch.setattr(cpu_conv, "OUT_CHUNK_BYTES", 8 * width * 4 * 2)  # 2 rows
+    monkeypatch.setattr(cpu_conv, "OUT_CHUNK_MIN_COLUMNS", width)
     source = check_conv_in_chunks((2, 4, 9, 11), (8, 4, kernel, kernel),
                                   {"stride": [1, 1], "pad": [kernel // 2] * 2}, epilogue,
                                   options)
     assert ("offsets.ctypes" in source) == (kernel == 3)
+
+
+@pytest.mark.parametrize("size, chunk", [(28, "rows_at_once = max(10, "), (13, None)])
+def test_chunks_of_output_rows_fill_their_tiles(size, chunk):
+    """A chunk of output rows has `cpu_conv.OUT_CHUNK_MIN_COLUMNS` columns or more,
+    however many filters its bytes allow (512 filters of 28x28: 4 rows by bytes, 10
+    by columns); where that is every row, the product is one."""
+    x = np.zeros((1, 16, size, size), np.float32)
+    w = np.zeros((512, 16, 1, 1), np.float32)
+    source = cpu.render(one_node("conv2d", [x, w], {}), TILED)
+    assert (chunk in source) if chunk else "rows_at_once" not in source
 
 
 @pytest.mark.slow  # a Numba compile per case
