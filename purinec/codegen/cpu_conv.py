@@ -487,10 +487,10 @@ def node_conv(node: Node) -> _Conv:
 # taps[k]``: no im2col matrix, no phase planes, no column computed for nothing. Where
 # an image has few pixels its filter-major product fills few of a tile's lanes (49
 # pixels of a 7x7 map in 64; an implicit 3x3 product of 14x14 computes 16 columns a
-# row); its filters fill them. The weights come in panels of filters (64: a tile's
-# width with AVX-512, `cpu_layout.PANEL`), one product each, read in order: as one (C*kh*kw) x O matrix, a product read each tile's
-# rows 4 KB or more apart, and with the weights in memory (each read once at batch 1)
-# it ran slower than filter-major. One thread, tiled_sgemm alone (us, filter-major
+# row); its filters fill them. The weights come in panels of filters (64 where they
+# divide: `cpu_layout.PANEL_WIDTHS`), one product each, read in order: as one
+# (C*kh*kw) x O matrix, a product read each tile's rows 4 KB or more apart, and with
+# the weights in memory (each read once at batch 1) it ran slower than filter-major. One thread, tiled_sgemm alone (us, filter-major
 # against pixel-major), hot: 3x3 of 512 channels of 7x7 2922 / 2483, 256 of 14x14
 # 2516 / 2205, 128 of 28x28 2338 / 2183; 1x1 320 -> 1280 at 7x7 497 / 410; caches
 # flushed, half of the filters: 512 of 7x7 1521 / 1355 (one matrix 1895), 256 of 14x14

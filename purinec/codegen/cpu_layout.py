@@ -9,9 +9,10 @@ from purinec.codegen.cpu_runtime import tiled_gemm_wanted
 from purinec.ir.graph import Graph, Node, Value, updated_variables
 from purinec.ir.types import DType
 
-# Filters a panel: an AVX-512 tile's width (`cpu_gemm.NW`; four tiles with AVX2), the
-# same on every machine, so that an artifact's IR is.
-PANEL = 64
+# Filters a panel, the first of these that divides a layer's filters: an AVX-512 tile's
+# width (`cpu_gemm.NW`; four tiles with AVX2), or the widest tile's (`cpu_gemm.NV_LAST`
+# vectors), or three vectors. The same on every machine, so that an artifact's IR is.
+PANEL_WIDTHS = (64, 80, 48)
 # A convolution turns pixel-major where that uses this much more of its tiles' lanes
 # (`pixel_major_gain`): transposing each block's sums into the output costs 2-4% of the
 # product (7x7 and 14x14 maps gain 1.3 and 1.14; 28x28 1.08, measured 5% faster alone).
@@ -22,8 +23,8 @@ PIXEL_MAJOR_MIN_CHANNELS = 16
 
 def filters_in_panels(graph: Graph) -> Graph:
     """``graph`` with each conv2d that `_pixel_major` picks computed as a conv2d_panels
-    of its weight rearranged into panels of `PANEL` filters, (O/PANEL, C, kh, kw,
-    PANEL), where ``graph`` is an inference graph and products go to
+    of its weight rearranged into panels of filters (`panel_width`), (O/V, C, kh, kw,
+    V), where ``graph`` is an inference graph and products go to
     `purinec.codegen.cpu_gemm.tiled_sgemm` (`tiled_gemm_wanted`). The rearranging reads
     parameters alone, so a program runs it once and again only after the weights change
     (`purinec.program`'s weight-only part); a training iteration would run it at every
@@ -51,14 +52,24 @@ def _pixel_major(node: Node) -> bool:
     x, w = node.inputs
     filters, channels = w.type.shape[:2]
     return (node.attrs["groups"] == 1 and x.type.dtype is DType.f32
-            and filters % PANEL == 0 and channels >= PIXEL_MAJOR_MIN_CHANNELS
+            and panel_width(filters) is not None and channels >= PIXEL_MAJOR_MIN_CHANNELS
             and pixel_major_gain(node) >= PIXEL_MAJOR_MIN_GAIN)
 
 
+def panel_width(filters: int) -> int | None:
+    """The filters of a panel (`PANEL_WIDTHS`) for a layer of ``filters``, two panels
+    or more (threads split one layer's few rows by filters: one panel of 48 filters
+    went to them as two vectors and one, 10-30% slower than filter by pixel); None: no
+    width fits."""
+    return next((width for width in PANEL_WIDTHS
+                 if filters % width == 0 and filters >= 2 * width), None)
+
+
 def _panels(graph: Graph, conv: Node, w: Value) -> list[Node]:
-    """The nodes rearranging ``w`` (O, C, kh, kw) into panels of `PANEL` filters."""
+    """The nodes rearranging ``w`` (O, C, kh, kw) into panels (`panel_width`)."""
     filters, channels, kh, kw = w.type.shape
-    split = graph.make_node("reshape", [w], {"shape": [filters // PANEL, PANEL, channels,
+    width = panel_width(filters)
+    split = graph.make_node("reshape", [w], {"shape": [filters // width, width, channels,
                                                        kh, kw]},
                             names=[graph.fresh_name(f"{w.name}.filters")],
                             device=conv.device, loc=conv.loc)

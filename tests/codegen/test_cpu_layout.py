@@ -8,7 +8,7 @@ import pytest
 
 import purinec
 from purinec.codegen import cpu
-from purinec.codegen.cpu_layout import PANEL, filters_in_panels
+from purinec.codegen.cpu_layout import filters_in_panels, panel_width
 from purinec.codegen.cpu_module import CpuOptions
 from purinec.errors import PurinecError
 from purinec.ir.graph import Graph
@@ -22,7 +22,7 @@ TILED_BLOCKED = CpuOptions(tiled_gemm=True, direct_max_channels=0, parallel_min=
 BLAS = CpuOptions(tiled_gemm=False)
 
 
-def in_panels(w: np.ndarray, width: int = PANEL) -> np.ndarray:
+def in_panels(w: np.ndarray, width: int = 64) -> np.ndarray:
     """An OIHW weight as conv2d_panels reads it, rearranged independently of the pass."""
     return np.ascontiguousarray(np.stack([w[j:j + width].transpose(1, 2, 3, 0)
                                           for j in range(0, w.shape[0], width)]))
@@ -100,7 +100,8 @@ def converted(graph: Graph) -> list[str]:
 def test_the_pass_picks_small_maps_of_whole_panels_in_inference_graphs(monkeypatch):
     monkeypatch.setenv("PURINEC_CPU_GEMM", "tiled")
     assert converted(net()) == ["conv2d_panels", "conv2d_panels"]
-    assert converted(net(filters=96)) == ["conv2d", "conv2d"]  # not whole panels
+    assert converted(net(filters=112)) == ["conv2d", "conv2d"]  # no panel width divides
+    assert [panel_width(n) for n in (512, 160, 96, 112, 64)] == [64, 80, 48, None, None]
     assert converted(net(size=56)) == ["conv2d", "conv2d"]  # its pixels fill the lanes
     assert converted(net(channels=8)) == ["conv2d", "conv2d"]  # few taps
     assert converted(net(groups=2)) == ["conv2d", "conv2d_panels"]
