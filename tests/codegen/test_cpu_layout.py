@@ -137,3 +137,18 @@ def test_programs_of_panel_convolutions_follow_their_weights(monkeypatch):
                 np.testing.assert_allclose(program.run({"x": x})["y"],
                                            reference.run({"x": x})["y"], rtol=1e-4,
                                            atol=1e-4)
+
+
+@pytest.mark.slow  # compiles a program, then loads it
+def test_artifacts_keep_panel_convolutions(tmp_path, monkeypatch):
+    """A saved inference program holds its conv2d_panels and the nodes rearranging the
+    weights, not the rearranged weights; loaded, it runs as it did."""
+    monkeypatch.setenv("PURINEC_CPU_GEMM", "tiled")
+    x = np.random.default_rng(6).standard_normal((2, 32, 7, 7)).astype(np.float32)
+    with purinec.compile(net(), target="cpu") as program:
+        want = program.run({"x": x})["y"]
+        program.save(tmp_path / "net.purine")
+    with purinec.load(tmp_path / "net.purine") as loaded:
+        assert sorted(loaded.params) == ["b", "v", "w"]
+        assert "conv2d_panels" in str(loaded.ir)
+        np.testing.assert_array_equal(loaded.run({"x": x})["y"], want)
