@@ -116,12 +116,18 @@ CONV_ATTRS = {"stride": Attr("ints", [1, 1]), "pad": Attr("ints", [0, 0]),
               "groups": Attr("int", 1), "dilation": Attr("ints", [1, 1])}
 
 
-def _conv2d_infer(types, attrs):
+def _conv_operands(op: str, types, weight_rank: int):
+    """A convolution's input and weight types, checked: float, of one dtype."""
     x, w = types
-    check_float("conv2d", x)
-    check_rank("conv2d", w, 4, "weight")
+    check_float(op, x)
+    check_rank(op, w, weight_rank, "weight")
     if w.dtype != x.dtype:
-        raise fail("conv2d", f"weight {w} and input {x} differ in dtype")
+        raise fail(op, f"weight {w} and input {x} differ in dtype")
+    return x, w
+
+
+def _conv2d_infer(types, attrs):
+    x, w = _conv_operands("conv2d", types, 4)
     return [x.with_shape(_conv_check(x, w.shape, attrs, "conv2d"))]
 
 
@@ -177,11 +183,7 @@ def panels_oihw(shape) -> tuple[int, int, int, int]:
 
 
 def _conv2d_panels_infer(types, attrs):
-    x, w = types
-    check_float("conv2d_panels", x)
-    check_rank("conv2d_panels", w, 5, "weight")
-    if w.dtype != x.dtype:
-        raise fail("conv2d_panels", f"weight {w} and input {x} differ in dtype")
+    x, w = _conv_operands("conv2d_panels", types, 5)
     if attrs["groups"] != 1:
         raise fail("conv2d_panels", f"groups must be 1, got {attrs['groups']}")
     return [x.with_shape(_conv_check(x, panels_oihw(w.shape), attrs, "conv2d_panels"))]
