@@ -295,6 +295,9 @@ def _wanted_stages(args, runs: list[str]) -> list[str]:
                if args.stage in ("parallel", "partition")
                else "runs only with --devices and --parallel pipeline"
                if args.stage in ("stages", "microbatch")
+               else f"runs only without --train (inference graphs) for target {args.target}"
+               if args.train and args.stage in [p.name for p in
+                                                get_target(args.target).passes(False)]
                else f"does not run for target {args.target}")
         raise PurinecError(f"stage {args.stage} {why}")
     return [args.stage]

@@ -179,6 +179,8 @@ def test_dump_kernel_llvm_and_stage_errors():
                        "stage fuse does not run for target reference")
     assert_clean_error(purinec("dump", "mlp", "--stage", "autodiff"),
                        "stage autodiff runs only with --train")
+    assert_clean_error(purinec("dump", "mlp", "--train", "--stage", "panels"),
+                       "stage panels runs only without --train (inference graphs)")
     assert_clean_error(purinec("dump", "mlp", "--llvm"), "--llvm, --asm and --ptx go with")
 
 
