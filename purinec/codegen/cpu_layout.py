@@ -14,9 +14,11 @@ from purinec.ir.types import DType
 # vectors), or three vectors. The same on every machine, so that an artifact's IR is.
 PANEL_WIDTHS = (64, 80, 48)
 # A convolution turns pixel-major where that uses this much more of its tiles' lanes
-# (`pixel_major_gain`): transposing each block's sums into the output costs 2-4% of the
-# product (7x7 and 14x14 maps gain 1.3 and 1.14; 28x28 1.08, measured 5% faster alone).
-PIXEL_MAJOR_MIN_GAIN = 1.1
+# (`pixel_major_gain`), less what transposing each block's sums into the output costs
+# (2-4% of the product): 7x7, 14x14 and 28x28 maps gain 1.3, 1.14 and 1.07 with a 3x3
+# kernel; 56x56 1.04. resnet18's 3x3 layers of 28x28 took 0.90-0.94 of their time
+# pixel by filter at batch 1 and 32 (alternating traces); googlenet's level.
+PIXEL_MAJOR_MIN_GAIN = 1.05
 # ... and has this many input channels: with fewer its taps are few, the layer cheap.
 PIXEL_MAJOR_MIN_CHANNELS = 16
 
