@@ -490,11 +490,11 @@ def node_conv(node: Node) -> _Conv:
 # row); its filters fill them. The weights come in panels of filters (64 where they
 # divide: `cpu_layout.PANEL_WIDTHS`), one product each, read in order: as one
 # (C*kh*kw) x O matrix, a product read each tile's rows 4 KB or more apart, and with
-# the weights in memory (each read once at batch 1) it ran slower than filter-major. One thread, tiled_sgemm alone (us, filter-major
-# against pixel-major), hot: 3x3 of 512 channels of 7x7 2922 / 2483, 256 of 14x14
-# 2516 / 2205, 128 of 28x28 2338 / 2183; 1x1 320 -> 1280 at 7x7 497 / 410; caches
-# flushed, half of the filters: 512 of 7x7 1521 / 1355 (one matrix 1895), 256 of 14x14
-# 1401 / 1199 (1291). Each block's sums are then transposed into the output (NumPy's
+# the weights in memory (each read once at batch 1) it ran slower than filter-major.
+# One thread, tiled_sgemm alone (us, filter-major against pixel-major), hot: 3x3 of
+# 512 channels of 7x7 2922 / 2483, 256 of 14x14 2516 / 2205, 128 of 28x28 2338 / 2183;
+# 1x1 320 -> 1280 at 7x7 497 / 410; caches flushed, half of the filters: 512 of 7x7
+# 1521 / 1355 (one matrix 1895), 256 of 14x14 1401 / 1199 (1291). Each block's sums are then transposed into the output (NumPy's
 # copy of the transposed sums alone: 48, 50, 67, 46 us hot).
 
 
@@ -517,8 +517,8 @@ def _pixel_major_forward(node: Node, m: KernelModule, g: _Conv, x: str, w: str,
     else:
         b.line(f"x_flat = {m.view(x, (g.n, g.c * height * width))}")
     _pixel_major_offsets(m, g, height, width)
-    by_filters = g.n * g.oh < FILTER_SPLIT_MAX_ROWS_TILED
-    chunk_rows = None if by_filters else _pixel_chunk_rows(m, g)
+    by_filters = _few_rows(g, tiled=True)
+    chunk_rows = None if by_filters else _chunk_rows(m, g, g.cout * g.ow * 4)
     b.line(f"sums = {m.empty((_times(chunk_rows, g.ow) if chunk_rows else g.P, filters), dtype)}")
     with _pixel_major_blocks(m, g, by_filters) as (n, block_rows, (f0, f1)), \
             _row_chunks(m, g, block_rows, chunk_rows) as rows:
@@ -594,17 +594,6 @@ def _pixel_major_offsets(m: KernelModule, g: _Conv, height: int, width: int) -> 
     p, q = m.fresh("p"), m.fresh("q")
     with b.block(f"for {p} in range({g.oh}):"), b.block(f"for {q} in range({g.ow}):"):
         b.line(f"pixels[{p} * {g.ow} + {q}] = {_times(p, g.sh * width)} + {_times(q, g.sw)}")
-
-
-def _pixel_chunk_rows(m: KernelModule, g: _Conv) -> str | None:
-    """The local holding how many output rows at a time a pixel-major convolution
-    computes (`OUT_CHUNK_BYTES` of sums), or None: all of a block's at once."""
-    row_bytes = g.cout * g.ow * 4
-    if g.oh * row_bytes <= OUT_CHUNK_BYTES:
-        return None
-    local = m.fresh("rows_at_once")
-    m.body.line(f"{local} = max(1, {OUT_CHUNK_BYTES} // ({row_bytes}))")
-    return local
 
 
 def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: str | None,
@@ -875,8 +864,14 @@ def _output_chunk_rows(m: KernelModule, node: Node, g: _Conv, implicit: bool) ->
     if not (implicit or (g.pointwise and _tiled(m, node))):
         return None
     width = _plane_shape(g)[1] if implicit else g.ow
-    row_bytes = g.og * width * 4
-    least = -(-OUT_CHUNK_MIN_COLUMNS // width)
+    return _chunk_rows(m, g, g.og * width * 4, -(-OUT_CHUNK_MIN_COLUMNS // width))
+
+
+def _chunk_rows(m: KernelModule, g: _Conv, row_bytes, least: int = 1) -> str | None:
+    """The local holding how many output rows of ``row_bytes`` each a convolution's
+    product computes at a time: `OUT_CHUNK_BYTES` of them, ``least`` rows or more; None
+    where that is every row (a pixel-major convolution's sums: its rows are pixels,
+    its filters fill the tiles' lanes, so no least)."""
     if g.oh * row_bytes <= OUT_CHUNK_BYTES or least >= g.oh:
         return None
     local = m.fresh("rows_at_once")
@@ -940,9 +935,14 @@ def _by_filters(m: KernelModule, node: Node, g: _Conv, direct: bool, by_rows: bo
     channels, each block computing its channels of every pixel (`FILTER_SPLIT_MAX_ROWS`,
     or `FILTER_SPLIT_MAX_ROWS_TILED` where products are `_tiled`): every block then
     copies the whole image into its im2col matrix (or phase planes)."""
-    most = FILTER_SPLIT_MAX_ROWS_TILED if _tiled(m, node) else FILTER_SPLIT_MAX_ROWS
     return (not direct and not by_rows and g.groups == 1
-            and g.n * g.oh < most and g.cout >= FILTER_SPLIT_MIN_FILTERS)
+            and _few_rows(g, _tiled(m, node)) and g.cout >= FILTER_SPLIT_MIN_FILTERS)
+
+
+def _few_rows(g: _Conv, tiled: bool) -> bool:
+    """Whether a convolution's images have too few output rows, all together, for
+    threads to split (`FILTER_SPLIT_MAX_ROWS`, `..._TILED` where products are tiled)."""
+    return g.n * g.oh < (FILTER_SPLIT_MAX_ROWS_TILED if tiled else FILTER_SPLIT_MAX_ROWS)
 
 
 @contextmanager

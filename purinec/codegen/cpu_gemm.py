@@ -96,16 +96,20 @@ class _TileCode:
         last = (nv - 1) * VW
         self.last_mask = builder.icmp_signed("<", lanes, _splat(
             builder, ir.VectorType(I64, VW), builder.sub(self.cols, ir.Constant(I64, last))))
-        final_row = builder.sub(self.rows, ir.Constant(I64, 1))
-        # (without offsets, a_rows is 0: the address of a, loaded from and not used)
-        row_offsets = builder.inttoptr(builder.select(self.a_offsets, a_rows, a), I64.as_pointer())
-        self.a_rows = []
+        self.row_offsets = builder.inttoptr(a_rows, I64.as_pointer())
+
+    def a_row_pointers(self, a_offsets: bool) -> list:
+        """Where each of the tile's `MR` rows of ``a`` begins (rows past ``rows`` repeat
+        the last one): ``lda`` apart, or with ``a_offsets`` where ``a_rows`` says."""
+        builder, final_row = self.builder, self.builder.sub(self.rows, ir.Constant(I64, 1))
+        pointers = []
         for i in range(MR):
             row = builder.select(builder.icmp_signed("<", ir.Constant(I64, i), self.rows),
                                  ir.Constant(I64, i), final_row)
-            self.a_rows.append(builder.gep(self.a, [builder.select(
-                self.a_offsets, builder.load(builder.gep(row_offsets, [row])),
-                builder.mul(row, self.lda))]))
+            offset = (builder.load(builder.gep(self.row_offsets, [row])) if a_offsets
+                      else builder.mul(row, self.lda))
+            pointers.append(builder.gep(self.a, [offset]))
+        return pointers
 
     def vector_at(self, row_pointer, v: int):
         return self.builder.bitcast(
@@ -151,6 +155,7 @@ class _TileCode:
         block after the loop; rows of ``b`` at ``offsets``, columns of ``a`` at
         ``a_offsets``."""
         builder, nv = self.builder, self.nv
+        a_rows = self.a_row_pointers(a_offsets)
         entry = builder.basic_block
         loop, done = builder.append_basic_block("k"), builder.append_basic_block("k_done")
         builder.cbranch(builder.icmp_signed(">", self.depth, ir.Constant(I64, 0)), loop, done)
@@ -167,7 +172,7 @@ class _TileCode:
         updated = []
         a_k = builder.load(builder.gep(self.a_taps, [k])) if a_offsets else k
         for i in range(MR):
-            a_ik = _splat(builder, self.vector, builder.load(builder.gep(self.a_rows[i], [a_k])))
+            a_ik = _splat(builder, self.vector, builder.load(builder.gep(a_rows[i], [a_k])))
             updated.append([builder.call(self.fma, [a_ik, b_vectors[v], sums[i][v]])
                             for v in range(nv)])
         next_k, body_end = builder.add(k, ir.Constant(I64, 1)), builder.basic_block
