@@ -19,6 +19,7 @@ benchmarks/README.md says what each number means.
 from __future__ import annotations
 
 import argparse
+import compileall
 import importlib
 import importlib.metadata
 import importlib.util
@@ -627,6 +628,14 @@ def bench_startup(model: str, batch: int, target: str, args, workdir: str) -> di
     return row
 
 
+def compile_bytecode() -> None:
+    """Write purinec's bytecode, as installing a package does, so that the startups
+    import it as a user's would: where ``PYTHONDONTWRITEBYTECODE`` is set (some
+    sandboxes set it) an editable checkout never gets it, and every process compiled
+    purinec's sources again (0.2 s of each warm start, on the Zen 4 machine)."""
+    compileall.compile_dir(REPO / "purinec", quiet=1)
+
+
 JIT_PEERS = ("torch.compile", "jax")  # peers that compile: their cold start is measured
 # Where the peers keep compiled code between processes; a cold start gets them empty.
 PEER_CACHE_VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
@@ -911,6 +920,7 @@ def main(argv: list[str] | None = None) -> int:
         for model in args.models:
             train_rows += bench_model(model, MODELS[model], contenders, args, workdir)
         if not args.no_startup:
+            compile_bytecode()
             for model in args.models:
                 for target in args.targets:
                     startup_rows.append(bench_startup(model, MODELS[model], target, args,

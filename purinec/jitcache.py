@@ -9,7 +9,9 @@ code needs only the runtime's (NRT) symbols. `load` does the rest of what
 ``Dispatcher.compile`` does on a cache hit. The CPU target's kernels
 (`purinec.codegen.cpu`), the runtime's atomics (`purinec.runtime.atomics`) and the
 CPU team's functions (`purinec.codegen.cpu_runtime`) load
-through it: a fifth of a warm ``purinec run``, a third of a second of every rank.
+through it: a fifth of a warm ``purinec run``, a third of a second of every rank; and
+so does `purinec.codegen.cpu_gemm`'s C function (`ready_cfunc`), whose ordinary load
+readied Numba for the first kernel that multiplied (0.3 s of a warm lenet run).
 
 It uses Numba's private ``Cache._load_overload``; where a Numba release lacks it,
 `load` says False and callers compile, which loads too.
@@ -17,6 +19,9 @@ It uses Numba's private ``Cache._load_overload``; where a Numba release lacks it
 
 from __future__ import annotations
 
+from typing import Callable
+
+from numba.core.ccallback import CFunc
 from numba.core.compiler_lock import global_compiler_lock
 from numba.core.dispatcher import Dispatcher
 from numba.core.runtime import rtsys
@@ -45,3 +50,21 @@ def ready(dispatcher: Dispatcher, signature: tuple) -> None:
     Numba's disk cache where it holds the code, else compiled (and so cached)."""
     if signature not in dispatcher.overloads and not load(dispatcher, signature):
         dispatcher.compile(signature)
+
+
+def ready_cfunc(function: CFunc, compile_fresh: Callable[[], None]) -> None:
+    """Give the C callback ``function`` its machine code from Numba's disk cache, as
+    ``CFunc.compile`` does on a cache hit but without readying Numba to compile; where
+    the cache does not hold it, ``compile_fresh()`` (which compiles and caches it)."""
+    cached = getattr(function._cache, "_load_overload", None)  # NullCache has none
+    context = function._targetdescr.target_context
+    with global_compiler_lock:
+        result = cached(function._sig, context) if cached is not None else None
+        if result is None:
+            compile_fresh()
+            return
+        function._cache_hits += 1
+        function._library = result.library
+        function._wrapper_name = result.fndesc.llvm_cfunc_wrapper_name
+        function._wrapper_address = result.library.get_pointer_to_function(
+            function._wrapper_name)

@@ -37,10 +37,13 @@ from typing import Callable
 
 import llvmlite.binding as llvm
 from llvmlite import ir
-from numba import cfunc, types
-from numba.core import cgutils
+from numba import types
+from numba.core import cgutils, sigutils
+from numba.core.ccallback import CFunc
 from numba.core.extending import intrinsic, register_jitable
 
+from purinec import jitcache
+from purinec.codegen.compile_helpers import start_numba_without_scipy
 from purinec.codegen.cpu_runtime import has_avx512
 
 I1, I32, I64, F32 = ir.IntType(1), ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -296,9 +299,18 @@ def _compiled():
     global _compiled_code
     with _compiling:
         if _compiled_code is None:
-            _compiled_code = cfunc(SIGNATURE, cache=True)(_tiled_sgemm)
-            llvm.add_symbol("purinec_tiled_sgemm", _compiled_code.address)
+            function = CFunc(_tiled_sgemm, sigutils.normalize_signature(SIGNATURE), locals={},
+                             options={})
+            function.enable_caching()
+            jitcache.ready_cfunc(function, lambda: _compile(function))
+            llvm.add_symbol("purinec_tiled_sgemm", function.address)
+            _compiled_code = function
         return _compiled_code
+
+
+def _compile(function: CFunc) -> None:
+    start_numba_without_scipy()
+    function.compile()
 
 
 def __getattr__(name: str):

@@ -123,6 +123,32 @@ def test_tiled_sgemm_of_avx2_tiles_agrees():
     assert json.loads(done.stdout.splitlines()[-1]) == [8, 6, False]
 
 
+LOAD_CHECK = """
+import ctypes, sys, numpy as np
+from purinec.codegen import cpu_gemm
+function = cpu_gemm._compiled()
+rng = np.random.default_rng(0)
+a, b = rng.standard_normal((5, 70)).astype(np.float32), rng.standard_normal((70, 33)).astype(np.float32)
+c = np.full((5, 33), np.nan, np.float32)
+address = lambda array: array.ctypes.data
+function.ctypes(5, 33, 70, address(a), 70, 0, 0, address(b), 33, 0, address(c), 33, 0)
+error = np.abs(c - a.astype(np.float64) @ b).max()
+print(bool(error < 1e-4), "numba.np.arraymath" in sys.modules)
+"""
+
+
+@pytest.mark.slow  # the first process compiles the kernel again
+def test_a_later_process_loads_the_tiled_gemm_without_readying_numba_to_compile(tmp_path):
+    """The first process compiles ``tiled_sgemm`` into Numba's cache (a fresh one); a
+    later one loads it (`purinec.jitcache.ready_cfunc`) without Numba's typing and
+    lowering registries, which a warm ``purinec run`` paid for at its first product."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    runs = [subprocess.run([sys.executable, "-c", LOAD_CHECK], env=env, text=True,
+                           capture_output=True, timeout=300) for _ in range(2)]
+    assert [run.returncode for run in runs] == [0, 0], runs[-1].stderr[-3000:]
+    assert [run.stdout.split() for run in runs] == [["True", "True"], ["True", "False"]]
+
+
 def test_choice_of_gemm_follows_the_environment(monkeypatch):
     avx512 = "+avx512f" in cpu_runtime.cpu_features()
     for value, expected in [("blas", False), ("tiled", True), ("auto", avx512), ("", avx512)]:
