@@ -503,7 +503,7 @@ def _pixel_major_forward(node: Node, m: KernelModule, g: _Conv, x: str, w: str,
     """A conv2d_panels (one group, ``w`` of ``panels`` (count, width) by C, kh, kw) as
     `_conv_forward` computes a conv2d, in blocks of output rows (`_image_rows`) or, for
     few rows (`_by_filters`), of filters; each block's pixel-major ``sums`` transposed
-    into the output, then the epilogue."""
+    into the output (`cpu_gemm`'s ``transpose``), then the epilogue."""
     b, dtype, filters = m.body, dtype_name(node), g.cout
     b.line(f"w_panels = {m.view(w, (panels[0], g.K, panels[1]))}")
     if y is None:
@@ -531,11 +531,12 @@ def _pixel_major_forward(node: Node, m: KernelModule, g: _Conv, x: str, w: str,
             source = f"x_flat[{n}]"
         pixels = "pixels" if first == "0" else f"pixels[{first}:]"
         _panel_products(m, node, g, source, pixels, count, (f0, f1), panels[1])
-        o, p = m.fresh("o"), m.fresh("p")
-        pixel = p if first == "0" else f"{first} + {p}"
-        with b.block(f"for {o} in range({span_of(f0, f1)}):"), \
-                b.block(f"for {p} in range({count}):"):
-            b.line(f"{image}[{o}, {pixel}] = sums[{p}, {o}]")
+        m.import_line("from purinec.codegen.cpu_gemm import transpose")
+        filters_of = "sums" if f0 == "0" else f"sums[:, {f0}:]"
+        into = image if f0 == first == "0" else f"{image}[{f0}:, {first}:]"
+        span = f1 if f0 == "0" else f"{f1} - {f0}"
+        b.line(f"transpose({count}, {span}, {filters_of}.ctypes.data, {filters}, "
+               f"{into}.ctypes.data, {g.P})")
         if epilogue is not None:
             block = ((1, f0, f1) if f0 != "0" else
                      (2, *rows) if rows[0] != "0" else None)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from numba import njit
 
 from purinec.codegen import cpu, cpu_conv, cpu_runtime
-from purinec.codegen.cpu_gemm import KC, MR, NW, VW, tiled_sgemm
+from purinec.codegen.cpu_gemm import KC, MR, NW, VW, tiled_sgemm, transpose
 from purinec.codegen.cpu_module import CpuOptions
 from purinec.errors import PurinecError
 from purinec.ir.types import DType
@@ -98,6 +98,30 @@ def test_tiled_sgemm_reads_a_at_offsets(m, n, k, seed):
                                atol=2e-6 * max(1.0, np.sqrt(k)) * np.abs(want).max(initial=1))
 
 
+
+@njit
+def _transposed(src, dst):
+    """``transpose`` of a 2-D f32 view into another whose rows may be longer."""
+    transpose(src.shape[0], src.shape[1], src.ctypes.data, src.strides[0] // 4,
+              dst.ctypes.data, dst.strides[0] // 4)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(rows=st.integers(0, 3 * VW + 3), cols=st.integers(0, 3 * VW + 3),
+       spare=st.integers(0, VW + 1), seed=st.integers(0, 2**16))
+def test_transpose_agrees_on_blocks_and_edges(rows, cols, spare, seed):
+    """Whole blocks in registers and the rows and columns past them one by one, from
+    and into views of bigger matrices: every element where it belongs, nothing
+    written outside."""
+    rng = np.random.default_rng(seed)
+    src = rng.standard_normal((rows, cols + spare), dtype=np.float32)[:, :cols]
+    whole = np.full((cols + 1, rows + spare), np.nan, np.float32)
+    _transposed(src, whole[:cols, :rows])
+    np.testing.assert_array_equal(whole[:cols, :rows], src.T)
+    outside = np.ones(whole.shape, bool)
+    outside[:cols, :rows] = False
+    assert np.isnan(whole[outside]).all()
+
 AVX2_CHECK = """
 import json, numpy as np
 from purinec.codegen import cpu_gemm, cpu_runtime
@@ -124,24 +148,26 @@ def test_tiled_sgemm_of_avx2_tiles_agrees():
 
 
 LOAD_CHECK = """
-import ctypes, sys, numpy as np
+import sys, numpy as np
 from purinec.codegen import cpu_gemm
-function = cpu_gemm._compiled()
+functions = cpu_gemm._compiled()
 rng = np.random.default_rng(0)
 a, b = rng.standard_normal((5, 70)).astype(np.float32), rng.standard_normal((70, 33)).astype(np.float32)
-c = np.full((5, 33), np.nan, np.float32)
+c, t = np.full((5, 33), np.nan, np.float32), np.full((33, 5), np.nan, np.float32)
 address = lambda array: array.ctypes.data
-function.ctypes(5, 33, 70, address(a), 70, 0, 0, address(b), 33, 0, address(c), 33, 0)
+functions["tiled_sgemm"].ctypes(5, 33, 70, address(a), 70, 0, 0, address(b), 33, 0, address(c), 33, 0)
+functions["transpose"].ctypes(5, 33, address(c), 33, address(t), 5)
 error = np.abs(c - a.astype(np.float64) @ b).max()
-print(bool(error < 1e-4), "numba.np.arraymath" in sys.modules)
+print(bool(error < 1e-4 and np.array_equal(t, c.T)), "numba.np.arraymath" in sys.modules)
 """
 
 
 @pytest.mark.slow  # the first process compiles the kernel again
-def test_a_later_process_loads_the_tiled_gemm_without_readying_numba_to_compile(tmp_path):
-    """The first process compiles ``tiled_sgemm`` into Numba's cache (a fresh one); a
-    later one loads it (`purinec.jitcache.ready_cfunc`) without Numba's typing and
-    lowering registries, which a warm ``purinec run`` paid for at its first product."""
+def test_a_later_process_loads_the_gemms_functions_without_readying_numba(tmp_path):
+    """The first process compiles ``tiled_sgemm`` and ``transpose`` into Numba's cache
+    (a fresh one); a later one loads them (`purinec.jitcache.ready_cfunc`) without
+    Numba's typing and lowering registries, which a warm ``purinec run`` paid for at its
+    first product."""
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
     runs = [subprocess.run([sys.executable, "-c", LOAD_CHECK], env=env, text=True,
                            capture_output=True, timeout=300) for _ in range(2)]
