@@ -378,19 +378,19 @@ _compiling = threading.Lock()
 _compiled_code: dict[str, CFunc] = {}
 
 
-def _compiled() -> dict[str, CFunc]:
-    """The compiled C functions, made once per process, however many threads ask at
-    once: their symbols must lead to code that stays alive."""
+def _compiled(name: str) -> CFunc:
+    """The C function ``name`` compiled, made once per process, however many threads
+    ask at once: its symbol must lead to code that stays alive."""
     with _compiling:
-        for name, (symbol, code, signature) in _FUNCTIONS.items():
-            if name not in _compiled_code:
-                function = CFunc(code, sigutils.normalize_signature(signature), locals={},
-                                 options={})
-                function.enable_caching()
-                jitcache.ready_cfunc(function, functools.partial(_compile, function))
-                llvm.add_symbol(symbol, function.address)
-                _compiled_code[name] = function
-        return _compiled_code
+        if name not in _compiled_code:
+            symbol, code, signature = _FUNCTIONS[name]
+            function = CFunc(code, sigutils.normalize_signature(signature), locals={},
+                             options={})
+            function.enable_caching()
+            jitcache.ready_cfunc(function, functools.partial(_compile, function))
+            llvm.add_symbol(symbol, function.address)
+            _compiled_code[name] = function
+        return _compiled_code[name]
 
 
 def _compile(function: CFunc) -> None:
@@ -414,6 +414,6 @@ def __getattr__(name: str):
     ``i < rows``, ``j < cols``, f32 matrices at addresses ``src``, ``dst`` with leading
     dimensions ``lds``, ``ldd`` (elements); by blocks of `VW` x `VW` in registers."""
     if name in _EXTERNAL:
-        _compiled()
+        _compiled(name)
         return _EXTERNAL[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -150,7 +150,7 @@ def test_tiled_sgemm_of_avx2_tiles_agrees():
 LOAD_CHECK = """
 import sys, numpy as np
 from purinec.codegen import cpu_gemm
-functions = cpu_gemm._compiled()
+functions = {name: cpu_gemm._compiled(name) for name in ("tiled_sgemm", "transpose")}
 rng = np.random.default_rng(0)
 a, b = rng.standard_normal((5, 70)).astype(np.float32), rng.standard_normal((70, 33)).astype(np.float32)
 c, t = np.full((5, 33), np.nan, np.float32), np.full((33, 5), np.nan, np.float32)
