@@ -395,12 +395,14 @@ def _pad_image(m: KernelModule, g: _Conv, x: str, n: str, c0: str,
 
 
 def _im2col(m: KernelModule, g: _Conv, image: str, col: str, rows: tuple[str, str],
-            back: bool, out_rows: tuple[str, str] | None = None) -> None:
+            back: bool, out_rows: tuple[str, str] | None = None, phased: bool = False
+            ) -> None:
     """For the im2col rows ``r`` in ``rows`` (``r = (c*kh + i)*kw + j``), stored at row
     ``r - rows[0]`` of ``col``: ``col[r, p*ow + q] = image[c, p*sh + i*dh, q*sw + j*dw]``, the
     image padded (`_pad_image`), so no bounds are tested and the trip counts are
     constants; for output rows ``p`` in ``out_rows`` only (all by default), stored from
-    column 0. With ``back``, the adjoint (col2im): ``image[...] += col[...]``."""
+    column 0. With ``back``, the adjoint (col2im): ``image[...] += col[...]``;
+    ``phased``, the image split by column phase (`_im2col_phased`)."""
     b = m.body
     r, c, i, j, row, p = (m.fresh(s) for s in ("r", "c", "i", "j", "row", "p"))
     span, first = _row_span(g, out_rows)
@@ -411,21 +413,32 @@ def _im2col(m: KernelModule, g: _Conv, image: str, col: str, rows: tuple[str, st
         b.line(f"{row} = {r}" if rows[0] == "0" else f"{row} = {r} - {rows[0]}")
         with b.block(f"for {p} in range({span}):"):
             _pixel_row(m, g, image, f"{c}, {affine(first(p), g.sh, _times(i, g.dh))}", j,
-                       col, f"{row}, {affine(p, g.ow, 0)}", back)
+                       col, f"{row}, {affine(p, g.ow, 0)}", back, phased)
+
+
+def _im2col_phased(g: _Conv) -> bool:
+    """Whether a forward im2col reads its image split by column phase (`_pad_image`):
+    with a column stride its rows would read every ``sw``-th column, a gather; split
+    once, each is a `copy_run`. squeezenet1_1's 3x3 stride-2 first layer of 3
+    channels, ... ."""
+    return g.sw > 1
 
 
 def _pixel_row(m: KernelModule, g: _Conv, image: str, at: str, j: str, col: str,
-               col_at: str, back: bool) -> None:
+               col_at: str, back: bool, phased: bool = False) -> None:
     """``col[col_at + q] = image[at, q*sw + j*dw]`` for the ``ow`` pixels ``q`` of an
     output row (``image`` a prefix, `_pad_image`; ``at`` its channel and row,
     ``col_at`` a row of ``col`` and its first column); with ``back``, the adjoint:
-    ``image[...] += col[...]``. Contiguous pixels are one `copy_run`; the rest, a loop
-    whose trip count is hidden from LLVM where it adds (col2im), so that LLVM vectorizes
-    it rather than unrolling it."""
+    ``image[...] += col[...]``. Contiguous pixels are one `copy_run` (with ``phased``,
+    column ``q*sw + j*dw`` is ``q + j*dw // sw`` of phase ``j*dw % sw``: contiguous
+    too); the rest, a loop whose trip count is hidden from LLVM where it adds (col2im),
+    so that LLVM vectorizes it rather than unrolling it."""
     first_pixel = _times(j, g.dw)
-    if g.sw == 1 and not back:
+    if (g.sw == 1 or phased) and not back:
         array, lead = image.split("[", 1)
-        m.copy_run(col, col_at, array, f"{lead}{at}, {first_pixel}", g.ow)
+        column = (f"({first_pixel}) % {g.sw}, ({first_pixel}) // {g.sw}" if phased
+                  else first_pixel)
+        m.copy_run(col, col_at, array, f"{lead}{at}, {column}", g.ow)
         return
     q = m.fresh("q")
     with m.body.block(f"for {q} in range({m.opaque(g.ow) if back else g.ow}):"):
@@ -639,7 +652,7 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
         _padded_scratch(m, node, g)
     else:
         b.line(f"col = {m.empty((g.K, col_width), dtype_name(node))}")
-        _padded_scratch(m, node, g)
+        _padded_scratch(m, node, g, phased=_im2col_phased(g))
     if direct and epilogue is not None:
         _direct_by_groups(m, node, g, x, w_mat, y is None, epilogue, flat, phased)
         return
@@ -668,8 +681,9 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
                 if g.pointwise:
                     col = _from_column(row_slice(f"x_mat[{n}]", c0, g.cg, g.c), start)
                 else:
-                    _im2col(m, g, _pad_image(m, g, x, n, c0, rows), col, ("0", str(g.K)),
-                            back=False, out_rows=rows)
+                    phased = _im2col_phased(g)
+                    _im2col(m, g, _pad_image(m, g, x, n, c0, rows, phased), col,
+                            ("0", str(g.K)), back=False, out_rows=rows, phased=phased)
                 with _chunks(m, g.og, g.K, count, g.P, _tiled(m, node)) as (s, width):
                     _gemm(m, node, weights, _from_column(col, s), _from_column(out, s), og,
                           width, g.K, g.K, col_width, g.P)

@@ -10,6 +10,7 @@ threads, the way big kernels run.
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -628,6 +629,27 @@ def test_conv2d_and_its_gradients(problem, dtype, seed, options):
     x, w = random_array(rng, x_shape, dtype), random_array(rng, w_shape, dtype)
     check("conv2d", [x, w], attrs, options)
     check_conv_gradients(rng, x_shape, w_shape, attrs, dtype, options)
+
+
+@pytest.mark.slow  # a Numba compile per case
+@pytest.mark.parametrize("x_shape, w_shape, attrs", [
+    ((2, 3, 15, 13), (8, 3, 3, 3), {"stride": [2, 2], "pad": [0, 0]}),  # no border
+    ((1, 4, 11, 12), (6, 4, 3, 3), {"stride": [1, 3], "pad": [1, 2, 0, 1],
+                                    "dilation": [1, 2]}),
+    ((2, 6, 9, 10), (4, 3, 2, 2), {"stride": [2, 2], "pad": [1, 1], "groups": 2}),
+], ids=["stride-2", "stride-3-dilated", "groups"])
+@pytest.mark.parametrize("options", [CpuOptions(direct_max_channels=0), GEMMS])
+def test_strided_im2col_reads_the_image_split_by_column_phase(x_shape, w_shape, attrs,
+                                                               options):
+    """A forward im2col with a column stride copies each output row's taps as one run
+    from the image split by column phase (``j*dw % sw``), not every ``sw``-th column."""
+    attrs = {"groups": 1, "dilation": [1, 1], **attrs}
+    rng = np.random.default_rng(len(x_shape) + sum(w_shape))
+    x, w = random_array(rng, x_shape, DType.f32), random_array(rng, w_shape, DType.f32)
+    options = replace(options, tiled_gemm=False)  # the BLAS: im2col, never implicit
+    source = cpu.render(one_node("conv2d", [x, w], attrs), options)
+    assert f") % {attrs['stride'][1]}, (" in source
+    check("conv2d", [x, w], attrs, options)
 
 
 @pytest.mark.slow  # a Numba compile per case
