@@ -419,8 +419,10 @@ def _im2col(m: KernelModule, g: _Conv, image: str, col: str, rows: tuple[str, st
 def _im2col_phased(g: _Conv) -> bool:
     """Whether a forward im2col reads its image split by column phase (`_pad_image`):
     with a column stride its rows would read every ``sw``-th column, a gather; split
-    once, each is a `copy_run`. squeezenet1_1's 3x3 stride-2 first layer of 3
-    channels, ... ."""
+    once, each is a `copy_run`. Kernel minima in the nets' traces, alternating runs:
+    squeezenet1_1's 3x3 stride-2 first layer of 3 channels at batch 32 11.8 -> 11.5
+    ms (level at batch 1); through the BLAS, resnet18's 7x7 stride-2 layer 1.31-1.33
+    -> 1.27-1.29 ms, its 3x3 stride-2 ones 0-3%."""
     return g.sw > 1
 
 
