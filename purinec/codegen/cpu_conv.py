@@ -417,9 +417,9 @@ def _im2col(m: KernelModule, g: _Conv, image: str, col: str, rows: tuple[str, st
 
 
 def _im2col_phased(g: _Conv) -> bool:
-    """Whether a forward im2col reads its image split by column phase (`_pad_image`):
-    with a column stride its rows would read every ``sw``-th column, a gather; split
-    once, each is a `copy_run`. Kernel minima in the nets' traces, alternating runs:
+    """Whether an im2col (a forward product's, a weight gradient's) reads its image
+    split by column phase (`_pad_image`): with a column stride its rows would read
+    every ``sw``-th column, a gather; split once, each is a `copy_run`. Kernel minima in the nets' traces, alternating runs:
     squeezenet1_1's 3x3 stride-2 first layer of 3 channels at batch 32 11.8 -> 11.5
     ms (level at batch 1); through the BLAS, resnet18's 7x7 stride-2 layer 1.31-1.33
     -> 1.27-1.29 ms, its 3x3 stride-2 ones 0-3%."""
@@ -1398,7 +1398,7 @@ def _weight_gradient_scratch(m: KernelModule, node: Node, g: _Conv, by_rows: boo
     if not g.pointwise:
         columns = g.rows_read * g.ow if by_rows else g.P
         m.body.line(f"col = {m.empty((width, columns), dtype_name(node))}")
-        _padded_scratch(m, node, g)
+        _padded_scratch(m, node, g, phased=not by_rows and _im2col_phased(g))
     if _unpacked(m, g, most):
         m.body.line(f"gy_t = {m.empty((g.P, g.og), dtype_name(node))}")
 
@@ -1441,7 +1441,9 @@ def _weight_gradient_products(m: KernelModule, node: Node, g: _Conv, by_rows: bo
                                     g.rows_read * g.ow, gy_rows, f"gw_t[{i}, :, {o0}:]",
                                     width, most, unpacked)
         else:
-            _im2col(m, g, _pad_image(m, g, x, n, c0), "col", (lo, hi), back=False)
+            phased = _im2col_phased(g)
+            _im2col(m, g, _pad_image(m, g, x, n, c0, phased=phased), "col", (lo, hi),
+                    back=False, phased=phased)
             _add_weight_product(m, node, g, "col", g.P, gy_rows, f"gw_t[0, :, {o0}:]", width,
                                 most, unpacked)
 

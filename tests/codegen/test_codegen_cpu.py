@@ -641,15 +641,20 @@ def test_conv2d_and_its_gradients(problem, dtype, seed, options):
 @pytest.mark.parametrize("options", [CpuOptions(direct_max_channels=0), GEMMS])
 def test_strided_im2col_reads_the_image_split_by_column_phase(x_shape, w_shape, attrs,
                                                                options):
-    """A forward im2col with a column stride copies each output row's taps as one run
-    from the image split by column phase (``j*dw % sw``), not every ``sw``-th column."""
+    """An im2col with a column stride (the forward product's, the weight gradient's)
+    copies each output row's taps as one run from the image split by column phase
+    (``j*dw % sw``), not every ``sw``-th column."""
     attrs = {"groups": 1, "dilation": [1, 1], **attrs}
     rng = np.random.default_rng(len(x_shape) + sum(w_shape))
     x, w = random_array(rng, x_shape, DType.f32), random_array(rng, w_shape, DType.f32)
     options = replace(options, tiled_gemm=False)  # the BLAS: im2col, never implicit
-    source = cpu.render(one_node("conv2d", [x, w], attrs), options)
-    assert f") % {attrs['stride'][1]}, (" in source
+    forward = one_node("conv2d", [x, w], attrs)
+    gy = random_array(rng, forward.outputs[0].type.shape, DType.f32)
+    gradient_attrs = {**attrs, "kernel": list(w_shape[2:])}
+    for node in (forward, one_node("conv2d_grad_weight", [x, gy], gradient_attrs)):
+        assert f") % {attrs['stride'][1]}, (" in cpu.render(node, options), node.op
     check("conv2d", [x, w], attrs, options)
+    check("conv2d_grad_weight", [x, gy], gradient_attrs, options)
 
 
 @pytest.mark.slow  # a Numba compile per case
