@@ -125,10 +125,15 @@ def test_transpose_agrees_on_blocks_and_edges(rows, cols, spare, seed):
 AVX2_CHECK = """
 import json, numpy as np
 from purinec.codegen import cpu_gemm, cpu_runtime
-from tests.codegen.test_cpu_gemm import check_product
+from tests.codegen.test_cpu_gemm import check_product, _transposed
 rng = np.random.default_rng(0)
 for m, n, k, beta in [(7, 37, 300, 0), (13, 17, 5, 1), (6, 16, 256, 0), (1, 3, 0, 0)]:
     check_product(rng, m, n, k, beta)
+for rows, cols in [(8, 8), (19, 13), (3, 40)]:
+    src = rng.standard_normal((rows, cols)).astype(np.float32)
+    dst = np.full((cols, rows), np.nan, np.float32)
+    _transposed(src, dst)
+    assert np.array_equal(dst, src.T), (rows, cols)
 print(json.dumps([cpu_gemm.VW, cpu_gemm.MR, cpu_runtime.tiled_gemm_wanted()]))
 """
 
@@ -136,8 +141,9 @@ print(json.dumps([cpu_gemm.VW, cpu_gemm.MR, cpu_runtime.tiled_gemm_wanted()]))
 @pytest.mark.slow  # a fresh process compiles the kernel again
 def test_tiled_sgemm_of_avx2_tiles_agrees():
     """Where the CPU has no AVX-512 the tile is 6 rows by up to 2 vectors of 8 lanes,
-    and kernels call the BLAS instead (unless told otherwise): its code is checked
-    with AVX-512 taken away from Numba, as on an AVX2 machine."""
+    and kernels call the BLAS instead (unless told otherwise), and ``transpose`` moves
+    blocks of 8 x 8: their code is checked with AVX-512 taken away from Numba, as on an
+    AVX2 machine."""
     features = ",".join(feature if "avx512" not in feature else f"-{feature[1:]}"
                         for feature in cpu_runtime.cpu_features())
     env = {**os.environ, "NUMBA_CPU_FEATURES": features, "PURINEC_CPU_GEMM": "auto"}
