@@ -419,10 +419,11 @@ def _im2col(m: KernelModule, g: _Conv, image: str, col: str, rows: tuple[str, st
 def _im2col_phased(g: _Conv) -> bool:
     """Whether an im2col (a forward product's, a weight gradient's) reads its image
     split by column phase (`_pad_image`): with a column stride its rows would read
-    every ``sw``-th column, a gather; split once, each is a `copy_run`. Kernel minima in the nets' traces, alternating runs:
-    squeezenet1_1's 3x3 stride-2 first layer of 3 channels at batch 32 11.8 -> 11.5
-    ms (level at batch 1); through the BLAS, resnet18's 7x7 stride-2 layer 1.31-1.33
-    -> 1.27-1.29 ms, its 3x3 stride-2 ones 0-3%."""
+    every ``sw``-th column, a gather; split once, each is a `copy_run`. Kernel minima
+    in the nets' traces, alternating runs: squeezenet1_1's 3x3 stride-2 first layer of
+    3 channels at batch 32 11.8 -> 11.5 ms (level at batch 1); through the BLAS,
+    resnet18's 7x7 stride-2 layer 1.31-1.33 -> 1.27-1.29 ms, its 3x3 stride-2 ones
+    0-3%."""
     return g.sw > 1
 
 
@@ -1450,9 +1451,9 @@ def _weight_gradient_products(m: KernelModule, node: Node, g: _Conv, by_rows: bo
 
 def _transpose(m: KernelModule, node: Node, g: _Conv, matrix: str, into: str) -> None:
     """``into[p, o] = matrix[o, p]`` for the group's ``og`` rows: f32 by `cpu_gemm`'s
-    ``transpose`` (32 x 1024, cifar_quick's conv1, 11-14 -> 8.5 us); others eight rows at a
-    time, so that each column stores eight contiguous values (twice as fast as one row
-    at a time)."""
+    ``transpose`` (32 x 1024, cifar_quick's conv1, 11-14 -> 8.5 us); others eight rows
+    at a time, so that each column stores eight contiguous values (twice as fast as
+    one row at a time)."""
     if node.outputs[0].type.dtype is DType.f32:
         m.import_line("from purinec.codegen.cpu_gemm import transpose")
         m.body.line(f"transpose({g.og}, {g.P}, {matrix}.ctypes.data, {g.P}, "

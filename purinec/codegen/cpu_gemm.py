@@ -214,8 +214,8 @@ class _TileCode:
         for line in range(0, self.nv * VW, 64 // 4):
             at = builder.add(self.ahead, ir.Constant(I64, line))
             builder.call(self.prefetch, [builder.bitcast(builder.gep(b_row, [at]), i8),
-                                              ir.Constant(I32, 0), ir.Constant(I32, 3),
-                                              ir.Constant(I32, 1)])
+                                         ir.Constant(I32, 0), ir.Constant(I32, 3),
+                                         ir.Constant(I32, 1)])
 
     def store(self, sums: list) -> None:
         builder, four = self.builder, ir.Constant(I32, 4)
@@ -336,8 +336,8 @@ def _transpose_block(typingctx, src, lds, dst, ldd):
 
         def row(base, ld, i: int):
             start = builder.inttoptr(base, F32.as_pointer())
-            return builder.bitcast(builder.gep(start, [builder.mul(ir.Constant(I64, i), ld)]),
-                                   vector.as_pointer())
+            at = builder.gep(start, [builder.mul(ir.Constant(I64, i), ld)])
+            return builder.bitcast(at, vector.as_pointer())
 
         rows = [builder.load(row(src, lds, i), align=4) for i in range(VW)]
         b = VW // 2

@@ -158,11 +158,12 @@ import sys, numpy as np
 from purinec.codegen import cpu_gemm
 functions = {name: cpu_gemm._compiled(name) for name in ("tiled_sgemm", "transpose")}
 rng = np.random.default_rng(0)
-a, b = rng.standard_normal((5, 70)).astype(np.float32), rng.standard_normal((70, 33)).astype(np.float32)
+a = rng.standard_normal((5, 70)).astype(np.float32)
+b = rng.standard_normal((70, 33)).astype(np.float32)
 c, t = np.full((5, 33), np.nan, np.float32), np.full((33, 5), np.nan, np.float32)
-address = lambda array: array.ctypes.data
-functions["tiled_sgemm"].ctypes(5, 33, 70, address(a), 70, 0, 0, address(b), 33, 0, address(c), 33, 0)
-functions["transpose"].ctypes(5, 33, address(c), 33, address(t), 5)
+functions["tiled_sgemm"].ctypes(5, 33, 70, a.ctypes.data, 70, 0, 0, b.ctypes.data, 33, 0,
+                                c.ctypes.data, 33, 0)
+functions["transpose"].ctypes(5, 33, c.ctypes.data, 33, t.ctypes.data, 5)
 error = np.abs(c - a.astype(np.float64) @ b).max()
 print(bool(error < 1e-4 and np.array_equal(t, c.T)), "numba.np.arraymath" in sys.modules)
 """
