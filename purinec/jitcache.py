@@ -10,8 +10,9 @@ code needs only the runtime's (NRT) symbols. `load` does the rest of what
 (`purinec.codegen.cpu`), the runtime's atomics (`purinec.runtime.atomics`) and the
 CPU team's functions (`purinec.codegen.cpu_runtime`) load
 through it: a fifth of a warm ``purinec run``, a third of a second of every rank; and
-so does `purinec.codegen.cpu_gemm`'s C function (`ready_cfunc`), whose ordinary load
-readied Numba for the first kernel that multiplied (0.3 s of a warm lenet run).
+so do `purinec.codegen.cpu_gemm`'s C functions (`ready_cfunc`): loaded the ordinary
+way, the GEMM readied Numba for the first kernel that multiplied (0.3 s of a warm
+lenet run).
 
 It uses Numba's private ``Cache._load_overload``; where a Numba release lacks it,
 `load` says False and callers compile, which loads too.
