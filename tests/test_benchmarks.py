@@ -401,6 +401,7 @@ def test_the_onnx_benchmark_checks_then_times_purinec_against_onnxruntime(tmp_pa
     assert ours["status"] == peer["status"] == "ok"
     assert ours["check_error"] <= bench_onnx.CHECK_RTOL
     assert peer["peer_over_purinec"] == pytest.approx(peer["median_ms"] / ours["median_ms"])
+    assert peer["peer_over_purinec_p10"] == pytest.approx(peer["p10_ms"] / ours["p10_ms"])
 
 
 def test_the_onnx_benchmark_flags_scores_that_differ_from_onnxruntime(tmp_path):
