@@ -510,8 +510,8 @@ def node_conv(node: Node) -> _Conv:
 # One thread, tiled_sgemm alone (us, filter-major against pixel-major), hot: 3x3 of
 # 512 channels of 7x7 2922 / 2483, 256 of 14x14 2516 / 2205, 128 of 28x28 2338 / 2183;
 # 1x1 320 -> 1280 at 7x7 497 / 410; caches flushed, half of the filters: 512 of 7x7
-# 1521 / 1355 (one matrix 1895), 256 of 14x14 1401 / 1199 (1291). Each block's sums are then transposed into the output (NumPy's
-# copy of the transposed sums alone: 48, 50, 67, 46 us hot).
+# 1521 / 1355 (one matrix 1895), 256 of 14x14 1401 / 1199 (1291). Each block's sums
+# are then transposed into the output (`_transposed`).
 
 
 def _pixel_major_forward(node: Node, m: KernelModule, g: _Conv, x: str, w: str,
@@ -547,12 +547,10 @@ def _pixel_major_forward(node: Node, m: KernelModule, g: _Conv, x: str, w: str,
             source = f"x_flat[{n}]"
         pixels = "pixels" if first == "0" else f"pixels[{first}:]"
         _panel_products(m, node, g, source, pixels, count, (f0, f1), panels[1])
-        m.import_line("from purinec.codegen.cpu_gemm import transpose")
         filters_of = "sums" if f0 == "0" else f"sums[:, {f0}:]"
         into = image if f0 == first == "0" else f"{image}[{f0}:, {first}:]"
         span = f1 if f0 == "0" else f"{f1} - {f0}"
-        b.line(f"transpose({count}, {span}, {filters_of}.ctypes.data, {filters}, "
-               f"{into}.ctypes.data, {g.P})")
+        _transposed(m, filters_of, count, span, filters, into, g.P)
         if epilogue is not None:
             block = ((1, f0, f1) if f0 != "0" else
                      (2, *rows) if rows[0] != "0" else None)
@@ -1455,9 +1453,7 @@ def _transpose(m: KernelModule, node: Node, g: _Conv, matrix: str, into: str) ->
     at a time, so that each column stores eight contiguous values (twice as fast as
     one row at a time)."""
     if node.outputs[0].type.dtype is DType.f32:
-        m.import_line("from purinec.codegen.cpu_gemm import transpose")
-        m.body.line(f"transpose({g.og}, {g.P}, {matrix}.ctypes.data, {g.P}, "
-                    f"{into}.ctypes.data, {g.og})")
+        _transposed(m, matrix, g.og, g.P, g.P, into, g.og)
         return
     b, o, p, k = m.body, m.fresh("o"), m.fresh("p"), m.fresh("k")
     source, whole = m.fresh("source"), g.og // 8 * 8
@@ -1470,6 +1466,15 @@ def _transpose(m: KernelModule, node: Node, g: _Conv, matrix: str, into: str) ->
         with b.block(f"for {o} in range({whole}, {g.og}):"), \
                 b.block(f"for {p} in range({g.P}):"):
             b.line(f"{into}[{p}, {o}] = {source}[{o}, {p}]")
+
+
+def _transposed(m: KernelModule, matrix: str, rows, cols, ld, into: str, ld_into) -> None:
+    """``into[j, i] = matrix[i, j]`` for ``rows`` x ``cols`` f32 (leading dimensions
+    ``ld``, ``ld_into``), by `cpu_gemm`'s ``transpose``: in blocks of registers, where
+    element by element the loads or the stores go a row apart."""
+    m.import_line("from purinec.codegen.cpu_gemm import transpose")
+    m.body.line(f"transpose({rows}, {cols}, {matrix}.ctypes.data, {ld}, {into}.ctypes.data, "
+                f"{ld_into})")
 
 
 def _add_weight_product(m: KernelModule, node: Node, g: _Conv, col: str, ld: int, gy: str,
