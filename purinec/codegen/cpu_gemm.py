@@ -15,7 +15,9 @@ registers. On the Zen 4 machine, one thread, caches flushed before each call
 
 The rows of ``b`` may also lie anywhere, at offsets given by an array: implicit
 convolutions (`purinec.codegen.cpu_conv._implicit`) read their im2col matrix that way
-from the padded image itself.
+from the padded image itself. So may the elements of ``a``: a pixel-major
+convolution's transposed im2col matrix, a dense layer's ``gy`` transposed for its
+weight gradient (`purinec.codegen.cpu_conv._transposed_a`).
 
 The tile's inner loop is written in LLVM IR (`_TileCode`) rather than left to LLVM's loop
 vectorizer, which keeps accumulators in registers only when it sees the whole tile:
@@ -24,8 +26,9 @@ the k loop, with the last vector masked where the tile is narrower than its vect
 With AVX-512 a tile is 4 rows by 4 vectors of 16 (16 of the 32 registers accumulate;
 the last of a row of tiles up to 5); the kernels only call it there
 (`cpu_runtime.tiled_gemm_wanted`), since on AVX2 (16 registers, an emulation on the
-same cores) it ran at 0.7-0.9 of OpenBLAS: there the tile is 6 rows by up to 2
-vectors of 8, correct wherever a kernel compiled on one machine runs on another.
+same cores) it ran at 0.7-0.9 of OpenBLAS (weight gradients of dense layers 0.75-0.95):
+there the tile is 6 rows by up to 2 vectors of 8, correct wherever a kernel compiled
+on one machine runs on another.
 
 The kernel cache keys kernels by this file's text too (`purinec.codegen.cache`).
 """
@@ -127,9 +130,13 @@ class _TileCode:
         """The k loops (rows of ``b`` ``ldb`` apart or at offsets; every vector full or
         the last one masked), then the stores."""
         full = self.builder.icmp_signed("==", self.cols, ir.Constant(I64, self.nv * VW))
-        self.store(self.choose(self.a_offsets, lambda a_offsets: self.choose(
+        sums = self.choose(self.a_offsets, lambda a_offsets: self.choose(
             self.offsets, lambda offsets: self.choose(
-                full, lambda whole: self.k_loop(not whole, offsets, a_offsets)))))
+                full, lambda whole: self.k_loop(not whole, offsets, a_offsets))))
+        with self.builder.if_else(full) as (whole, part):
+            for masked, arm in ((False, whole), (True, part)):
+                with arm:
+                    self.store(sums, masked)
 
     def choose(self, condition, sums_of: Callable[[bool], list]) -> list:
         """``sums_of(True)`` where ``condition`` holds, else ``sums_of(False)``, each
@@ -217,22 +224,36 @@ class _TileCode:
                                          ir.Constant(I32, 0), ir.Constant(I32, 3),
                                          ir.Constant(I32, 1)])
 
-    def store(self, sums: list) -> None:
-        builder, four = self.builder, ir.Constant(I32, 4)
+    def store(self, sums: list, masked: bool) -> None:
+        """The sums into ``c`` (added to it where ``accumulate``); with ``masked``, the
+        last vector of a row only in the lanes inside the tile. A full tile's stores
+        are plain: AVX2's masked store (``vmaskmovps``) is slow on AMD's cores, and a
+        tile of 64 k steps ran at 0.7 of OpenBLAS's speed with them."""
+        builder = self.builder
         for i in range(MR):
             c_row = builder.gep(self.c, [builder.mul(ir.Constant(I64, i), self.ldc)])
             inside = builder.icmp_signed("<", ir.Constant(I64, i), self.rows)
             with builder.if_then(inside, likely=True):
                 for v in range(self.nv):
                     pointer = self.vector_at(c_row, v)
-                    mask = (self.last_mask if v == self.nv - 1
-                            else ir.Constant(ir.VectorType(I1, VW), [1] * VW))
+                    lanes = self.last_mask if masked and v == self.nv - 1 else None
                     with builder.if_then(self.accumulate):
-                        old = builder.call(self.masked_load, [pointer, four, mask, self.zero])
-                        builder.call(self.masked_store, [builder.fadd(old, sums[i][v]), pointer,
-                                                         four, mask])
+                        self.store_vector(builder.fadd(self.load_c(pointer, lanes),
+                                                       sums[i][v]), pointer, lanes)
                     with builder.if_then(builder.not_(self.accumulate)):
-                        builder.call(self.masked_store, [sums[i][v], pointer, four, mask])
+                        self.store_vector(sums[i][v], pointer, lanes)
+
+    def load_c(self, pointer, lanes):
+        if lanes is None:
+            return self.builder.load(pointer, align=4)
+        return self.builder.call(self.masked_load, [pointer, ir.Constant(I32, 4), lanes,
+                                                    self.zero])
+
+    def store_vector(self, vector, pointer, lanes) -> None:
+        if lanes is None:
+            self.builder.store(vector, pointer, align=4)
+        else:
+            self.builder.call(self.masked_store, [vector, pointer, ir.Constant(I32, 4), lanes])
 
 
 @intrinsic
