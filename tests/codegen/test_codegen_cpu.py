@@ -858,6 +858,21 @@ def test_pooling_and_its_gradients(problem, count_include_pad, dtype, seed, opti
     check("avg_pool2d_grad", [gy], {**avg, "input_shape": list(shape)}, options)
 
 
+@pytest.mark.slow  # a Numba compile per example
+@settings(SETTINGS, max_examples=10)
+@given(problem=pool_problems(), count_include_pad=st.booleans(), seed=seeds)
+def test_avg_pool_grad_sums_every_window_covering_each_input(problem, count_include_pad,
+                                                            seed):
+    """The gradient adds along rows of windows, then each input row from the rows of
+    windows covering it: paddings, strides, dilations and overhanging windows."""
+    shape, attrs = problem
+    rng = np.random.default_rng(seed)
+    avg = {**attrs, "count_include_pad": count_include_pad}
+    (y,) = nnref.avg_pool2d(random_array(rng, shape, DType.f32), **avg)
+    gy = random_array(rng, y.shape, DType.f32)
+    check("avg_pool2d_grad", [gy], {**avg, "input_shape": list(shape)})
+
+
 def test_max_pool_grad_routes_ties_to_the_first_maximum():
     x = np.zeros((1, 1, 4, 4), np.float32)  # every window is a tie
     attrs = {"kernel": [3, 3], "stride": [1, 1], "pad": [1, 1]}
