@@ -67,6 +67,11 @@ class Task:
         return f"node {node!r}{loc} on {node.device} with inputs [{inputs}]"
 
 
+def _nothing(*arrays) -> None:
+    """The task of a concat whose inputs were computed in place (`MemoryPlan.elided`):
+    it only passes on the dependencies, from its inputs' writers to its readers."""
+
+
 def queue_of(node: Node) -> QueueId:
     """Copies run on their destination's inbound copy queue and collectives on the
     communication queue, so neither waits behind (or blocks) a device's compute."""
@@ -137,7 +142,7 @@ class Plan:
         for node in self.memory.schedule:
             if is_view(node):
                 continue
-            fn = kernels.get(node)
+            fn = _nothing if node in self.memory.elided else kernels.get(node)
             if not callable(fn):
                 raise PurinecError(f"no kernel for node {node!r} of graph {self.graph.name} "
                                    f"(got {type(fn).__name__})")

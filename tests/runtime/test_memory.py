@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -95,22 +97,45 @@ def test_no_two_live_values_overlap(seed, n_nodes, n_devices):
     memory = plan_memory(graph)
     start, end = independent_liveness(graph, memory.schedule)
     arena = [v for v in start if memory.class_of[v].storage == ARENA]
+    group = {}  # what holds each value's memory: its class, or the concat's output
+    for v in arena:
+        group.setdefault((memory.class_of[v].within or memory.class_of[v]).root, []).append(v)
+
+    def held(v):
+        members = group[(memory.class_of[v].within or memory.class_of[v]).root]
+        return min(start[u] for u in members), max(end[u] for u in members)
+
     for v in arena:
         cls = memory.class_of[v]
-        assert cls.offset % ALIGNMENT == 0 and cls.device == v.device
+        whole = cls.within or cls
+        assert whole.offset % ALIGNMENT == 0 and cls.device == v.device
         assert cls.offset + v.type.nbytes <= memory.arena_bytes[v.device]
+        if cls.within is not None:  # a concat's input, at its run of the output
+            assert whole.offset <= cls.offset < whole.offset + whole.root.type.nbytes
+            (concat, part), = [(n, u) for n in memory.elided for u in n.inputs
+                               if memory.class_of[u] is cls]
+            assert concat.outputs[0] in whole.members
+            run = sum(u.type.nbytes for u in concat.inputs[:concat.inputs.index(part)])
+            assert cls.offset == whole.offset + run
     for i, a in enumerate(arena):
         for b in arena[i + 1:]:
             ca, cb = memory.class_of[a], memory.class_of[b]
-            if ca is cb or a.device != b.device:
+            if ca is cb or a.device != b.device or ca.within is cb or cb.within is ca:
                 continue
+            if ca.within is not None and ca.within is cb.within:
+                assert ca.offset + ca.size <= cb.offset or cb.offset + cb.size <= ca.offset
+                continue
+            ca, cb = ca.within or ca, cb.within or cb
             if ca.offset >= cb.offset + cb.size or cb.offset >= ca.offset + ca.size:
                 continue
             # Overlapping memory: one must be dead before the other is written, or the
             # later one is written in place by the elementwise node that last reads it.
-            first, second = (a, b) if start[a] <= start[b] else (b, a)
-            if end[first] < start[second]:
+            # (A concat's inputs and output hold its memory from the first input's
+            # writer to the last reader of any of them.)
+            first, second = (a, b) if held(a)[0] <= held(b)[0] else (b, a)
+            if held(first)[1] < held(second)[0]:
                 continue
+            assert not (ca.holds_parts or cb.holds_parts), (first, second)
             writer = second.producer
             while is_view(writer):
                 writer = writer.inputs[0].producer
@@ -469,3 +494,79 @@ def test_arenas_beyond_the_memory_limit_are_refused_before_they_are_allocated(mo
     with pytest.raises(MemoryLimitError, match=r"the working memory of graph big \(its arenas\) "
                                                r"would take 4.0 MiB; the limit is 1.0 MiB"):
         Plan(graph, reference_kernels(graph))
+
+
+def branches_into_a_concat(batch: int, variant: str = "") -> tuple[Graph, Node]:
+    """Three branches of an image (as an inception block's) joined along the channels;
+    ``variant`` "exported": the second branch is a graph output too; "twice": the first
+    branch is joined twice; "input": the image itself is joined."""
+    graph = Graph("branches")
+    x = graph.add_input("x", TensorType((batch, 4, 3, 3), F32))
+    w = graph.add_input("w", TensorType((5, 4, 1, 1), F32), role="param")
+    first = graph.add_node("conv2d", [x, w]).outputs[0]
+    second = graph.add_node("tanh", [x]).outputs[0]
+    third = graph.add_node("relu", [graph.add_node("conv2d", [x, w]).outputs[0]]).outputs[0]
+    parts = {"twice": [first, second, first], "input": [first, x, third]}.get(
+        variant, [first, second, third])
+    concat = graph.add_node("concat", parts, {"axis": 1})
+    y = graph.add_node("sigmoid", [concat.outputs[0]]).outputs[0]
+    late = graph.add_node("relu", [second]).outputs[0]  # read after the concat
+    outputs = [("y", y), ("late", late)] + ([("second", second)] if variant == "exported" else [])
+    graph.set_outputs(outputs)
+    return graph, concat
+
+
+def test_a_concat_of_runs_of_its_output_is_computed_in_place():
+    """At batch 1 each branch is a run of the concat's output: its writer computes it
+    there, the concat copies nothing, and a branch read after the concat keeps the whole
+    alive; the results stay the reference's in any order the dependencies allow."""
+    graph, concat = branches_into_a_concat(batch=1)
+    memory = plan_memory(graph)
+    assert memory.elided == {concat}
+    whole = memory.class_of[concat.outputs[0]]
+    runs = [memory.class_of[v].offset - whole.offset for v in concat.inputs]
+    assert runs == [0, 5 * 9 * 4, (5 + 4) * 9 * 4]  # f32 channels of 3x3: 5, 4, 5
+    assert whole.end == memory.schedule.index(graph.nodes[-1])  # the late relu reads it
+    assert "within %" in memory.summary()
+    env = random_env(graph)
+    want = execute(graph, copied(env))
+    assert_same(want, Executable(graph, reference_kernels(graph))(copied(env)))
+    for seed in range(5):
+        exe = Executable(graph, reference_kernels(graph), workers=3, order=random.Random(seed))
+        assert_same(want, exe(copied(env)))
+
+
+@pytest.mark.parametrize("batch, variant", [(2, ""), (1, "exported"), (1, "twice"),
+                                            (1, "input")])
+def test_a_concat_copies_what_cannot_move_into_it(batch, variant):
+    """Strided runs (batch 2), a graph output, a value joined twice, a graph input: the
+    concat copies them, and no input lies within its output."""
+    graph, concat = branches_into_a_concat(batch, variant)
+    memory = plan_memory(graph)
+    assert not memory.elided
+    assert all(cls.within is None for cls in memory.classes)
+    env = random_env(graph)
+    assert_same(execute(graph, copied(env)), Executable(graph, reference_kernels(graph))(env))
+
+
+def test_what_reuses_a_concats_memory_waits_for_every_reader_of_its_inputs():
+    """A branch read after the concat's own readers keeps the concat's memory; what
+    takes that memory next must wait for that late reader, not only for the concat's."""
+    graph = Graph("late")
+    x = graph.add_input("x", TensorType((1, 4, 3, 3), F32))
+    a, b = (graph.add_node(op, [x]).outputs[0] for op in ("tanh", "sigmoid"))
+    joined = graph.add_node("concat", [a, b], {"axis": 1}).outputs[0]
+    pooled = graph.add_node("reduce_sum", [joined], {"axes": [1]}).outputs[0]
+    late = graph.add_node("reduce_sum", [b], {"axes": [1]})
+    reuse = graph.add_node("concat", [pooled, pooled, pooled, pooled, pooled, pooled,
+                                      pooled, pooled], {"axis": 1})
+    graph.set_outputs([("late", late.outputs[0]), ("y", reuse.outputs[0])])
+    memory = plan_memory(graph)
+    whole = memory.class_of[joined]
+    assert whole.holds_parts and memory.class_of[reuse.outputs[0]].offset == whole.offset
+    assert (late, reuse) in memory.hazards
+    env = random_env(graph)
+    want = execute(graph, copied(env))
+    for seed in range(10):
+        exe = Executable(graph, reference_kernels(graph), workers=2, order=random.Random(seed))
+        assert_same(want, exe(copied(env)))
