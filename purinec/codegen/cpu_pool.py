@@ -393,14 +393,14 @@ def render_avg_pool2d_grad(node: Node, m: KernelModule) -> None:
     (cifar_quick's 3x3 stride-2 pool2, 3200 planes of 16x16: 388 against 273 us on
     two threads; its pool3, 8x8 planes, 200 against 136 on one)."""
     g = _pool(node.attrs["input_shape"], node.attrs)
-    g, (gy, gx) = _plane_views(m, g, [(m.inputs[0], True), (m.outputs[0], False)])
-    b = m.body
+    g, (gy,) = _plane_views(m, g, [(m.inputs[0], True)])
+    b, gx = m.body, m.outputs[0]
     p, q, i, j, h, w, t = (m.fresh(s) for s in ("p", "q", "i", "j", "h", "w", "t"))
     share, row, wide_row = m.fresh("share"), m.fresh("row"), m.fresh("wide_row")
     b.line(f"wide = {m.empty((g.oh, g.span[1]), dtype_name(node))}")
     b.line(f"wide_flat = {m.view('wide', (g.oh * g.span[1],))}")
     flat = m.fresh(gx + "_flat")
-    b.line(f"{flat} = {m.view(m.outputs[0], (f'{m.outputs[0]}.size',))}")
+    b.line(f"{flat} = {m.view(gx, (f'{gx}.size',))}")
     nc = _planes(m, g)
     with b.indent():
         b.line("wide[:] = 0")
