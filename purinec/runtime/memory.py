@@ -174,6 +174,9 @@ class MemoryPlan:
             lines.append(f"  {device}: peak {_bytes(self.arena_bytes[device])} "
                          f"(without reuse {_bytes(self.naive_bytes[device])}, saved "
                          f"{_bytes(self.saved_bytes[device])}; {in_place} in place)")
+        if self.elided:
+            lines.append(f"  concats copying nothing (their inputs computed within their "
+                         f"outputs): {len(self.elided)}")
         for cls in self.classes:
             lines.append(f"  %{cls.root.name}: {cls.root.type} {cls.where()}"
                          + (f"  live {cls.start}..{cls.end}" if cls.storage == ARENA else ""))
