@@ -40,6 +40,23 @@ def test_imported_inference_equals_onnxruntime(name, target):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
+@pytest.mark.slow  # compiles squeezenet1_1's kernels
+def test_fire_modules_concatenate_in_place_at_batch_1():
+    """At batch 1 each fire module's two expand convolutions compute straight into the
+    concat's memory (`purinec.runtime.memory._concats_in_place`): the cpu kernels still
+    agree with onnxruntime."""
+    model = load("squeezenet1_1")
+    x = batch()[0][:1]
+    session = ort.InferenceSession(model.SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    (want,) = session.run(None, {"input": x})
+    with purinec.compile(model, target="cpu", batch=1) as program:
+        got = program.run({"input": x})["logits"]
+        elided = program._inference_run().plan.memory.elided
+    assert len(elided) == 8 and all(node.op == "concat" for node in elided)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
 SOLVER = dict(lr=0.01, momentum=0.9, weight_decay=5e-4)
 STEPS = 2  # the second step is the first that momentum changes
 
