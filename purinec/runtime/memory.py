@@ -436,13 +436,13 @@ def _concats_in_place(graph: Graph, schedule: list[Node], class_of) -> frozenset
     elided = set()
     for node in schedule:
         whole = class_of[node.outputs[0]] if node.op == "concat" else None
-        if whole is None or whole.storage != ARENA or whole in placed:
+        if whole is None or whole.storage != ARENA:
             continue
         axis = node.attrs["axis"]
         if any(size != 1 for size in node.outputs[0].type.shape[:axis]):
             continue  # the inputs are strided through the output
         parts = [class_of[v] for v in node.inputs]
-        if (len(set(parts)) != len(parts) or whole in parts
+        if (len(set(parts)) != len(parts)
                 or not all(_movable(part, whole, outputs, placed) for part in parts)):
             continue
         at = 0
