@@ -86,11 +86,9 @@ def _gemm(m: KernelModule, node: Node, a: str, b: str, c: str, rows, cols, inner
         if trans_a:
             assert a_at is None, "a transposed is read at offsets of its own"
             a_at = _transposed_a(m, rows, inner, lda)
-        rows_at = f"{b_rows}.ctypes.data" if b_rows else "0"
-        a_rows, a_taps = (f"{array}.ctypes.data" for array in a_at) if a_at else ("0", "0")
-        m.body.line(f"tiled_sgemm({rows}, {cols}, {inner}, {a}.ctypes.data, {lda}, {a_rows}, "
-                    f"{a_taps}, {b}.ctypes.data, {ldb}, {rows_at}, {c}.ctypes.data, {ldc}, "
-                    f"{beta})")
+        a_rows, a_taps = a_at or ("0", "0")
+        m.body.line(f"tiled_sgemm({rows}, {cols}, {inner}, {a}, {lda}, {a_rows}, {a_taps}, "
+                    f"{b}, {ldb}, {b_rows or '0'}, {c}, {ldc}, {beta})")
         return
     assert b_rows is None and a_at is None, "operands at offsets are for tiled_sgemm only"
     dtype = node.outputs[0].type.dtype
@@ -1493,8 +1491,7 @@ def _transposed(m: KernelModule, matrix: str, rows, cols, ld, into: str, ld_into
     ``ld``, ``ld_into``), by `cpu_gemm`'s ``transpose``: in blocks of registers, where
     element by element the loads or the stores go a row apart."""
     m.import_line("from purinec.codegen.cpu_gemm import transpose")
-    m.body.line(f"transpose({rows}, {cols}, {matrix}.ctypes.data, {ld}, {into}.ctypes.data, "
-                f"{ld_into})")
+    m.body.line(f"transpose({rows}, {cols}, {matrix}, {ld}, {into}, {ld_into})")
 
 
 def _add_weight_product(m: KernelModule, node: Node, g: _Conv, col: str, ld: int, gy: str,

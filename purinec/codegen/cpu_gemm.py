@@ -412,8 +412,55 @@ def _transpose(rows, cols, src, lds, dst, ldd):
 # one, not when code generation reads the tile sizes above.
 _FUNCTIONS = {"tiled_sgemm": ("purinec_tiled_sgemm", _tiled_sgemm, SIGNATURE),
               "transpose": ("purinec_transpose", _transpose, TRANSPOSE_SIGNATURE)}
-_EXTERNAL = {name: types.ExternalFunction(symbol, signature)
-             for name, (symbol, _, signature) in _FUNCTIONS.items()}
+
+
+def _call_by_arrays(symbol: str, args: tuple, arrays: dict[int, bool]):
+    """An intrinsic's typing of a call of the C function ``symbol`` whose arguments at
+    the positions of ``arrays`` are addresses, given as arrays (or, where ``arrays``
+    says True, as the literal 0 for none): the call takes each array's data address
+    itself. Kernels never take an address (``x.ctypes.data``) and pass the integer:
+    Numba frees an array right after its last use, so a scratch array whose last use
+    that was would be freed before the function read it (another thread's
+    allocations then reused the memory: a crash, or wrong offsets)."""
+    for at, ty in enumerate(args):
+        if at in arrays:
+            none = (arrays[at] and isinstance(ty, types.IntegerLiteral)
+                    and ty.literal_value == 0)
+            if not (isinstance(ty, types.Array) or none):
+                return None
+        elif not isinstance(ty, types.Integer):
+            return None
+
+    def codegen(context, builder, signature, values):
+        from numba.np.arrayobj import make_array
+
+        words = [builder.ptrtoint(make_array(ty)(context, builder, value).data, I64)
+                 if isinstance(ty, types.Array)
+                 else context.cast(builder, value, ty, types.int64)
+                 for ty, value in zip(signature.args, values)]
+        function = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [I64] * len(words)), symbol)
+        builder.call(function, words)
+        return context.get_dummy_value()
+
+    return types.void(*args), codegen
+
+
+@intrinsic
+def _tiled_sgemm_call(typingctx, m, n, k, a, lda, a_rows, a_taps, b, ldb, b_rows, c, ldc,
+                      beta):
+    return _call_by_arrays("purinec_tiled_sgemm",
+                           (m, n, k, a, lda, a_rows, a_taps, b, ldb, b_rows, c, ldc, beta),
+                           {3: False, 5: True, 6: True, 7: False, 9: True, 10: False})
+
+
+@intrinsic
+def _transpose_call(typingctx, rows, cols, src, lds, dst, ldd):
+    return _call_by_arrays("purinec_transpose", (rows, cols, src, lds, dst, ldd),
+                           {2: False, 4: False})
+
+
+_CALLS = {"tiled_sgemm": _tiled_sgemm_call, "transpose": _transpose_call}
 
 
 _compiling = threading.Lock()
@@ -442,20 +489,23 @@ def _compile(function: CFunc) -> None:
 
 def __getattr__(name: str):
     """``tiled_sgemm(m, n, k, a, lda, a_rows, a_taps, b, ldb, b_rows, c, ldc, beta)``:
-    row-major ``c[:m, :n] = a[:m, :k] @ b[:k, :n] + beta * c`` for f32 operands at
-    addresses ``a``, ``b``, ``c`` (``array.ctypes.data``) with leading dimensions
-    ``lda``, ``ldc`` (elements), ``beta`` 0 or 1. Row ``r`` of ``b`` starts ``r * ldb``
-    elements after ``b``, or, with ``b_rows`` the address of an int64 array (not 0),
-    ``b_rows[r]`` elements after it: the rows of an im2col matrix read in place, from
-    the padded image (`purinec.codegen.cpu_conv`'s implicit convolutions). Likewise
-    ``a[i, k]`` is ``a_rows[i] + a_taps[k]`` elements after ``a`` where ``a_taps``, the
-    address of an int64 array, is not 0 (``lda`` unused), else ``i * lda + k``: the
-    transposed im2col matrix of a pixel-major convolution, read in place.
+    row-major ``c[:m, :n] = a[:m, :k] @ b[:k, :n] + beta * c`` for f32 arrays ``a``,
+    ``b``, ``c`` (views of any shape: the product starts at each one's first element)
+    with leading dimensions ``lda``, ``ldb``, ``ldc`` (elements), ``beta`` 0 or 1. Row
+    ``r`` of ``b`` starts ``r * ldb`` elements after ``b``'s start, or, with ``b_rows``
+    an int64 array (not 0), ``b_rows[r]`` elements after it: the rows of an im2col
+    matrix read in place, from the padded image (`purinec.codegen.cpu_conv`'s implicit
+    convolutions). Likewise ``a[i, k]`` is ``a_rows[i] + a_taps[k]`` elements after
+    ``a``'s start where ``a_taps``, an int64 array, is not 0 (``lda`` unused), else
+    ``i * lda + k``: the transposed im2col matrix of a pixel-major convolution, read in
+    place.
 
     ``transpose(rows, cols, src, lds, dst, ldd)``: ``dst[j, i] = src[i, j]`` for
-    ``i < rows``, ``j < cols``, f32 matrices at addresses ``src``, ``dst`` with leading
-    dimensions ``lds``, ``ldd`` (elements); by blocks of `VW` x `VW` in registers."""
-    if name in _EXTERNAL:
+    ``i < rows``, ``j < cols``, f32 arrays ``src``, ``dst`` with leading dimensions
+    ``lds``, ``ldd`` (elements); by blocks of `VW` x `VW` in registers.
+
+    Both are for jitted code (`_call_by_arrays`); their C functions take addresses."""
+    if name in _CALLS:
         _compiled(name)
-        return _EXTERNAL[name]
+        return _CALLS[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from numba import njit
+from numba.core.errors import TypingError
 
 from purinec.codegen import cpu, cpu_conv, cpu_runtime
 from purinec.codegen.cpu_gemm import KC, MR, NW, VW, tiled_sgemm, transpose
@@ -27,16 +28,15 @@ from tests.codegen.test_codegen_cpu import (FEW, check, check_conv_gradients,
 @njit
 def _product(a, b, c, beta):
     """``tiled_sgemm`` on 2-D f32 arrays whose rows may be longer than they are used."""
-    tiled_sgemm(a.shape[0], b.shape[1], a.shape[1], a.ctypes.data, a.strides[0] // 4, 0, 0,
-                b.ctypes.data, b.strides[0] // 4, 0, c.ctypes.data, c.strides[0] // 4, beta)
+    tiled_sgemm(a.shape[0], b.shape[1], a.shape[1], a, a.strides[0] // 4, 0, 0,
+                b, b.strides[0] // 4, 0, c, c.strides[0] // 4, beta)
 
 
 @njit
 def _product_of_gathered(source, a_rows, a_taps, b, c):
     """``tiled_sgemm`` of ``a[i, k] = source[a_rows[i] + a_taps[k]]`` by ``b``."""
-    tiled_sgemm(a_rows.size, b.shape[1], a_taps.size, source.ctypes.data, 0,
-                a_rows.ctypes.data, a_taps.ctypes.data, b.ctypes.data, b.shape[1], 0,
-                c.ctypes.data, c.shape[1], 0)
+    tiled_sgemm(a_rows.size, b.shape[1], a_taps.size, source, 0, a_rows, a_taps, b,
+                b.shape[1], 0, c, c.shape[1], 0)
 
 
 def check_product(rng, m: int, n: int, k: int, beta: int, spare: int = 3) -> None:
@@ -99,11 +99,30 @@ def test_tiled_sgemm_reads_a_at_offsets(m, n, k, seed):
 
 
 
+def test_kernels_pass_the_gemms_arrays_never_their_addresses():
+    """An address taken in jitted code lets Numba free its array before the call reads
+    it (a scratch array of offsets whose last use that was: a dense layer's weight
+    gradient on two devices at once crashed), so the calls take the arrays themselves."""
+    a = np.ones((4, 4), np.float32)
+
+    @njit
+    def by_address(a):
+        transpose(4, 4, a.ctypes.data, 4, a, 4)
+
+    @njit
+    def offsets_by_address(a):
+        offsets = np.zeros(4, np.int64)
+        tiled_sgemm(4, 4, 4, a, 4, offsets.ctypes.data, offsets, a, 4, 0, a, 4, 0)
+
+    for kernel in (by_address, offsets_by_address):
+        with pytest.raises(TypingError, match="_call"):
+            kernel(a)
+
+
 @njit
 def _transposed(src, dst):
     """``transpose`` of a 2-D f32 view into another whose rows may be longer."""
-    transpose(src.shape[0], src.shape[1], src.ctypes.data, src.strides[0] // 4,
-              dst.ctypes.data, dst.strides[0] // 4)
+    transpose(src.shape[0], src.shape[1], src, src.strides[0] // 4, dst, dst.strides[0] // 4)
 
 
 @settings(max_examples=30, deadline=None, derandomize=True)
@@ -225,7 +244,7 @@ def test_convolutions_through_the_tiled_gemm_agree(x_shape, w_shape, attrs, impl
     x, w = random_array(rng, x_shape, DType.f32), random_array(rng, w_shape, DType.f32)
     source = cpu.render(one_node("conv2d", [x, w], attrs), options)
     assert "tiled_sgemm(" in source and "sgemm(101" not in source
-    assert ("offsets.ctypes" in source) == implicit
+    assert ("offsets, sums," in source) == implicit
     check("conv2d", [x, w], attrs, options)
     check_conv_gradients(rng, x_shape, w_shape, attrs, DType.f32, options)
 
@@ -263,7 +282,7 @@ def test_random_convolutions_through_the_tiled_gemm_agree(problem, seed, options
             patch.setattr(cpu_conv, "IMPLICIT_MIN_DEPTH", 0)
             patch.setattr(cpu_conv, "IMPLICIT_MIN_LANE_SHARE", 0)
         source = cpu.render(one_node("conv2d", [x, w], attrs), options)
-        assert ("offsets.ctypes" in source) == (everywhere and w_shape[2:] != (1, 1))
+        assert ("offsets, sums," in source) == (everywhere and w_shape[2:] != (1, 1))
         check("conv2d", [x, w], attrs, options)
         check_conv_gradients(rng, x_shape, w_shape, attrs, DType.f32, options)
 
@@ -284,7 +303,7 @@ def test_convolutions_in_chunks_of_output_rows(options, kernel, epilogue, monkey
     source = check_conv_in_chunks((2, 4, 9, 11), (8, 4, kernel, kernel),
                                   {"stride": [1, 1], "pad": [kernel // 2] * 2}, epilogue,
                                   options)
-    assert ("offsets.ctypes" in source) == (kernel == 3)
+    assert ("offsets, sums," in source) == (kernel == 3)
 
 
 @pytest.mark.parametrize("size, chunk", [(28, "rows_at_once = max(10, "), (13, None)])
