@@ -5,6 +5,7 @@ with its ``add_parser(subparsers)`` and ``cmd_*`` function; what they share is i
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import os
 import signal
@@ -39,6 +40,9 @@ def command() -> int:
     last passes over every object the process made (Numba's and LLVM's above all: a
     quarter of a second, a quarter of a warm ``purinec run``). Objects are still freed
     and atexit handlers run; the system takes back what cycles hold."""
+    # A crash in machine code (a generated kernel, the BLAS) prints every thread's Python
+    # stack (where each was), not only "Segmentation fault".
+    faulthandler.enable()
     status = main()
     gc.freeze()
     return status

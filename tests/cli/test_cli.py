@@ -105,6 +105,24 @@ def test_a_reader_that_stops_early_ends_the_command_quietly():
     dump.stderr.close()
 
 
+CRASH = """
+import ctypes
+from purinec import cli
+def crashing_kernel():
+    ctypes.string_at(0)  # as a kernel reading an address it must not
+cli.main = lambda: crashing_kernel()
+cli.command()
+"""
+
+
+def test_a_crash_in_machine_code_prints_where_each_thread_was():
+    crash = subprocess.run([sys.executable, "-c", CRASH], cwd=REPO, capture_output=True,
+                           text=True, timeout=120)
+    assert crash.returncode == -signal.SIGSEGV
+    assert "Fatal Python error: Segmentation fault" in crash.stderr
+    assert "in crashing_kernel" in crash.stderr
+
+
 def test_dump_prints_parsable_ir():
     result = purinec("dump", "lenet", "--batch", "2")
     assert result.returncode == 0, result.stderr
