@@ -98,7 +98,6 @@ def test_tiled_sgemm_reads_a_at_offsets(m, n, k, seed):
                                atol=2e-6 * max(1.0, np.sqrt(k)) * np.abs(want).max(initial=1))
 
 
-
 def test_kernels_pass_the_gemms_arrays_never_their_addresses():
     """An address taken in jitted code lets Numba free its array before the call reads
     it (a scratch array of offsets whose last use that was: a dense layer's weight
