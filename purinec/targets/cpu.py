@@ -9,6 +9,7 @@ from purinec.ir.graph import Graph
 from purinec.passes.fuse import fuse
 from purinec.passes.pipeline import Pass
 from purinec.runtime.host import kernel_nodes
+from purinec.runtime.memory import concats_in_place
 from purinec.targets.base import Target
 
 
@@ -30,12 +31,12 @@ class CpuTarget(Target):
     def generated(self, graph: Graph) -> dict:
         from purinec.codegen.cpu import compile_kernels  # Numba: only when compiling
 
-        return compile_kernels(kernel_nodes(graph))
+        return compile_kernels(_computed(graph))
 
     def kernels(self, graph: Graph) -> dict:
         from purinec.codegen.cpu import kernel_calls
 
-        return kernel_calls(kernel_nodes(graph))
+        return kernel_calls(_computed(graph))
 
     def worker_setup(self, graph: Graph) -> Callable:
         """Each device's compute threads get an equal share of the cores this process
@@ -52,3 +53,12 @@ class CpuTarget(Target):
         from purinec.codegen.cpu_runtime import hold_team
 
         return hold_team()
+
+
+def _computed(graph: Graph) -> Graph:
+    """The nodes of ``graph`` that the cpu target's kernels compute: `kernel_nodes`, less
+    the concats whose inputs are computed in place (`concats_in_place`)."""
+    kept = kernel_nodes(graph)
+    elided = concats_in_place(graph)
+    kept.nodes = [node for node in kept.nodes if node not in elided]
+    return kept

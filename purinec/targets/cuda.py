@@ -106,13 +106,13 @@ class CudaTarget(Target):
                 Pass("fuse", fuse, "group nodes into fused kernels")]
 
     def generated(self, graph: Graph) -> dict:
-        from purinec.codegen.cuda import compile_kernels
+        from purinec.codegen import cpu, cuda
 
         compute = kernel_nodes(graph)
         on_gpu, on_cpu = _split_by_kind(compute)
-        kernels = compile_kernels(on_gpu)
+        kernels = cuda.compile_kernels(on_gpu)
         if on_cpu.nodes:
-            kernels.update(CpuTarget().generated(on_cpu))
+            kernels.update(cpu.compile_kernels(on_cpu))
         return {node: kernels[node] for node in compute.nodes}
 
     def kernels(self, graph: Graph) -> dict:

@@ -537,6 +537,25 @@ def test_a_concat_of_runs_of_its_output_is_computed_in_place():
         assert_same(want, exe(copied(env)))
 
 
+@pytest.mark.slow  # compiles the branches' kernels
+@pytest.mark.parametrize("batch", [1, 2])
+def test_the_cpu_target_compiles_no_kernel_for_a_concat_that_runs_nothing(batch):
+    """A concat computed in place needs no kernel (each costs a cold compile 0.2 s):
+    the cpu target compiles one only where the concat copies (batch 2), and its results
+    are the reference's either way."""
+    from purinec.targets.cpu import CpuTarget
+
+    graph, concat = branches_into_a_concat(batch)
+    target = CpuTarget()
+    assert (concat in target.generated(graph)) == (batch > 1)
+    assert (concat in target.kernels(graph)) == (batch > 1)
+    env = random_env(graph)
+    want, got = execute(graph, copied(env)), target.executable(graph)(env)
+    assert set(got) == set(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 @pytest.mark.parametrize("batch, variant", [(2, ""), (1, "exported"), (1, "twice"),
                                             (1, "input")])
 def test_a_concat_copies_what_cannot_move_into_it(batch, variant):
