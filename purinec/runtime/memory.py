@@ -451,11 +451,11 @@ def _concats_in_place(graph: Graph, schedule: list[Node], class_of) -> frozenset
     placed: set[AliasClass] = set()
     elided = set()
     for node in schedule:
-        whole = class_of[node.outputs[0]] if node.op == "concat" else None
-        if whole is None or whole.storage != ARENA:
+        if node.op != "concat" or not _joins_runs(node):
+            continue  # (a concat not joining runs has its inputs strided through it)
+        whole = class_of[node.outputs[0]]
+        if whole.storage != ARENA:
             continue
-        if not _joins_runs(node):
-            continue  # the inputs are strided through the output
         parts = [class_of[v] for v in node.inputs]
         if (len(set(parts)) != len(parts)
                 or not all(_movable(part, whole, outputs, placed) for part in parts)):
@@ -476,8 +476,10 @@ def _concats_in_place(graph: Graph, schedule: list[Node], class_of) -> frozenset
 
 
 def _movable(part: AliasClass, whole: AliasClass, outputs, placed) -> bool:
-    """(On a GPU the concat, left with nothing to launch, would run as a host task
-    waiting for its inputs' streams: it copies there.)"""
+    """Whether a concat's input class ``part`` may be placed within its output ``whole``
+    (see `_concats_in_place`). CPU memory only: on a GPU the concat, left with nothing
+    to launch, would run as a host task waiting for its inputs' streams, so it copies
+    there."""
     return (part.storage == ARENA and part.device == whole.device
             and whole.device.kind == "cpu" and part not in outputs and part not in placed
             and part.writer is not None and not op_has(part.writer.op, Trait.communicates))
