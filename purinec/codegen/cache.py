@@ -109,7 +109,8 @@ def code_of(source: str) -> str:
 # only, so the text of these is part of every kernel's key, lest a changed helper leave
 # machine code compiled against the old one in use.
 RUNTIMES = {"cpu": (Path(__file__).with_name("cpu_runtime.py"),
-                    Path(__file__).with_name("cpu_gemm.py"))}
+                    Path(__file__).with_name("cpu_gemm.py"),
+                    Path(__file__).with_name("cpu_depthwise.py"))}
 
 
 @functools.cache

@@ -38,7 +38,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
-from purinec.codegen.cpu_gemm import MR, lanes
+from purinec.codegen.cpu_depthwise import UNITS
+from purinec.codegen.cpu_gemm import MR, VW, lanes
 from purinec.codegen.kernel import CodegenError
 from purinec.codegen.cpu_module import KernelModule, atom, literal, renders
 from purinec.codegen.cpu_ops import affine, dtype_name, row_slice, span_of, split_loop
@@ -642,9 +643,11 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
     (`_read_sizes`). With ``y`` None the output lives only in the per-image ``scratch``
     it is given."""
     b, direct = m.body, _direct(m, g)
+    vectors = direct and _depthwise_vectors(m, node, g)
     implicit = _implicit(m, node, g, direct)
     by_rows = _by_kernel_row_weights(g) and not implicit
-    by_filters, flat = _by_filters(m, node, g, direct, by_rows), direct and _flat_planes(g)
+    by_filters = _by_filters(m, node, g, direct, by_rows)
+    flat = direct and not vectors and _flat_planes(g)
     phased = _column_phases(m, g)
     im2col = not (direct or by_rows or by_filters or g.pointwise or implicit)
     dtype = node.outputs[0].type.dtype
@@ -656,7 +659,9 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
         b.line(f"y_img = {m.empty((g.cout, g.P), dtype_name(node))}")
     else:
         b.line(f"y_mat = {m.view(y, (g.n, g.cout, g.P))}")
-    if flat:
+    if vectors:
+        _depthwise_tables(m, g)
+    elif flat:
         _planes_scratch(m, node, g)
         b.line(f"sums = {m.empty((g.oh * _plane_shape(g)[1],), dtype_name(node))}")
     elif direct:
@@ -672,8 +677,8 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
     else:
         b.line(f"col = {m.empty((g.K, col_width), dtype_name(node))}")
         _padded_scratch(m, node, g, phased=_im2col_phased(g))
-    if direct and epilogue is not None:
-        _direct_by_groups(m, node, g, x, w_mat, y is None, epilogue, flat, phased)
+    if direct and (epilogue is not None or vectors):
+        _direct_by_groups(m, node, g, x, w_mat, y is None, epilogue, flat, phased, vectors)
         return
     with _image_blocks(m, g, by_filters) as (n, block_rows, filters), \
             _row_chunks(m, g, block_rows, chunk_rows) as rows:
@@ -714,11 +719,15 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
 
 def _direct_group(m: KernelModule, node: Node, g: _Conv, x: str, w_mat: str, image: str,
                   n: str, c0: str, o0: str, rows: tuple[str, str], flat: bool,
-                  phased: bool) -> None:
+                  phased: bool, vectors: bool = False) -> None:
     """Output rows ``rows`` of the group of image ``n`` whose first input and output
-    channels are ``c0`` and ``o0``, into ``image``, by a direct convolution: over flat
-    phase planes (`_direct_conv_flat`) or as a loop nest (`_direct_conv`)."""
-    if flat:
+    channels are ``c0`` and ``o0``, into ``image``, by a direct convolution: as vector
+    code (`_depthwise_plane`: every row), over flat phase planes (`_direct_conv_flat`)
+    or as a loop nest (`_direct_conv`)."""
+    if vectors:
+        assert rows[0] == "0", "vector code computes whole planes"
+        _depthwise_plane(m, g, f"{x}[{n}, {c0}]", f"{w_mat}[{o0}]", f"{image}[{o0}]")
+    elif flat:
         _fill_phase_planes(m, g, x, n, c0, rows)
         _direct_conv_flat(m, node, g, w_mat, image, o0, rows)
     else:
@@ -727,14 +736,16 @@ def _direct_group(m: KernelModule, node: Node, g: _Conv, x: str, w_mat: str, ima
 
 
 def _direct_by_groups(m: KernelModule, node: Node, g: _Conv, x: str, w_mat: str,
-                      scratch: bool, epilogue: Callable, flat: bool, phased: bool) -> None:
-    """A direct convolution with an epilogue, group by group: threads split the groups
-    (a block computes every row of its groups, of every image), and each group's
-    epilogue runs right after the group, on its channels while they are in cache.
-    Blocks of rows of every channel (`_image_rows`) left the epilogue half an image to
-    read back: a depthwise 3x3 layer of 144 channels of 56x56 with its batch norm and
-    clip took 387 us with cold caches that way, 321 this way (hot: the same). With
-    ``scratch`` the output lives in the per-image ``y_img``, else in ``y_mat``."""
+                      scratch: bool, epilogue: Callable | None, flat: bool, phased: bool,
+                      vectors: bool) -> None:
+    """A direct convolution with an epilogue (or as vector code, which computes
+    whole planes), group by group: threads split the groups (a block computes every
+    row of its groups, of every image), and each group's epilogue runs right after the
+    group, on its channels while they are in cache. Blocks of rows of every channel
+    (`_image_rows`) left the epilogue half an image to read back: a depthwise 3x3 layer
+    of 144 channels of 56x56 with its batch norm and clip took 387 us with cold caches
+    that way, 321 this way (hot: the same). With ``scratch`` the output lives in the
+    per-image ``y_img``, else in ``y_mat``."""
     lo, hi = m.split(g.groups, g.macs, products=False)
     n, group = m.fresh("n"), m.fresh("g")
     rows = ("0", str(g.oh))
@@ -742,9 +753,10 @@ def _direct_by_groups(m: KernelModule, node: Node, g: _Conv, x: str, w_mat: str,
             m.body.block(f"for {group} in range({span_of(lo, hi)}):"):
         c0, o0 = f"{group} * {g.cg}", f"{group} * {g.og}"
         _direct_group(m, node, g, x, w_mat, "y_img" if scratch else f"y_mat[{n}]", n, c0,
-                      o0, rows, flat, phased)
-        epilogue(n, "y_img" if scratch else None, (1, o0, f"{o0} + {g.og}"),
-                 (g.n, g.cout, g.oh, g.ow))
+                      o0, rows, flat, phased, vectors)
+        if epilogue is not None:
+            epilogue(n, "y_img" if scratch else None, (1, o0, f"{o0} + {g.og}"),
+                     (g.n, g.cout, g.oh, g.ow))
 
 
 # Implicit convolutions: where products go to `tiled_sgemm` (`_tiled`), which can read
@@ -1110,6 +1122,40 @@ def _direct_conv(m: KernelModule, node: Node, g: _Conv, image: str, w_mat: str, 
                 b.line(f"{total} += {w_mat}[{channel}, ({c} * {g.kh} + {i}) * {g.kw} + {j}] * "
                        f"{image}{c}, {affine(first(p), g.sh, _times(i, g.dh))}, {column}]")
             b.line(f"{y_row}[{q}] = {total}")
+
+
+def _depthwise_vectors(m: KernelModule, node: Node, g: _Conv) -> bool:
+    """Whether a direct convolution is computed as vector code
+    (`purinec.codegen.cpu_depthwise`): f32 depthwise of stride 1 whose output rows are
+    as wide as its input's, where kernels use purinec's own vector code
+    (`CpuOptions.tiled_gemm`)."""
+    return (m.options.tiled_gemm and node.outputs[0].type.dtype is DType.f32
+            and (g.cg, g.og, g.sh, g.sw) == (1, 1, 1, 1) and g.ow == g.w)
+
+
+def _depthwise_tables(m: KernelModule, g: _Conv) -> None:
+    """The module's ``dw_offsets`` and ``dw_masks`` (`cpu_depthwise.depthwise_tables`)."""
+    m.import_line("from purinec.codegen.cpu_depthwise import depthwise_tables")
+    sizes = (g.h, g.w, g.oh, g.kh, g.kw, g.dh, g.dw, g.pt, g.pl)
+    m.computed_constants(["dw_offsets", "dw_masks"],
+                         f"depthwise_tables({', '.join(map(str, sizes))})")
+
+
+def _depthwise_plane(m: KernelModule, g: _Conv, x: str, weights: str, y: str) -> None:
+    """One plane of a depthwise convolution (`_depthwise_vectors`): input plane ``x``,
+    the channel's ``weights``, output ``y`` (flat): `UNITS` vectors at a time, then
+    those left."""
+    m.import_line("from purinec.codegen.cpu_depthwise import depthwise_vectors")
+    vectors = -(-g.P // VW)
+    whole = vectors - vectors % UNITS
+    call = "depthwise_vectors({count}, {taps}, {x}, {v}, dw_offsets, dw_masks, {w}, {y}, {P})"
+    fields = dict(taps=g.kh * g.kw, x=x, w=weights, y=y, P=g.P)
+    if whole:
+        v = m.fresh("v")
+        with m.body.block(f"for {v} in range(0, {whole}, {UNITS}):"):
+            m.body.line(call.format(count=UNITS, v=v, **fields))
+    if vectors > whole:
+        m.body.line(call.format(count=vectors - whole, v=whole, **fields))
 
 
 # Direct convolutions with rows narrower than this run over flat phase planes

@@ -199,6 +199,15 @@ class KernelModule:
         self._constants.append(f"{name} = np.array([{', '.join(map(str, values))}], np.int64)")
         return name
 
+    def computed_constants(self, hints: Sequence[str], call: str) -> list[str]:
+        """Module-level arrays that ``call`` (source text of a call returning one array
+        a hint, the function imported) computes when the module loads, constant tables
+        to the kernel as `constant`'s are; returns their names. For tables too big to
+        spell out in the source."""
+        names = [self.fresh(hint) for hint in hints]
+        self._constants.append(f"{', '.join(names)}{',' if len(names) == 1 else ''} = {call}")
+        return names
+
     def helper(self, name: str) -> str:
         """Ask for the module-level helper ``name`` (see `HELPERS`); returns its name."""
         if name not in HELPERS:

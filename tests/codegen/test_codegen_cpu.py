@@ -36,6 +36,7 @@ BLOCKED = CpuOptions(parallel_min=0, parallel_min_products=0)
 OPTIONS = [CpuOptions(), BLOCKED]
 GEMMS = CpuOptions(parallel_min=0, parallel_min_products=0,
                    direct_max_channels=0)  # no direct convolutions
+VECTOR_CODE = CpuOptions(tiled_gemm=True)  # purinec's own vector code, whatever the CPU
 FLOATS = [DType.f32, DType.f64]
 
 
@@ -485,6 +486,43 @@ def test_direct_conv_over_column_phases_agrees(x_shape, w_shape, attrs):
     assert f"xpad = empty(({w_shape[1]}, " in source and " % " in source
     check("conv2d", [x, w], attrs, BLOCKED)
     check("conv2d", [x, w], attrs)
+
+
+@pytest.mark.parametrize("x_shape, w_shape, attrs", [
+    ((1, 8, 7, 7), (8, 1, 3, 3), {"pad": [1, 1]}),
+    ((2, 5, 14, 14), (5, 1, 3, 3), {"pad": [1, 1]}),
+    ((1, 3, 9, 20), (3, 1, 5, 5), {"pad": [2, 2]}),
+    ((1, 3, 9, 20), (3, 1, 3, 3), {"pad": [0, 1, 2, 1]}),
+    ((1, 4, 11, 13), (4, 1, 3, 3), {"pad": [2, 2], "dilation": [2, 2]}),
+    ((1, 4, 3, 2), (4, 1, 3, 3), {"pad": [1, 1]}),
+    ((1, 2, 1, 1), (2, 1, 1, 1), {"pad": [0, 0]}),
+], ids=["7x7", "batch-2", "5x5", "uneven-pad", "dilated", "tiny", "1x1"])
+def test_depthwise_as_vector_code_agrees(x_shape, w_shape, attrs):
+    """A stride-1 depthwise convolution whose output rows are as wide as its input's
+    is vector code over the flat planes (`cpu_depthwise`): its masks keep out every
+    tap that falls in the padding or past a row's end, whatever the padding, kernel,
+    dilation or plane (one partial vector, or several and a remainder)."""
+    attrs = {"stride": [1, 1], "groups": x_shape[1], "dilation": [1, 1], **attrs}
+    rng = np.random.default_rng(13)
+    x, w = random_array(rng, x_shape, DType.f32), random_array(rng, w_shape, DType.f32)
+    for options in (VECTOR_CODE, replace(BLOCKED, tiled_gemm=True)):
+        assert "depthwise_vectors(" in cpu.render(one_node("conv2d", [x, w], attrs), options)
+        check("conv2d", [x, w], attrs, options)
+
+
+def test_depthwise_of_other_shapes_is_not_vector_code():
+    """Strided, narrower output rows, a channel multiplier, or f64: the other paths."""
+    rng = np.random.default_rng(14)
+    for x_shape, w_shape, attrs, dtype in [
+            ((1, 4, 9, 9), (4, 1, 3, 3), {"stride": [2, 2], "pad": [1, 1]}, DType.f32),
+            ((1, 4, 9, 9), (4, 1, 3, 3), {"stride": [1, 1], "pad": [0, 0]}, DType.f32),
+            ((1, 4, 9, 9), (8, 1, 3, 3), {"stride": [1, 1], "pad": [1, 1]}, DType.f32),
+            ((1, 4, 9, 9), (4, 1, 3, 3), {"stride": [1, 1], "pad": [1, 1]}, DType.f64)]:
+        attrs = {"groups": 4, "dilation": [1, 1], **attrs}
+        x, w = random_array(rng, x_shape, dtype), random_array(rng, w_shape, dtype)
+        assert "depthwise_vectors(" not in cpu.render(one_node("conv2d", [x, w], attrs),
+                                                       VECTOR_CODE)
+        check("conv2d", [x, w], attrs, VECTOR_CODE)
 
 
 def test_concat_and_split_of_one_row_run_on_every_thread():
