@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
-from purinec.codegen.cpu_depthwise import UNITS
+from purinec.codegen.cpu_depthwise import UNITS, phase_shape
 from purinec.codegen.cpu_gemm import MR, VW, lanes
 from purinec.codegen.kernel import CodegenError
 from purinec.codegen.cpu_module import KernelModule, atom, literal, renders
@@ -660,7 +660,7 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
     else:
         b.line(f"y_mat = {m.view(y, (g.n, g.cout, g.P))}")
     if vectors:
-        _depthwise_tables(m, g)
+        _depthwise_tables(m, node, g)
     elif flat:
         _planes_scratch(m, node, g)
         b.line(f"sums = {m.empty((g.oh * _plane_shape(g)[1],), dtype_name(node))}")
@@ -726,7 +726,7 @@ def _direct_group(m: KernelModule, node: Node, g: _Conv, x: str, w_mat: str, ima
     or as a loop nest (`_direct_conv`)."""
     if vectors:
         assert rows[0] == "0", "vector code computes whole planes"
-        _depthwise_plane(m, g, f"{x}[{n}, {c0}]", f"{w_mat}[{o0}]", f"{image}[{o0}]")
+        _depthwise_plane(m, g, x, n, c0, f"{w_mat}[{o0}]", f"{image}[{o0}]")
     elif flat:
         _fill_phase_planes(m, g, x, n, c0, rows)
         _direct_conv_flat(m, node, g, w_mat, image, o0, rows)
@@ -1126,36 +1126,54 @@ def _direct_conv(m: KernelModule, node: Node, g: _Conv, image: str, w_mat: str, 
 
 def _depthwise_vectors(m: KernelModule, node: Node, g: _Conv) -> bool:
     """Whether a direct convolution is computed as vector code
-    (`purinec.codegen.cpu_depthwise`): f32 depthwise of stride 1 whose output rows are
-    as wide as its input's, where kernels use purinec's own vector code
-    (`CpuOptions.tiled_gemm`)."""
+    (`purinec.codegen.cpu_depthwise`): f32 depthwise whose output rows are as wide as
+    its input's phase planes (as its input's, of stride 1), where kernels use
+    purinec's own vector code (`CpuOptions.tiled_gemm`)."""
     return (m.options.tiled_gemm and node.outputs[0].type.dtype is DType.f32
-            and (g.cg, g.og, g.sh, g.sw) == (1, 1, 1, 1) and g.ow == g.w)
+            and (g.cg, g.og) == (1, 1) and g.ow == phase_shape(g.h, g.w, g.sh, g.sw)[1])
 
 
-def _depthwise_tables(m: KernelModule, g: _Conv) -> None:
-    """The module's ``dw_offsets`` and ``dw_masks`` (`cpu_depthwise.depthwise_tables`)."""
+def _depthwise_tables(m: KernelModule, node: Node, g: _Conv) -> None:
+    """The module's ``dw_offsets`` and ``dw_masks`` (`cpu_depthwise.depthwise_tables`)
+    and, strided, the kernel's ``dw_phases``: a plane split by phase."""
     m.import_line("from purinec.codegen.cpu_depthwise import depthwise_tables")
-    sizes = (g.h, g.w, g.oh, g.kh, g.kw, g.dh, g.dw, g.pt, g.pl)
+    sizes = (g.h, g.w, g.oh, g.ow, g.kh, g.kw, g.sh, g.sw, g.dh, g.dw, g.pt, g.pl)
     m.computed_constants(["dw_offsets", "dw_masks"],
                          f"depthwise_tables({', '.join(map(str, sizes))})")
+    if (g.sh, g.sw) != (1, 1):
+        shape = (g.sh, g.sw, *phase_shape(g.h, g.w, g.sh, g.sw))
+        m.body.line(f"dw_phases = {m.empty(shape, dtype_name(node))}")
 
 
-def _depthwise_plane(m: KernelModule, g: _Conv, x: str, weights: str, y: str) -> None:
-    """One plane of a depthwise convolution (`_depthwise_vectors`): input plane ``x``,
-    the channel's ``weights``, output ``y`` (flat): `UNITS` vectors at a time, then
+def _depthwise_plane(m: KernelModule, g: _Conv, x: str, n: str, c0: str, weights: str,
+                     y: str) -> None:
+    """One plane of a depthwise convolution (`_depthwise_vectors`), channel ``c0`` of
+    image ``n`` of ``x``, the channel's ``weights``, into ``y`` (flat): strided, the
+    plane first split by phase into ``dw_phases``; then `UNITS` vectors at a time, and
     those left."""
+    b = m.body
+    plane = f"{x}[{n}, {c0}]"
+    if (g.sh, g.sw) != (1, 1):
+        m.import_line("from purinec.codegen.cpu_depthwise import split_row")
+        rows, width = phase_shape(g.h, g.w, g.sh, g.sw)
+        h, q = m.fresh("h"), m.fresh("q")
+        with b.block(f"for {h} in range({g.h}):"):
+            at = f"({h} % {g.sh} * {g.sw * rows} + {h} // {g.sh}) * {width}"
+            with b.block(f"for {q} in range(0, {width}, {VW}):"):
+                b.line(f"split_row({g.sw}, {plane}[{h}], {q}, {g.w}, dw_phases, {at}, "
+                       f"{rows * width})")
+        plane = "dw_phases"
     m.import_line("from purinec.codegen.cpu_depthwise import depthwise_vectors")
     vectors = -(-g.P // VW)
     whole = vectors - vectors % UNITS
     call = "depthwise_vectors({count}, {taps}, {x}, {v}, dw_offsets, dw_masks, {w}, {y}, {P})"
-    fields = dict(taps=g.kh * g.kw, x=x, w=weights, y=y, P=g.P)
+    fields = dict(taps=g.kh * g.kw, x=plane, w=weights, y=y, P=g.P)
     if whole:
         v = m.fresh("v")
-        with m.body.block(f"for {v} in range(0, {whole}, {UNITS}):"):
-            m.body.line(call.format(count=UNITS, v=v, **fields))
+        with b.block(f"for {v} in range(0, {whole}, {UNITS}):"):
+            b.line(call.format(count=UNITS, v=v, **fields))
     if vectors > whole:
-        m.body.line(call.format(count=vectors - whole, v=whole, **fields))
+        b.line(call.format(count=vectors - whole, v=whole, **fields))
 
 
 # Direct convolutions with rows narrower than this run over flat phase planes

@@ -1,22 +1,27 @@
-"""Depthwise convolutions of stride 1 as vector code over flat planes, without padding.
+"""Depthwise convolutions as vector code over flat planes, without padding.
 
 A depthwise layer of "same" width (output rows as wide as the input's, as mobilenet_v2's
-3x3 layers are) reads, for output pixel ``k`` of a plane laid flat, input pixel ``k +
-offset`` for each tap, one offset a tap: a run of a vector's pixels is one unaligned
-load. Where a tap falls outside the image (the padding, or past a row's end into the
-next row) its lanes are masked off: the load yields zeros there and reads nothing, so
-the image is never copied into a padded scratch. Which lanes each tap of each vector
-keeps depends on the layer's sizes only, so the masks are a table made once, when the
-kernel's module loads (`depthwise_tables`).
+3x3 layers of stride 1 are) reads, for output pixel ``k`` of a plane laid flat, input
+pixel ``k + offset`` for each tap, one offset a tap: a run of a vector's pixels is one
+unaligned load. Strided, the same holds of the input split into phase planes (pixels
+by row and column modulo the stride, `phase_shape`) where the output rows are as wide
+as those planes' (mobilenet_v2's of stride 2, 112 -> 56 pixels): a tap reads the plane
+of its phase, and each input row is split by `split_row`. Where a tap falls outside
+the image (the padding, or past a row's end into the next row) its lanes are masked
+off: the load yields zeros there and reads nothing, so nothing is padded. Which lanes
+each tap of each vector keeps depends on the layer's sizes only, so the masks are a
+table made once, when the kernel's module loads (`depthwise_tables`).
 
 `depthwise_vectors` computes a few vectors of a plane at a time, the sums of each in
 registers across the taps (one multiply-add and one masked load per tap and vector):
-with one vector at a time the multiply-adds waited on each other. The Numba loops of
-`purinec.codegen.cpu_conv._direct_conv_flat` (a padded copy of each plane, rows of 7 or
-14 pixels computed as wide as a padded row, partly scalar) took 2-3x as long on small
-planes. One thread, kernels alone, us, those loops against this: 960 channels of 7x7
-47-49 against 16-17, 576 of 14x14 54-58 against 39-41, 192 of 28x28 72 against 68-71,
-144 of 56x56 222 against 190-200 (2-core Zen 4).
+with one vector at a time the multiply-adds waited on each other. Against the Numba
+loops of `purinec.codegen.cpu_conv._direct_conv_flat` (a padded copy of each plane in
+phase planes, rows of 7 or 14 pixels computed as wide as a padded row, partly scalar),
+mobilenet_v2's layers at batch 1, one thread, kernels alone, us, loops against this
+(2-core Zen 4, a noisy host): stride 1, 960 channels of 7x7 50 against 19, 576 of
+14x14 60 against 46, 192 of 28x28 and 144 of 56x56 level; stride 2, 576 of 14x14 107
+against 43, 192 of 28x28 117 against 38, 144 of 56x56 224 against 115, 96 of 112x112
+416 against 311 (its input, 4.8 MB, read from memory: the row splits alone took 129).
 
 The kernel cache keys kernels by this file's text (`purinec.codegen.cache`): kernels
 inline its code.
@@ -42,27 +47,40 @@ MASK_DTYPE = np.dtype(f"uint{max(8, VW)}")
 UNITS = 4
 
 
-def depthwise_tables(h: int, w: int, oh: int, kh: int, kw: int, dh: int, dw: int,
-                     pt: int, pl: int) -> tuple[np.ndarray, np.ndarray]:
-    """For a stride-1 depthwise convolution whose output rows are as wide as its input
-    rows (``w``), output ``oh`` rows: each tap's offset from an output pixel to the
-    input pixel it reads, both planes laid flat (int64, taps in row-major order); and
-    for each vector of the output plane (`VW` pixels, the last one partial) and tap,
-    the lanes whose pixel the tap reads inside the image, as bits (`MASK_DTYPE`,
+def depthwise_tables(h: int, w: int, oh: int, ow: int, kh: int, kw: int, sh: int, sw: int,
+                     dh: int, dw: int, pt: int, pl: int) -> tuple[np.ndarray, np.ndarray]:
+    """For a depthwise convolution whose output rows are as wide as its input's phase
+    planes (``ow`` = ceil(``w`` / ``sw``): `phase_shape`): each tap's offset from an
+    output pixel to the input pixel it reads, the output plane laid flat and the input
+    as its phase planes laid flat one after another (int64, taps in row-major order);
+    and for each vector of the output plane (`VW` pixels, the last one partial) and
+    tap, the lanes whose pixel the tap reads inside the image, as bits (`MASK_DTYPE`,
     vectors by taps)."""
-    taps = [(i, j) for i in range(kh) for j in range(kw)]
-    offsets = np.array([(i * dh - pt) * w + j * dw - pl for i, j in taps], np.int64)
-    pixels = oh * w
+    rows, width = phase_shape(h, w, sh, sw)
+    if ow != width:
+        raise ValueError(f"output rows of {ow} pixels, phase planes {width} wide")
+    taps = [(i * dh - pt, j * dw - pl) for i in range(kh) for j in range(kw)]
+    offsets = np.array([((di % sh) * sw + dj % sw) * rows * width
+                        + (di // sh) * width + dj // sw for di, dj in taps], np.int64)
+    pixels = oh * ow
     vectors = -(-pixels // VW)
     k = np.arange(vectors * VW)
-    row, column = k // w, k % w
+    row, column = k // ow * sh, k % ow * sw
     lanes = np.empty((vectors, len(taps)), MASK_DTYPE)
-    weights = np.left_shift(np.ones(VW, np.uint64), np.arange(VW, dtype=np.uint64))
-    for t, (i, j) in enumerate(taps):
-        r, c = row + i * dh - pt, column + j * dw - pl
+    bits = np.left_shift(np.ones(VW, np.uint64), np.arange(VW, dtype=np.uint64))
+    for t, (di, dj) in enumerate(taps):
+        r, c = row + di, column + dj
         inside = (k < pixels) & (r >= 0) & (r < h) & (c >= 0) & (c < w)
-        lanes[:, t] = (inside.reshape(vectors, VW) * weights).sum(axis=1).astype(MASK_DTYPE)
+        lanes[:, t] = (inside.reshape(vectors, VW) * bits).sum(axis=1).astype(MASK_DTYPE)
     return offsets, lanes.reshape(-1)
+
+
+def phase_shape(h: int, w: int, sh: int, sw: int) -> tuple[int, int]:
+    """The rows and columns of each phase plane of an ``h`` x ``w`` image split by row
+    modulo ``sh`` and column modulo ``sw`` (plane ``(a, b)`` holds pixels ``(sh*R + a,
+    sw*C + b)``; some planes' last row or column lies outside the image). Of stride 1:
+    the image itself."""
+    return -(-h // sh), -(-w // sw)
 
 
 @intrinsic
@@ -106,33 +124,90 @@ def depthwise_vectors(typingctx, count, taps, x, vector, offsets, masks, w, y, p
     return signature, codegen
 
 
+@intrinsic
+def split_row(typingctx, stride, src, first, width, dst, at, plane):
+    """Pixels ``first * stride`` to ``(first + VW) * stride`` of a row of ``width``
+    pixels (``src``, C-contiguous) into the row's phase planes by column modulo
+    ``stride`` (a constant): pixel ``column * stride + phase`` to ``dst[at + phase *
+    plane + column]`` for the columns from ``first`` (a multiple of `VW`) on that the
+    row has. One masked load of ``stride`` vectors and a shuffle a phase: as a loop, a
+    row of 7 or 14 pixels was copied a pixel at a time."""
+    if not isinstance(stride, types.IntegerLiteral):
+        return None
+    signature = types.void(stride, src, first, width, dst, at, plane)
+
+    def codegen(context, builder, sig, args):
+        from numba.np.arrayobj import make_array
+
+        step = stride.literal_value
+        _, src_arr, first, width, dst_arr, at, plane = args
+        src_ptr, dst_ptr = (make_array(ty)(context, builder, value).data for ty, value in
+                            ((sig.args[1], src_arr), (sig.args[4], dst_arr)))
+        code = _VectorCode(builder)
+        wide = ir.VectorType(F32, step * VW)
+        start = builder.mul(first, _i64(step))
+        inside = code.lanes_below(builder.sub(width, start), step * VW)
+        pixels = code.masked_load(builder.gep(src_ptr, [start]), inside, wide)
+        for phase in range(step):
+            picked = builder.shuffle_vector(pixels, pixels, ir.Constant(
+                ir.VectorType(I32, VW), [phase + step * lane for lane in range(VW)]))
+            # column first + lane exists where (first + lane) * step + phase < width
+            columns = builder.sdiv(builder.sub(builder.add(width, _i64(step - 1 - phase)),
+                                               start), _i64(step))
+            into = builder.add(builder.add(at, builder.mul(plane, _i64(phase))), first)
+            code.masked_store(picked, builder.gep(dst_ptr, [into]),
+                              code.lanes_below(columns, VW))
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
 def _i64(value: int) -> ir.Constant:
     return ir.Constant(I64, value)
 
 
 class _VectorCode:
-    """The vector type and the LLVM intrinsics `depthwise_vectors` uses."""
+    """The vector type and the LLVM intrinsics `depthwise_vectors` and `split_row`
+    use."""
 
     def __init__(self, builder):
         self.builder = builder
         self.vector = ir.VectorType(F32, VW)
         self.mask = ir.VectorType(I1, VW)
         self.zero = ir.Constant(self.vector, [0.0] * VW)
-        module, pointer = builder.module, self.vector.as_pointer()
-        self._load = cgutils.get_or_insert_function(
-            module, ir.FunctionType(self.vector, [pointer, I32, self.mask, self.vector]),
-            f"llvm.masked.load.v{VW}f32.p0")
-        self._store = cgutils.get_or_insert_function(
-            module, ir.FunctionType(ir.VoidType(), [self.vector, pointer, I32, self.mask]),
-            f"llvm.masked.store.v{VW}f32.p0")
         self._fma = cgutils.get_or_insert_function(
-            module, ir.FunctionType(self.vector, [self.vector] * 3), f"llvm.fma.v{VW}f32")
+            builder.module, ir.FunctionType(self.vector, [self.vector] * 3),
+            f"llvm.fma.v{VW}f32")
 
-    def masked_load(self, pointer, lanes):
-        """The vector at ``pointer``, zero in the lanes ``lanes`` leaves out (which are
-        not read: they may lie outside the array)."""
-        at = self.builder.bitcast(pointer, self.vector.as_pointer())
-        return self.builder.call(self._load, [at, ir.Constant(I32, 4), lanes, self.zero])
+    def _masked(self, operation: str, vector):
+        """LLVM's masked load or store of ``vector``'s type."""
+        lanes, pointer = vector.count, vector.as_pointer()
+        mask = ir.VectorType(I1, lanes)
+        kind = (ir.FunctionType(vector, [pointer, I32, mask, vector]) if operation == "load"
+                else ir.FunctionType(ir.VoidType(), [vector, pointer, I32, mask]))
+        return cgutils.get_or_insert_function(self.builder.module, kind,
+                                              f"llvm.masked.{operation}.v{lanes}f32.p0")
+
+    def masked_load(self, pointer, lanes, vector=None):
+        """The vector (of `VW` lanes, or of ``vector``'s type) at ``pointer``, zero in
+        the lanes ``lanes`` leaves out (which are not read: they may lie outside the
+        array)."""
+        vector = vector or self.vector
+        at = self.builder.bitcast(pointer, vector.as_pointer())
+        zero = ir.Constant(vector, [0.0] * vector.count)
+        return self.builder.call(self._masked("load", vector), [at, ir.Constant(I32, 4), lanes,
+                                                                 zero])
+
+    def masked_store(self, value, pointer, lanes) -> None:
+        at = self.builder.bitcast(pointer, value.type.as_pointer())
+        self.builder.call(self._masked("store", value.type),
+                          [value, at, ir.Constant(I32, 4), lanes])
+
+    def lanes_below(self, count, lanes: int = VW):
+        """The mask of the first ``count`` of ``lanes`` lanes (none for ``count`` <= 0)."""
+        ids = ir.Constant(ir.VectorType(I64, lanes), list(range(lanes)))
+        return self.builder.icmp_signed("<", ids, _splat(
+            self.builder, ir.VectorType(I64, lanes), count))
 
     def fma(self, a, b, c):
         return self.builder.call(self._fma, [a, b, c])
@@ -141,13 +216,10 @@ class _VectorCode:
         """``value`` at ``pointer``, its first ``left`` lanes only where fewer than a
         vector's (none for ``left`` <= 0)."""
         builder = self.builder
-        at = builder.bitcast(pointer, self.vector.as_pointer())
         whole = builder.icmp_signed(">=", left, _i64(VW))
         with builder.if_else(whole, likely=True) as (then, otherwise):
             with then:
-                builder.store(value, at, align=4)
+                builder.store(value, builder.bitcast(pointer, self.vector.as_pointer()),
+                              align=4)
             with otherwise:
-                lanes = ir.Constant(ir.VectorType(I64, VW), list(range(VW)))
-                inside = builder.icmp_signed("<", lanes, _splat(
-                    builder, ir.VectorType(I64, VW), left))
-                builder.call(self._store, [value, at, ir.Constant(I32, 4), inside])
+                self.masked_store(value, pointer, self.lanes_below(left))

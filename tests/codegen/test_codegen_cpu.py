@@ -496,12 +496,24 @@ def test_direct_conv_over_column_phases_agrees(x_shape, w_shape, attrs):
     ((1, 4, 11, 13), (4, 1, 3, 3), {"pad": [2, 2], "dilation": [2, 2]}),
     ((1, 4, 3, 2), (4, 1, 3, 3), {"pad": [1, 1]}),
     ((1, 2, 1, 1), (2, 1, 1, 1), {"pad": [0, 0]}),
-], ids=["7x7", "batch-2", "5x5", "uneven-pad", "dilated", "tiny", "1x1"])
+    ((1, 8, 14, 14), (8, 1, 3, 3), {"stride": [2, 2], "pad": [1, 1]}),
+    ((2, 5, 7, 7), (5, 1, 3, 3), {"stride": [2, 2], "pad": [1, 1]}),
+    ((1, 3, 14, 14), (3, 1, 3, 3), {"stride": [2, 2], "pad": [0, 0, 1, 1]}),
+    ((1, 3, 15, 13), (3, 1, 5, 5), {"stride": [2, 2], "pad": [2, 2]}),
+    ((1, 3, 16, 15), (3, 1, 3, 3), {"stride": [3, 3], "pad": [1, 1]}),
+    ((1, 3, 16, 15), (3, 1, 3, 3), {"stride": [1, 2], "pad": [1, 1]}),
+    ((1, 3, 16, 15), (3, 1, 3, 3), {"stride": [2, 1], "pad": [1, 1]}),
+    ((1, 4, 13, 14), (4, 1, 3, 3), {"stride": [2, 2], "pad": [2, 2], "dilation": [2, 2]}),
+    ((1, 2, 36, 36), (2, 1, 3, 3), {"stride": [2, 2], "pad": [1, 1]}),
+], ids=["7x7", "batch-2", "5x5", "uneven-pad", "dilated", "tiny", "1x1", "stride-2",
+        "stride-2-odd", "stride-2-pad-after", "stride-2-5x5", "stride-3", "column-stride",
+        "row-stride", "stride-2-dilated", "stride-2-rows-of-vectors"])
 def test_depthwise_as_vector_code_agrees(x_shape, w_shape, attrs):
-    """A stride-1 depthwise convolution whose output rows are as wide as its input's
-    is vector code over the flat planes (`cpu_depthwise`): its masks keep out every
-    tap that falls in the padding or past a row's end, whatever the padding, kernel,
-    dilation or plane (one partial vector, or several and a remainder)."""
+    """A depthwise convolution whose output rows are as wide as its input's (its
+    input's phase planes', strided) is vector code over flat planes (`cpu_depthwise`):
+    its masks keep out every tap that falls in the padding or past a row's end,
+    whatever the padding, kernel, stride, dilation or plane (one partial vector, or
+    several and a remainder; odd sizes leave some phase planes a row or column short)."""
     attrs = {"stride": [1, 1], "groups": x_shape[1], "dilation": [1, 1], **attrs}
     rng = np.random.default_rng(13)
     x, w = random_array(rng, x_shape, DType.f32), random_array(rng, w_shape, DType.f32)
@@ -511,10 +523,11 @@ def test_depthwise_as_vector_code_agrees(x_shape, w_shape, attrs):
 
 
 def test_depthwise_of_other_shapes_is_not_vector_code():
-    """Strided, narrower output rows, a channel multiplier, or f64: the other paths."""
+    """Output rows narrower than the input's (its phase planes'), a channel
+    multiplier, or f64: the other paths."""
     rng = np.random.default_rng(14)
     for x_shape, w_shape, attrs, dtype in [
-            ((1, 4, 9, 9), (4, 1, 3, 3), {"stride": [2, 2], "pad": [1, 1]}, DType.f32),
+            ((1, 4, 9, 9), (4, 1, 3, 3), {"stride": [2, 2], "pad": [0, 0]}, DType.f32),
             ((1, 4, 9, 9), (4, 1, 3, 3), {"stride": [1, 1], "pad": [0, 0]}, DType.f32),
             ((1, 4, 9, 9), (8, 1, 3, 3), {"stride": [1, 1], "pad": [1, 1]}, DType.f32),
             ((1, 4, 9, 9), (4, 1, 3, 3), {"stride": [1, 1], "pad": [1, 1]}, DType.f64)]:
