@@ -110,7 +110,7 @@ def code_of(source: str) -> str:
 # machine code compiled against the old one in use.
 RUNTIMES = {"cpu": (Path(__file__).with_name("cpu_runtime.py"),
                     Path(__file__).with_name("cpu_gemm.py"),
-                    Path(__file__).with_name("cpu_depthwise.py"))}
+                    Path(__file__).with_name("cpu_window.py"))}
 
 
 @functools.cache

@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
-from purinec.codegen.cpu_depthwise import UNITS, phase_shape
+from purinec.codegen.cpu_window import UNITS, phase_shape
 from purinec.codegen.cpu_gemm import MR, VW, lanes
 from purinec.codegen.kernel import CodegenError
 from purinec.codegen.cpu_module import KernelModule, atom, literal, renders
@@ -660,7 +660,7 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
     else:
         b.line(f"y_mat = {m.view(y, (g.n, g.cout, g.P))}")
     if vectors:
-        _depthwise_tables(m, node, g)
+        window_tables(m, node, g)
     elif flat:
         _planes_scratch(m, node, g)
         b.line(f"sums = {m.empty((g.oh * _plane_shape(g)[1],), dtype_name(node))}")
@@ -722,11 +722,11 @@ def _direct_group(m: KernelModule, node: Node, g: _Conv, x: str, w_mat: str, ima
                   phased: bool, vectors: bool = False) -> None:
     """Output rows ``rows`` of the group of image ``n`` whose first input and output
     channels are ``c0`` and ``o0``, into ``image``, by a direct convolution: as vector
-    code (`_depthwise_plane`: every row), over flat phase planes (`_direct_conv_flat`)
+    code (`window_plane`: every row), over flat phase planes (`_direct_conv_flat`)
     or as a loop nest (`_direct_conv`)."""
     if vectors:
         assert rows[0] == "0", "vector code computes whole planes"
-        _depthwise_plane(m, g, x, n, c0, f"{w_mat}[{o0}]", f"{image}[{o0}]")
+        window_plane(m, g, f"{x}[{n}, {c0}]", f"{image}[{o0}]", f"{w_mat}[{o0}]")
     elif flat:
         _fill_phase_planes(m, g, x, n, c0, rows)
         _direct_conv_flat(m, node, g, w_mat, image, o0, rows)
@@ -1125,55 +1125,63 @@ def _direct_conv(m: KernelModule, node: Node, g: _Conv, image: str, w_mat: str, 
 
 
 def _depthwise_vectors(m: KernelModule, node: Node, g: _Conv) -> bool:
-    """Whether a direct convolution is computed as vector code
-    (`purinec.codegen.cpu_depthwise`): f32 depthwise whose output rows are as wide as
-    its input's phase planes (as its input's, of stride 1), where kernels use
-    purinec's own vector code (`CpuOptions.tiled_gemm`)."""
+    """Whether a direct convolution is computed as vector code (`window_plane`): f32
+    depthwise, its windows fit for it (`vector_windows`)."""
+    return vector_windows(m, node, g) and (g.cg, g.og) == (1, 1)
+
+
+def vector_windows(m: KernelModule, node: Node, g) -> bool:
+    """Whether the windows of a convolution or pooling ``g`` (the sizes of `_Conv` or
+    `cpu_pool._Pool`) can be vector code (`purinec.codegen.cpu_window`): f32, output
+    rows as wide as the input's phase planes (as the input's, of stride 1), where
+    kernels use purinec's own vector code (`CpuOptions.tiled_gemm`)."""
     return (m.options.tiled_gemm and node.outputs[0].type.dtype is DType.f32
-            and (g.cg, g.og) == (1, 1) and g.ow == phase_shape(g.h, g.w, g.sh, g.sw)[1])
+            and g.ow == phase_shape(g.h, g.w, g.sh, g.sw)[1])
 
 
-def _depthwise_tables(m: KernelModule, node: Node, g: _Conv) -> None:
-    """The module's ``dw_offsets`` and ``dw_masks`` (`cpu_depthwise.depthwise_tables`)
-    and, strided, the kernel's ``dw_phases``: a plane split by phase."""
-    m.import_line("from purinec.codegen.cpu_depthwise import depthwise_tables")
+def window_tables(m: KernelModule, node: Node, g) -> None:
+    """The module's ``tap_offsets`` and ``tap_masks`` (`cpu_window.window_tables`) for
+    the windows of ``g`` (see `vector_windows`) and, strided, the kernel's
+    ``phase_planes``: a plane split by phase."""
+    m.import_line("from purinec.codegen.cpu_window import window_tables")
     sizes = (g.h, g.w, g.oh, g.ow, g.kh, g.kw, g.sh, g.sw, g.dh, g.dw, g.pt, g.pl)
-    m.computed_constants(["dw_offsets", "dw_masks"],
-                         f"depthwise_tables({', '.join(map(str, sizes))})")
+    m.computed_constants(["tap_offsets", "tap_masks"],
+                         f"window_tables({', '.join(map(str, sizes))})")
     if (g.sh, g.sw) != (1, 1):
         shape = (g.sh, g.sw, *phase_shape(g.h, g.w, g.sh, g.sw))
-        m.body.line(f"dw_phases = {m.empty(shape, dtype_name(node))}")
+        m.body.line(f"phase_planes = {m.empty(shape, dtype_name(node))}")
 
 
-def _depthwise_plane(m: KernelModule, g: _Conv, x: str, n: str, c0: str, weights: str,
-                     y: str) -> None:
-    """One plane of a depthwise convolution (`_depthwise_vectors`), channel ``c0`` of
-    image ``n`` of ``x``, the channel's ``weights``, into ``y`` (flat): strided, the
-    plane first split by phase into ``dw_phases``; then `UNITS` vectors at a time, and
-    those left."""
+def window_plane(m: KernelModule, g, plane: str, y: str, weights: str | None = None) -> None:
+    """The windows of one input ``plane`` (2-D) into ``y`` (flat) as vector code
+    (`window_tables` made the tables): with ``weights``, the channel's, a depthwise
+    convolution (`cpu_window.depthwise_vectors`); else max pooling (`max_vectors`).
+    Strided, the plane is first split by phase into ``phase_planes``; then `UNITS`
+    vectors at a time, and those left."""
     b = m.body
-    plane = f"{x}[{n}, {c0}]"
     if (g.sh, g.sw) != (1, 1):
-        m.import_line("from purinec.codegen.cpu_depthwise import split_row")
+        m.import_line("from purinec.codegen.cpu_window import split_row")
         rows, width = phase_shape(g.h, g.w, g.sh, g.sw)
         h, q = m.fresh("h"), m.fresh("q")
         with b.block(f"for {h} in range({g.h}):"):
             at = f"({h} % {g.sh} * {g.sw * rows} + {h} // {g.sh}) * {width}"
             with b.block(f"for {q} in range(0, {width}, {VW}):"):
-                b.line(f"split_row({g.sw}, {plane}[{h}], {q}, {g.w}, dw_phases, {at}, "
+                b.line(f"split_row({g.sw}, {plane}[{h}], {q}, {g.w}, phase_planes, {at}, "
                        f"{rows * width})")
-        plane = "dw_phases"
-    m.import_line("from purinec.codegen.cpu_depthwise import depthwise_vectors")
-    vectors = -(-g.P // VW)
+        plane = "phase_planes"
+    function = "depthwise_vectors" if weights is not None else "max_vectors"
+    m.import_line(f"from purinec.codegen.cpu_window import {function}")
+    vectors = -(-g.oh * g.ow // VW)
     whole = vectors - vectors % UNITS
-    call = "depthwise_vectors({count}, {taps}, {x}, {v}, dw_offsets, dw_masks, {w}, {y}, {P})"
-    fields = dict(taps=g.kh * g.kw, x=plane, w=weights, y=y, P=g.P)
+    operands = "" if weights is None else f"{weights}, "
+    call = (f"{function}({{count}}, {g.kh * g.kw}, {plane}, {{v}}, tap_offsets, tap_masks, "
+            f"{operands}{y}, {g.oh * g.ow})")
     if whole:
         v = m.fresh("v")
         with b.block(f"for {v} in range(0, {whole}, {UNITS}):"):
-            b.line(call.format(count=UNITS, v=v, **fields))
+            b.line(call.format(count=UNITS, v=v))
     if vectors > whole:
-        b.line(call.format(count=vectors - whole, v=whole, **fields))
+        b.line(call.format(count=vectors - whole, v=whole))
 
 
 # Direct convolutions with rows narrower than this run over flat phase planes

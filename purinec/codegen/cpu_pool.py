@@ -7,8 +7,10 @@ arrays, they cost lenet's small planes 40-50 ns each (loops LLVM no longer unrol
 (padding, or ceil mode letting the last window hang out) the plane is first copied
 into a scratch with a border that never wins a max (-inf) or adds nothing to a sum
 (0), so every window has the same constant taps (``dilation`` apart) and needs no
-clipping; an average's divisors come from a table per axis. Max
-pooling always copies, into one scratch per column phase (column modulo the stride), so
+clipping; an average's divisors come from a table per axis. Max pooling whose output
+rows are as wide as its input's phase planes is vector code
+(`purinec.codegen.cpu_window`, which masks the taps outside the image instead); other
+max pooling copies, into one scratch per column phase (column modulo the stride), so
 that neighbouring windows read neighbouring entries and a row of windows vectorises;
 where rows of windows are too short for that (7 or 14 windows), rows are split by
 phase too and every window of a plane is one loop over the phases laid flat
@@ -26,7 +28,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from purinec.codegen.cpu_conv import VECTOR, copy_into_phases, tap_in_phases
+from purinec.codegen.cpu_conv import (VECTOR, copy_into_phases, tap_in_phases, vector_windows,
+                                      window_plane, window_tables)
 from purinec.codegen.cpu_module import KernelModule, literal, numpy_name, renders
 from purinec.codegen.cpu_ops import affine, dtype_name, span_of, split_loop
 from purinec.ir.graph import Node
@@ -227,6 +230,12 @@ def _window_elements(m: KernelModule, g: _Pool) -> Iterator[tuple[int | str, int
 def render_max_pool2d(node: Node, m: KernelModule) -> None:
     g = _pool(node.inputs[0].type.shape, node.attrs)
     g, (x, y) = _plane_views(m, g, [(m.inputs[0], False), (m.outputs[0], True)])
+    if vector_windows(m, node, g):
+        window_tables(m, node, g)
+        nc = _planes(m, g)
+        with m.body.indent():
+            window_plane(m, g, f"{x}[{nc}]", f"{m.view(y, (g.counted, g.oh * g.ow))}[{nc}]")
+        return
     b, flat = m.body, _flat_windows(g)
     p, q = m.fresh("p"), m.fresh("q")
     _phase_scratch(m, node, g, flat)

@@ -510,7 +510,7 @@ def test_direct_conv_over_column_phases_agrees(x_shape, w_shape, attrs):
         "row-stride", "stride-2-dilated", "stride-2-rows-of-vectors"])
 def test_depthwise_as_vector_code_agrees(x_shape, w_shape, attrs):
     """A depthwise convolution whose output rows are as wide as its input's (its
-    input's phase planes', strided) is vector code over flat planes (`cpu_depthwise`):
+    input's phase planes', strided) is vector code over flat planes (`cpu_window`):
     its masks keep out every tap that falls in the padding or past a row's end,
     whatever the padding, kernel, stride, dilation or plane (one partial vector, or
     several and a remainder; odd sizes leave some phase planes a row or column short)."""
@@ -970,7 +970,7 @@ def test_max_pool_over_flat_phase_planes_and_rows_of_windows_agree(shape, attrs,
         monkeypatch.setattr(cpu_pool, "FLAT_WINDOWS_MAX_WIDTH", 0)
     rng = np.random.default_rng(5)
     x = random_array(rng, shape, DType.f32)
-    assert ("maxima[" in cpu.render(one_node("max_pool2d", [x], attrs))) == flat
+    assert ("maxima[" in cpu.render(one_node("max_pool2d", [x], attrs), BLOCKED)) == flat
     for ties in (False, True):
         if ties:
             x[:, :, 1::2] = 0
@@ -979,6 +979,37 @@ def test_max_pool_over_flat_phase_planes_and_rows_of_windows_agree(shape, attrs,
         gy = random_array(rng, y.shape, DType.f32)
         check("max_pool2d_grad", [x, y, gy], attrs, BLOCKED)
         check("max_pool2d_grad", [x, y, np.ones_like(y)], attrs, exact=True)
+
+
+@pytest.mark.parametrize("shape, attrs", [
+    ((1, 8, 14, 14), {"kernel": [2, 2], "stride": [2, 2], "pad": [0, 0], "ceil_mode": True}),
+    ((2, 3, 28, 28), {"kernel": [3, 3], "stride": [2, 2], "pad": [0, 0], "ceil_mode": True}),
+    ((1, 8, 14, 14), {"kernel": [3, 3], "stride": [1, 1], "pad": [1, 1]}),
+    ((1, 3, 7, 7), {"kernel": [3, 3], "stride": [2, 2], "pad": [1, 1]}),
+    ((1, 3, 9, 11), {"kernel": [2, 3], "stride": [2, 2], "pad": [0, 1, 1, 0],
+                     "ceil_mode": True}),
+    ((1, 2, 13, 15), {"kernel": [3, 3], "stride": [2, 2], "pad": [2, 2], "dilation": [2, 2]}),
+], ids=["2x2-stride-2", "ceil-hangs-out", "stride-1-padded", "odd", "uneven", "dilated"])
+def test_max_pool_as_vector_code_agrees(shape, attrs):
+    """Max pooling whose output rows are as wide as its input's phase planes is vector
+    code (`cpu_window.max_vectors`): the reference's maxima exactly, windows hanging
+    out of the image (padding, ceil mode) never taking what lies outside; with ties,
+    and with a NaN, which wins where it is a window's first tap and only there, as in
+    the loops' ``if v > best``."""
+    attrs = {"dilation": [1, 1], **attrs}
+    rng = np.random.default_rng(6)
+    x = random_array(rng, shape, DType.f32)
+    node = one_node("max_pool2d", [x], attrs)
+    assert "max_vectors(" in cpu.render(node, VECTOR_CODE)
+    for options in (VECTOR_CODE, replace(BLOCKED, tiled_gemm=True)):
+        check("max_pool2d", [x], attrs, options, exact=True)
+    x[:, :, 1::2] = 0
+    check("max_pool2d", [x], attrs, VECTOR_CODE, exact=True)
+    x[0, 0, 0, 0] = x[0, 0, 1, 1] = np.nan
+    (got,), (loops,) = (run_kernel(node, [x], options) for options in (VECTOR_CODE, BLOCKED))
+    np.testing.assert_array_equal(got, loops)
+    if not any(attrs["pad"]):  # the first window's first tap
+        assert np.isnan(got[0, 0, 0, 0]) and not np.isnan(got[0, 0, 1:, 1:]).any()
 
 
 @pytest.mark.slow  # a Numba compile per case

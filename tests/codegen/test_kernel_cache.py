@@ -123,14 +123,14 @@ def test_one_file_per_source_named_by_the_hash_of_its_code(cache_dir):
 
 def test_a_changed_runtime_moves_every_kernel(cache_dir, tmp_path, monkeypatch, request):
     """Numba checks only a kernel's own file before it reuses its machine code, so a
-    change to what kernels import from purinec (`cpu_runtime`, `cpu_gemm`, `cpu_depthwise`)
+    change to what kernels import from purinec (`cpu_runtime`, `cpu_gemm`, `cpu_window`)
     must give them new files, compiled afresh."""
     source = cpu.render(small_graph().nodes[1])
     before = cache.kernel_path(source)
     request.addfinalizer(cache.runtime_stamp.cache_clear)  # even if an assert fails
     originals = cache.RUNTIMES["cpu"]
     assert {path.name for path in originals} >= {"cpu_runtime.py", "cpu_gemm.py",
-                                                 "cpu_depthwise.py"}
+                                                 "cpu_window.py"}
     for k, original in enumerate(originals):
         changed = tmp_path / original.name
         changed.write_text(original.read_text() + "\n# changed\n")

@@ -1,4 +1,5 @@
-"""Depthwise convolutions as vector code over flat planes, without padding.
+"""Windows over flat planes as vector code, without padding: depthwise convolutions
+and max pooling.
 
 A depthwise layer of "same" width (output rows as wide as the input's, as mobilenet_v2's
 3x3 layers of stride 1 are) reads, for output pixel ``k`` of a plane laid flat, input
@@ -10,7 +11,9 @@ of its phase, and each input row is split by `split_row`. Where a tap falls outs
 the image (the padding, or past a row's end into the next row) its lanes are masked
 off: the load yields zeros there and reads nothing, so nothing is padded. Which lanes
 each tap of each vector keeps depends on the layer's sizes only, so the masks are a
-table made once, when the kernel's module loads (`depthwise_tables`).
+table made once, when the kernel's module loads (`window_tables`). Max pooling is the
+same walk over the same taps, keeping the greatest where a convolution sums
+(`max_vectors`).
 
 `depthwise_vectors` computes a few vectors of a plane at a time, the sums of each in
 registers across the taps (one multiply-add and one masked load per tap and vector):
@@ -22,6 +25,11 @@ mobilenet_v2's layers at batch 1, one thread, kernels alone, us, loops against t
 14x14 60 against 46, 192 of 28x28 and 144 of 56x56 level; stride 2, 576 of 14x14 107
 against 43, 192 of 28x28 117 against 38, 144 of 56x56 224 against 115, 96 of 112x112
 416 against 311 (its input, 4.8 MB, read from memory: the row splits alone took 129).
+googlenet's max pools against `purinec.codegen.cpu_pool`'s phase-plane loops, the
+same way: 3x3 at stride 2 of 64 channels of 112x112 182 against 159, 192 of 56x56 124
+against 99, 480 of 28x28 109 against 62; 2x2 of 832 of 14x14 84 against 34; 3x3 at
+stride 1 of 256 of 28x28 152 against 101, 512 of 14x14 89 against 41, 832 of 7x7 55
+against 15.
 
 The kernel cache keys kernels by this file's text (`purinec.codegen.cache`): kernels
 inline its code.
@@ -38,7 +46,6 @@ from numba.core.extending import intrinsic
 from purinec.codegen.cpu_gemm import VW, _splat
 
 I1, I32, I64, F32 = ir.IntType(1), ir.IntType(32), ir.IntType(64), ir.FloatType()
-MASK_BITS = ir.IntType(VW)  # a vector's lanes, one bit each, as the table holds them
 MASK_DTYPE = np.dtype(f"uint{max(8, VW)}")
 
 # Vectors of a plane computed at a time, their sums in registers: 4 chains of
@@ -47,10 +54,10 @@ MASK_DTYPE = np.dtype(f"uint{max(8, VW)}")
 UNITS = 4
 
 
-def depthwise_tables(h: int, w: int, oh: int, ow: int, kh: int, kw: int, sh: int, sw: int,
-                     dh: int, dw: int, pt: int, pl: int) -> tuple[np.ndarray, np.ndarray]:
-    """For a depthwise convolution whose output rows are as wide as its input's phase
-    planes (``ow`` = ceil(``w`` / ``sw``): `phase_shape`): each tap's offset from an
+def window_tables(h: int, w: int, oh: int, ow: int, kh: int, kw: int, sh: int, sw: int,
+                  dh: int, dw: int, pt: int, pl: int) -> tuple[np.ndarray, np.ndarray]:
+    """For windows (a depthwise convolution's, a pooling's) whose output rows are as
+    wide as their input's phase planes (``ow`` = ceil(``w`` / ``sw``): `phase_shape`): each tap's offset from an
     output pixel to the input pixel it reads, the output plane laid flat and the input
     as its phase planes laid flat one after another (int64, taps in row-major order);
     and for each vector of the output plane (`VW` pixels, the last one partial) and
@@ -87,41 +94,79 @@ def phase_shape(h: int, w: int, sh: int, sw: int) -> tuple[int, int]:
 def depthwise_vectors(typingctx, count, taps, x, vector, offsets, masks, w, y, pixels):
     """Output vectors ``vector`` to ``vector + count`` (``count`` a constant, up to
     `UNITS`) of one plane: ``y[k] = sum over taps t of w[t] * x[k + offsets[t]]`` where
-    the tables (`depthwise_tables`, ``masks`` from row ``vector``) keep the lane, for
+    the tables (`window_tables`, ``masks`` from row ``vector``) keep the lane, for
     ``k`` from ``vector * VW`` on; ``taps`` is a constant too. ``x``, ``y``: the input
-    and output planes (C-contiguous), ``pixels`` in the output plane: lanes past it are
-    not stored."""
+    (its phase planes, strided) and output planes (C-contiguous), ``pixels`` in the
+    output plane: lanes past it are not stored."""
     if not (isinstance(count, types.IntegerLiteral) and isinstance(taps, types.IntegerLiteral)):
         return None
-    signature = types.void(count, taps, x, vector, offsets, masks, w, y, pixels)
 
+    def add_tap(code, sums, t, pixels_at, weights):
+        weight = _splat(code.builder, code.vector,
+                        code.builder.load(code.builder.gep(weights, [_i64(t)])))
+        return [code.fma(pixels, weight, total) for pixels, total in zip(pixels_at(0.0), sums)]
+
+    return (types.void(count, taps, x, vector, offsets, masks, w, y, pixels),
+            _windows_codegen(add_tap))
+
+
+@intrinsic
+def max_vectors(typingctx, count, taps, x, vector, offsets, masks, y, pixels):
+    """`depthwise_vectors`' windows, their greatest tap rather than their weighted sum:
+    the first maximum in the taps' order, a NaN winning only as the first (as a scalar
+    loop's ``if v > best``), outside the image -inf."""
+    if not (isinstance(count, types.IntegerLiteral) and isinstance(taps, types.IntegerLiteral)):
+        return None
+
+    def take_greater(code, best, t, pixels_at, weights):
+        builder = code.builder
+        taps = pixels_at(-np.inf)
+        if t == 0:
+            return taps
+        return [builder.select(builder.fcmp_ordered(">", tap, so_far), tap, so_far)
+                for tap, so_far in zip(taps, best)]
+
+    return (types.void(count, taps, x, vector, offsets, masks, y, pixels),
+            _windows_codegen(take_greater))
+
+
+def _windows_codegen(combine):
+    """The code of `depthwise_vectors` or `max_vectors`: for each tap, ``combine(code,
+    so_far, t, pixels_at, weights)`` gives the vectors' new values from what they hold
+    so far (zero before the first tap) and ``pixels_at(fill)``, the tap's pixel of
+    each vector (``fill`` where the masks leave it out); ``weights`` points at the
+    convolution's weights (None for a pooling)."""
     def codegen(context, builder, sig, args):
         from numba.np.arrayobj import make_array
 
-        units, n_taps = count.literal_value, taps.literal_value
-        _, _, x_arr, vector, offsets_arr, masks_arr, w_arr, y_arr, pixels = args
-        x_ptr, offsets_ptr, masks_ptr, w_ptr, y_ptr = (
-            make_array(ty)(context, builder, value).data for ty, value in
-            zip((sig.args[i] for i in (2, 4, 5, 6, 7)),
-                (x_arr, offsets_arr, masks_arr, w_arr, y_arr)))
+        units, n_taps = (ty.literal_value for ty in sig.args[:2])
+        arrays = {at: make_array(sig.args[at])(context, builder, args[at]).data
+                  for at, ty in enumerate(sig.args) if isinstance(ty, types.Array)}
+        x_ptr, offsets_ptr, masks_ptr, y_ptr = (arrays[at] for at in (2, 4, 5, len(args) - 2))
+        weights = arrays.get(6) if len(args) == 9 else None
+        vector, pixels = args[3], args[-1]
         code = _VectorCode(builder)
-        first = builder.mul(vector, ir.Constant(I64, VW))
-        lane_masks = builder.gep(masks_ptr, [builder.mul(vector, ir.Constant(I64, n_taps))])
-        sums = [code.zero] * units
+        first = builder.mul(vector, _i64(VW))
+        lane_masks = builder.gep(masks_ptr, [builder.mul(vector, _i64(n_taps))])
+        values = [code.zero] * units
         for t in range(n_taps):
             at = builder.add(first, builder.load(builder.gep(offsets_ptr, [_i64(t)])))
-            weight = _splat(builder, code.vector, builder.load(builder.gep(w_ptr, [_i64(t)])))
-            for u in range(units):
-                lanes = builder.bitcast(
-                    builder.load(builder.gep(lane_masks, [_i64(u * n_taps + t)])), code.mask)
-                pixel = builder.gep(x_ptr, [builder.add(at, _i64(u * VW))])
-                sums[u] = code.fma(code.masked_load(pixel, lanes), weight, sums[u])
+
+            def pixels_at(fill, t=t, at=at):
+                loads = []
+                for u in range(units):
+                    lanes = builder.bitcast(builder.load(
+                        builder.gep(lane_masks, [_i64(u * n_taps + t)])), code.mask)
+                    pixel = builder.gep(x_ptr, [builder.add(at, _i64(u * VW))])
+                    loads.append(code.masked_load(pixel, lanes, fill=fill))
+                return loads
+            values = combine(code, values, t, pixels_at, weights)
         for u in range(units):
             start = builder.add(first, _i64(u * VW))
-            code.store(sums[u], builder.gep(y_ptr, [start]), builder.sub(pixels, start))
+            code.store(values[u], builder.gep(y_ptr, [start]), builder.sub(pixels, start))
         return context.get_dummy_value()
 
-    return signature, codegen
+    return codegen
 
 
 @intrinsic
@@ -167,8 +212,7 @@ def _i64(value: int) -> ir.Constant:
 
 
 class _VectorCode:
-    """The vector type and the LLVM intrinsics `depthwise_vectors` and `split_row`
-    use."""
+    """The vector type and the LLVM intrinsics the windows and `split_row` use."""
 
     def __init__(self, builder):
         self.builder = builder
@@ -188,15 +232,15 @@ class _VectorCode:
         return cgutils.get_or_insert_function(self.builder.module, kind,
                                               f"llvm.masked.{operation}.v{lanes}f32.p0")
 
-    def masked_load(self, pointer, lanes, vector=None):
-        """The vector (of `VW` lanes, or of ``vector``'s type) at ``pointer``, zero in
-        the lanes ``lanes`` leaves out (which are not read: they may lie outside the
+    def masked_load(self, pointer, lanes, vector=None, fill: float = 0.0):
+        """The vector (of `VW` lanes, or of ``vector``'s type) at ``pointer``, ``fill``
+        in the lanes ``lanes`` leaves out (which are not read: they may lie outside the
         array)."""
         vector = vector or self.vector
         at = self.builder.bitcast(pointer, vector.as_pointer())
-        zero = ir.Constant(vector, [0.0] * vector.count)
-        return self.builder.call(self._masked("load", vector), [at, ir.Constant(I32, 4), lanes,
-                                                                 zero])
+        filled = ir.Constant(vector, [fill] * vector.count)
+        return self.builder.call(self._masked("load", vector),
+                                 [at, ir.Constant(I32, 4), lanes, filled])
 
     def masked_store(self, value, pointer, lanes) -> None:
         at = self.builder.bitcast(pointer, value.type.as_pointer())
