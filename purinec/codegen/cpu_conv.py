@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
-from purinec.codegen.cpu_window import UNITS, phase_shape
+from purinec.codegen.cpu_window import UNITS, grid_shape, in_place
 from purinec.codegen.cpu_gemm import MR, VW, lanes
 from purinec.codegen.kernel import CodegenError
 from purinec.codegen.cpu_module import KernelModule, atom, literal, renders
@@ -746,7 +746,8 @@ def _direct_by_groups(m: KernelModule, node: Node, g: _Conv, x: str, w_mat: str,
     of 144 channels of 56x56 with its batch norm and clip took 387 us with cold caches
     that way, 321 this way (hot: the same). With ``scratch`` the output lives in the
     per-image ``y_img``, else in ``y_mat``."""
-    lo, hi = m.split(g.groups, g.macs, products=False)
+    copied = window_copies(g, g.n * g.c) if vectors else 0
+    lo, hi = m.split(g.groups, g.macs + copied, products=False)
     n, group = m.fresh("n"), m.fresh("g")
     rows = ("0", str(g.oh))
     with m.body.block(f"for {n} in range({g.n}):"), \
@@ -1125,43 +1126,53 @@ def _direct_conv(m: KernelModule, node: Node, g: _Conv, image: str, w_mat: str, 
 
 
 def _depthwise_vectors(m: KernelModule, node: Node, g: _Conv) -> bool:
-    """Whether a direct convolution is computed as vector code (`window_plane`): f32
-    depthwise, its windows fit for it (`vector_windows`)."""
-    return vector_windows(m, node, g) and (g.cg, g.og) == (1, 1)
+    """Whether a direct convolution is computed as vector code (`window_plane`):
+    depthwise, where windows can be (`vector_windows`)."""
+    return vector_windows(m, node) and (g.cg, g.og) == (1, 1)
 
 
-def vector_windows(m: KernelModule, node: Node, g) -> bool:
-    """Whether the windows of a convolution or pooling ``g`` (the sizes of `_Conv` or
-    `cpu_pool._Pool`) can be vector code (`purinec.codegen.cpu_window`): f32, output
-    rows as wide as the input's phase planes (as the input's, of stride 1), where
-    kernels use purinec's own vector code (`CpuOptions.tiled_gemm`)."""
-    return (m.options.tiled_gemm and node.outputs[0].type.dtype is DType.f32
-            and g.ow == phase_shape(g.h, g.w, g.sh, g.sw)[1])
+def vector_windows(m: KernelModule, node: Node) -> bool:
+    """Whether a convolution's or pooling's windows can be vector code
+    (`purinec.codegen.cpu_window`): f32, where kernels use purinec's own vector code
+    (`CpuOptions.tiled_gemm`)."""
+    return m.options.tiled_gemm and node.outputs[0].type.dtype is DType.f32
+
+
+def window_copies(g, planes: int) -> int:
+    """The elements that vector windows (`window_plane`) over ``planes`` planes of
+    ``g`` copy into phase planes (none where they read in place): work besides their
+    taps', when threads split them."""
+    return 0 if in_place(g.h, g.w, g.ow, g.sh, g.sw) else planes * g.h * g.w
 
 
 def window_tables(m: KernelModule, node: Node, g) -> None:
     """The module's ``tap_offsets`` and ``tap_masks`` (`cpu_window.window_tables`) for
-    the windows of ``g`` (see `vector_windows`) and, strided, the kernel's
-    ``phase_planes``: a plane split by phase."""
+    the windows of ``g`` (the sizes of `_Conv` or `cpu_pool._Pool`); the kernel's
+    ``phase_planes``, the plane split by phase as wide as the grid, unless the windows
+    read the input in place; and ``window_out``, the grid's output, where its rows are
+    wider than the output's."""
     m.import_line("from purinec.codegen.cpu_window import window_tables")
     sizes = (g.h, g.w, g.oh, g.ow, g.kh, g.kw, g.sh, g.sw, g.dh, g.dw, g.pt, g.pl)
     m.computed_constants(["tap_offsets", "tap_masks"],
                          f"window_tables({', '.join(map(str, sizes))})")
-    if (g.sh, g.sw) != (1, 1):
-        shape = (g.sh, g.sw, *phase_shape(g.h, g.w, g.sh, g.sw))
-        m.body.line(f"phase_planes = {m.empty(shape, dtype_name(node))}")
+    rows, width = grid_shape(g.h, g.w, g.ow, g.sh, g.sw)
+    if not in_place(g.h, g.w, g.ow, g.sh, g.sw):
+        m.body.line(f"phase_planes = {m.empty((g.sh, g.sw, rows, width), dtype_name(node))}")
+    if width != g.ow:
+        m.body.line(f"window_out = {m.empty((g.oh * width,), dtype_name(node))}")
 
 
 def window_plane(m: KernelModule, g, plane: str, y: str, weights: str | None = None) -> None:
     """The windows of one input ``plane`` (2-D) into ``y`` (flat) as vector code
     (`window_tables` made the tables): with ``weights``, the channel's, a depthwise
     convolution (`cpu_window.depthwise_vectors`); else max pooling (`max_vectors`).
-    Strided, the plane is first split by phase into ``phase_planes``; then `UNITS`
-    vectors at a time, and those left."""
+    The plane first split by phase into ``phase_planes`` unless read in place; then
+    `UNITS` vectors of the grid at a time, and those left; then, where the grid's
+    rows are wider than the output's, each row's pixels copied out."""
     b = m.body
-    if (g.sh, g.sw) != (1, 1):
+    rows, width = grid_shape(g.h, g.w, g.ow, g.sh, g.sw)
+    if not in_place(g.h, g.w, g.ow, g.sh, g.sw):
         m.import_line("from purinec.codegen.cpu_window import split_row")
-        rows, width = phase_shape(g.h, g.w, g.sh, g.sw)
         h, q = m.fresh("h"), m.fresh("q")
         with b.block(f"for {h} in range({g.h}):"):
             at = f"({h} % {g.sh} * {g.sw * rows} + {h} // {g.sh}) * {width}"
@@ -1171,17 +1182,23 @@ def window_plane(m: KernelModule, g, plane: str, y: str, weights: str | None = N
         plane = "phase_planes"
     function = "depthwise_vectors" if weights is not None else "max_vectors"
     m.import_line(f"from purinec.codegen.cpu_window import {function}")
-    vectors = -(-g.oh * g.ow // VW)
+    vectors = -(-g.oh * width // VW)
     whole = vectors - vectors % UNITS
     operands = "" if weights is None else f"{weights}, "
+    out = y if width == g.ow else "window_out"
     call = (f"{function}({{count}}, {g.kh * g.kw}, {plane}, {{v}}, tap_offsets, tap_masks, "
-            f"{operands}{y}, {g.oh * g.ow})")
+            f"{operands}{out}, {g.oh * width})")
     if whole:
         v = m.fresh("v")
         with b.block(f"for {v} in range(0, {whole}, {UNITS}):"):
             b.line(call.format(count=UNITS, v=v))
     if vectors > whole:
         b.line(call.format(count=vectors - whole, v=whole))
+    if width != g.ow:
+        p = m.fresh("p")
+        with b.block(f"for {p} in range({g.oh}):"):
+            m.copy_run(y, f"{affine(p, g.ow, 0)},", "window_out", f"{affine(p, width, 0)},",
+                       g.ow)
 
 
 # Direct convolutions with rows narrower than this run over flat phase planes

@@ -7,10 +7,10 @@ arrays, they cost lenet's small planes 40-50 ns each (loops LLVM no longer unrol
 (padding, or ceil mode letting the last window hang out) the plane is first copied
 into a scratch with a border that never wins a max (-inf) or adds nothing to a sum
 (0), so every window has the same constant taps (``dilation`` apart) and needs no
-clipping; an average's divisors come from a table per axis. Max pooling whose output
-rows are as wide as its input's phase planes is vector code
-(`purinec.codegen.cpu_window`, which masks the taps outside the image instead); other
-max pooling copies, into one scratch per column phase (column modulo the stride), so
+clipping; an average's divisors come from a table per axis. f32 max pooling, where
+kernels use purinec's own vector code, is vector code (`purinec.codegen.cpu_window`,
+which masks the taps outside the image instead); other max pooling copies, into one
+scratch per column phase (column modulo the stride), so
 that neighbouring windows read neighbouring entries and a row of windows vectorises;
 where rows of windows are too short for that (7 or 14 windows), rows are split by
 phase too and every window of a plane is one loop over the phases laid flat
@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from purinec.codegen.cpu_conv import (VECTOR, copy_into_phases, tap_in_phases, vector_windows,
-                                      window_plane, window_tables)
+                                      window_copies, window_plane, window_tables)
 from purinec.codegen.cpu_module import KernelModule, literal, numpy_name, renders
 from purinec.codegen.cpu_ops import affine, dtype_name, span_of, split_loop
 from purinec.ir.graph import Node
@@ -110,9 +110,11 @@ def _plane_views(m: KernelModule, g: _Pool, inputs: list[tuple[str, bool]]
     return replace(g, counted=counted), views
 
 
-def _planes(m: KernelModule, g: _Pool) -> str:
-    """The loop over planes, split into blocks; returns its variable."""
-    lo, hi = m.split(g.planes, g.planes * g.oh * g.ow * g.kh * g.kw, extent=g.counted)
+def _planes(m: KernelModule, g: _Pool, copied: int = 0) -> str:
+    """The loop over planes, split into blocks (the work: every window's taps, and
+    ``copied`` elements); returns its variable."""
+    lo, hi = m.split(g.planes, g.planes * g.oh * g.ow * g.kh * g.kw + copied,
+                     extent=g.counted)
     nc = m.fresh("nc")
     m.body.line(f"for {nc} in range({span_of(lo, hi)}):")
     return nc
@@ -230,9 +232,9 @@ def _window_elements(m: KernelModule, g: _Pool) -> Iterator[tuple[int | str, int
 def render_max_pool2d(node: Node, m: KernelModule) -> None:
     g = _pool(node.inputs[0].type.shape, node.attrs)
     g, (x, y) = _plane_views(m, g, [(m.inputs[0], False), (m.outputs[0], True)])
-    if vector_windows(m, node, g):
+    if vector_windows(m, node):
         window_tables(m, node, g)
-        nc = _planes(m, g)
+        nc = _planes(m, g, window_copies(g, g.planes))
         with m.body.indent():
             window_plane(m, g, f"{x}[{nc}]", f"{m.view(y, (g.counted, g.oh * g.ow))}[{nc}]")
         return

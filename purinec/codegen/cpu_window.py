@@ -5,15 +5,17 @@ A depthwise layer of "same" width (output rows as wide as the input's, as mobile
 3x3 layers of stride 1 are) reads, for output pixel ``k`` of a plane laid flat, input
 pixel ``k + offset`` for each tap, one offset a tap: a run of a vector's pixels is one
 unaligned load. Strided, the same holds of the input split into phase planes (pixels
-by row and column modulo the stride, `phase_shape`) where the output rows are as wide
+by row and column modulo the stride, `grid_shape`) where the output rows are as wide
 as those planes' (mobilenet_v2's of stride 2, 112 -> 56 pixels): a tap reads the plane
-of its phase, and each input row is split by `split_row`. Where a tap falls outside
-the image (the padding, or past a row's end into the next row) its lanes are masked
-off: the load yields zeros there and reads nothing, so nothing is padded. Which lanes
-each tap of each vector keeps depends on the layer's sizes only, so the masks are a
-table made once, when the kernel's module loads (`window_tables`). Max pooling is the
-same walk over the same taps, keeping the greatest where a convolution sums
-(`max_vectors`).
+of its phase, and each input row is split by `split_row`. Where the output rows are
+narrower (squeezenet1_1's pools, 55 -> 27 pixels), they are computed as wide as the
+planes' and copied out; where wider (padding past "same"), the planes are made that
+wide. Where a tap falls outside the image (the padding, or past a row's end into the
+next row) its lanes are masked off: the load yields zeros there and reads nothing, so
+nothing is padded. Which lanes each tap of each vector keeps depends on the layer's
+sizes only, so the masks are a table made once, when the kernel's module loads
+(`window_tables`). Max pooling is the same walk over the same taps, keeping the
+greatest where a convolution sums (`max_vectors`).
 
 `depthwise_vectors` computes a few vectors of a plane at a time, the sums of each in
 registers across the taps (one multiply-add and one masked load per tap and vector):
@@ -29,7 +31,9 @@ googlenet's max pools against `purinec.codegen.cpu_pool`'s phase-plane loops, th
 same way: 3x3 at stride 2 of 64 channels of 112x112 182 against 159, 192 of 56x56 124
 against 99, 480 of 28x28 109 against 62; 2x2 of 832 of 14x14 84 against 34; 3x3 at
 stride 1 of 256 of 28x28 152 against 101, 512 of 14x14 89 against 41, 832 of 7x7 55
-against 15.
+against 15. squeezenet1_1's, whose output rows are computed as wide as the planes' and
+copied out: 64 channels of 111x111 145 against 155, 128 of 55x55 80 against 70, 256 of
+27x27 52 against 30.
 
 The kernel cache keys kernels by this file's text (`purinec.codegen.cache`): kernels
 inline its code.
@@ -56,38 +60,45 @@ UNITS = 4
 
 def window_tables(h: int, w: int, oh: int, ow: int, kh: int, kw: int, sh: int, sw: int,
                   dh: int, dw: int, pt: int, pl: int) -> tuple[np.ndarray, np.ndarray]:
-    """For windows (a depthwise convolution's, a pooling's) whose output rows are as
-    wide as their input's phase planes (``ow`` = ceil(``w`` / ``sw``): `phase_shape`): each tap's offset from an
-    output pixel to the input pixel it reads, the output plane laid flat and the input
-    as its phase planes laid flat one after another (int64, taps in row-major order);
-    and for each vector of the output plane (`VW` pixels, the last one partial) and
-    tap, the lanes whose pixel the tap reads inside the image, as bits (`MASK_DTYPE`,
-    vectors by taps)."""
-    rows, width = phase_shape(h, w, sh, sw)
-    if ow != width:
-        raise ValueError(f"output rows of {ow} pixels, phase planes {width} wide")
+    """For windows (a depthwise convolution's, a pooling's) computed over the grid of
+    `grid_shape`: each tap's offset from an output pixel to the input pixel it reads,
+    the output laid flat on the grid and the input as its phase planes, each as wide
+    as the grid, laid flat one after another (int64, taps in row-major order); and for
+    each vector of the output grid (`VW` pixels, the last one partial) and tap, the
+    lanes whose pixel the tap reads inside the image, of an output pixel inside the
+    output's rows, as bits (`MASK_DTYPE`, vectors by taps)."""
+    rows, width = grid_shape(h, w, ow, sh, sw)
     taps = [(i * dh - pt, j * dw - pl) for i in range(kh) for j in range(kw)]
     offsets = np.array([((di % sh) * sw + dj % sw) * rows * width
                         + (di // sh) * width + dj // sw for di, dj in taps], np.int64)
-    pixels = oh * ow
+    pixels = oh * width
     vectors = -(-pixels // VW)
     k = np.arange(vectors * VW)
-    row, column = k // ow * sh, k % ow * sw
+    row, column = k // width * sh, k % width * sw
     lanes = np.empty((vectors, len(taps)), MASK_DTYPE)
     bits = np.left_shift(np.ones(VW, np.uint64), np.arange(VW, dtype=np.uint64))
     for t, (di, dj) in enumerate(taps):
         r, c = row + di, column + dj
-        inside = (k < pixels) & (r >= 0) & (r < h) & (c >= 0) & (c < w)
+        inside = ((k < pixels) & (k % width < ow)
+                  & (r >= 0) & (r < h) & (c >= 0) & (c < w))
         lanes[:, t] = (inside.reshape(vectors, VW) * bits).sum(axis=1).astype(MASK_DTYPE)
     return offsets, lanes.reshape(-1)
 
 
-def phase_shape(h: int, w: int, sh: int, sw: int) -> tuple[int, int]:
+def grid_shape(h: int, w: int, ow: int, sh: int, sw: int) -> tuple[int, int]:
     """The rows and columns of each phase plane of an ``h`` x ``w`` image split by row
     modulo ``sh`` and column modulo ``sw`` (plane ``(a, b)`` holds pixels ``(sh*R + a,
-    sw*C + b)``; some planes' last row or column lies outside the image). Of stride 1:
-    the image itself."""
-    return -(-h // sh), -(-w // sw)
+    sw*C + b)``), as wide as the output's rows (``ow``) where those are wider: the
+    grid the windows are computed over, output row ``r`` and column ``c`` reading the
+    planes at row ``r`` and column ``c`` plus the tap's offset. Some planes' last row
+    or columns lie outside the image."""
+    return -(-h // sh), max(ow, -(-w // sw))
+
+
+def in_place(h: int, w: int, ow: int, sh: int, sw: int) -> bool:
+    """Whether the windows read their input where it lies: of stride 1, with output
+    rows no wider than the input's (the grid is the image itself)."""
+    return (sh, sw) == (1, 1) and grid_shape(h, w, ow, sh, sw)[1] == w
 
 
 @intrinsic
@@ -107,7 +118,7 @@ def depthwise_vectors(typingctx, count, taps, x, vector, offsets, masks, w, y, p
         return [code.fma(pixels, weight, total) for pixels, total in zip(pixels_at(0.0), sums)]
 
     return (types.void(count, taps, x, vector, offsets, masks, w, y, pixels),
-            _windows_codegen(add_tap))
+            _windows_codegen(add_tap, weighted=True))
 
 
 @intrinsic
@@ -127,15 +138,16 @@ def max_vectors(typingctx, count, taps, x, vector, offsets, masks, y, pixels):
                 for tap, so_far in zip(taps, best)]
 
     return (types.void(count, taps, x, vector, offsets, masks, y, pixels),
-            _windows_codegen(take_greater))
+            _windows_codegen(take_greater, weighted=False))
 
 
-def _windows_codegen(combine):
+def _windows_codegen(combine, weighted: bool):
     """The code of `depthwise_vectors` or `max_vectors`: for each tap, ``combine(code,
     so_far, t, pixels_at, weights)`` gives the vectors' new values from what they hold
     so far (zero before the first tap) and ``pixels_at(fill)``, the tap's pixel of
     each vector (``fill`` where the masks leave it out); ``weights`` points at the
-    convolution's weights (None for a pooling)."""
+    convolution's weights, the argument after the masks where ``weighted`` (None for a
+    pooling)."""
     def codegen(context, builder, sig, args):
         from numba.np.arrayobj import make_array
 
@@ -143,7 +155,7 @@ def _windows_codegen(combine):
         arrays = {at: make_array(sig.args[at])(context, builder, args[at]).data
                   for at, ty in enumerate(sig.args) if isinstance(ty, types.Array)}
         x_ptr, offsets_ptr, masks_ptr, y_ptr = (arrays[at] for at in (2, 4, 5, len(args) - 2))
-        weights = arrays.get(6) if len(args) == 9 else None
+        weights = arrays[6] if weighted else None
         vector, pixels = args[3], args[-1]
         code = _VectorCode(builder)
         first = builder.mul(vector, _i64(VW))
