@@ -38,11 +38,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
-from purinec.codegen.cpu_window import UNITS, grid_shape, in_place
 from purinec.codegen.cpu_gemm import MR, VW, lanes
 from purinec.codegen.kernel import CodegenError
 from purinec.codegen.cpu_module import KernelModule, atom, literal, renders
 from purinec.codegen.cpu_ops import affine, dtype_name, row_slice, span_of, split_loop
+from purinec.codegen.cpu_window import UNITS, grid_shape, in_place
 from purinec.ir.graph import Node
 from purinec.ir.ops.linalg import panels_oihw
 from purinec.ir.nnref import pad_edges
@@ -659,8 +659,9 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
         b.line(f"y_img = {m.empty((g.cout, g.P), dtype_name(node))}")
     else:
         b.line(f"y_mat = {m.view(y, (g.n, g.cout, g.P))}")
+    tables = None  # (where the vector code's are)
     if vectors:
-        window_tables(m, node, g)
+        tables = window_tables(m, node, g)
     elif flat:
         _planes_scratch(m, node, g)
         b.line(f"sums = {m.empty((g.oh * _plane_shape(g)[1],), dtype_name(node))}")
@@ -678,7 +679,7 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
         b.line(f"col = {m.empty((g.K, col_width), dtype_name(node))}")
         _padded_scratch(m, node, g, phased=_im2col_phased(g))
     if direct and (epilogue is not None or vectors):
-        _direct_by_groups(m, node, g, x, w_mat, y is None, epilogue, flat, phased, vectors)
+        _direct_by_groups(m, node, g, x, w_mat, y is None, epilogue, flat, phased, tables)
         return
     with _image_blocks(m, g, by_filters) as (n, block_rows, filters), \
             _row_chunks(m, g, block_rows, chunk_rows) as rows:
@@ -719,14 +720,14 @@ def _conv_forward(node: Node, m: KernelModule, g: _Conv, x: str, w_mat: str, y: 
 
 def _direct_group(m: KernelModule, node: Node, g: _Conv, x: str, w_mat: str, image: str,
                   n: str, c0: str, o0: str, rows: tuple[str, str], flat: bool,
-                  phased: bool, vectors: bool = False) -> None:
+                  phased: bool, tables: tuple[str, str] | None = None) -> None:
     """Output rows ``rows`` of the group of image ``n`` whose first input and output
     channels are ``c0`` and ``o0``, into ``image``, by a direct convolution: as vector
-    code (`window_plane`: every row), over flat phase planes (`_direct_conv_flat`)
-    or as a loop nest (`_direct_conv`)."""
-    if vectors:
+    code with ``tables`` (`window_plane`: every row), over flat phase planes
+    (`_direct_conv_flat`) or as a loop nest (`_direct_conv`)."""
+    if tables is not None:
         assert rows[0] == "0", "vector code computes whole planes"
-        window_plane(m, g, f"{x}[{n}, {c0}]", f"{image}[{o0}]", f"{w_mat}[{o0}]")
+        window_plane(m, g, f"{x}[{n}, {c0}]", f"{image}[{o0}]", tables, f"{w_mat}[{o0}]")
     elif flat:
         _fill_phase_planes(m, g, x, n, c0, rows)
         _direct_conv_flat(m, node, g, w_mat, image, o0, rows)
@@ -737,16 +738,16 @@ def _direct_group(m: KernelModule, node: Node, g: _Conv, x: str, w_mat: str, ima
 
 def _direct_by_groups(m: KernelModule, node: Node, g: _Conv, x: str, w_mat: str,
                       scratch: bool, epilogue: Callable | None, flat: bool, phased: bool,
-                      vectors: bool) -> None:
-    """A direct convolution with an epilogue (or as vector code, which computes
-    whole planes), group by group: threads split the groups (a block computes every
+                      tables: tuple[str, str] | None) -> None:
+    """A direct convolution with an epilogue (or as vector code with ``tables``,
+    which computes whole planes), group by group: threads split the groups (a block computes every
     row of its groups, of every image), and each group's epilogue runs right after the
     group, on its channels while they are in cache. Blocks of rows of every channel
     (`_image_rows`) left the epilogue half an image to read back: a depthwise 3x3 layer
     of 144 channels of 56x56 with its batch norm and clip took 387 us with cold caches
     that way, 321 this way (hot: the same). With ``scratch`` the output lives in the
     per-image ``y_img``, else in ``y_mat``."""
-    copied = window_copies(g, g.n * g.c) if vectors else 0
+    copied = window_copies(g, g.n * g.c) if tables is not None else 0
     lo, hi = m.split(g.groups, g.macs + copied, products=False)
     n, group = m.fresh("n"), m.fresh("g")
     rows = ("0", str(g.oh))
@@ -754,7 +755,7 @@ def _direct_by_groups(m: KernelModule, node: Node, g: _Conv, x: str, w_mat: str,
             m.body.block(f"for {group} in range({span_of(lo, hi)}):"):
         c0, o0 = f"{group} * {g.cg}", f"{group} * {g.og}"
         _direct_group(m, node, g, x, w_mat, "y_img" if scratch else f"y_mat[{n}]", n, c0,
-                      o0, rows, flat, phased, vectors)
+                      o0, rows, flat, phased, tables)
         if epilogue is not None:
             epilogue(n, "y_img" if scratch else None, (1, o0, f"{o0} + {g.og}"),
                      (g.n, g.cout, g.oh, g.ow))
@@ -1145,26 +1146,28 @@ def window_copies(g, planes: int) -> int:
     return 0 if in_place(g.h, g.w, g.ow, g.sh, g.sw) else planes * g.h * g.w
 
 
-def window_tables(m: KernelModule, node: Node, g) -> None:
-    """The module's ``tap_offsets`` and ``tap_masks`` (`cpu_window.window_tables`) for
-    the windows of ``g`` (the sizes of `_Conv` or `cpu_pool._Pool`); the kernel's
-    ``phase_planes``, the plane split by phase as wide as the grid, unless the windows
-    read the input in place; and ``window_out``, the grid's output, where its rows are
-    wider than the output's."""
+def window_tables(m: KernelModule, node: Node, g) -> tuple[str, str]:
+    """The module's tap offsets and masks (`cpu_window.window_tables`) for the windows
+    of ``g`` (the sizes of `_Conv` or `cpu_pool._Pool`), their names returned; the
+    kernel's ``phase_planes``, the plane split by phase as wide as the grid, unless the
+    windows read the input in place; and ``window_out``, the grid's output, where its
+    rows are wider than the output's."""
     m.import_line("from purinec.codegen.cpu_window import window_tables")
     sizes = (g.h, g.w, g.oh, g.ow, g.kh, g.kw, g.sh, g.sw, g.dh, g.dw, g.pt, g.pl)
-    m.computed_constants(["tap_offsets", "tap_masks"],
-                         f"window_tables({', '.join(map(str, sizes))})")
+    offsets, masks = m.computed_constants(["tap_offsets", "tap_masks"],
+                                          f"window_tables({', '.join(map(str, sizes))})")
     rows, width = grid_shape(g.h, g.w, g.ow, g.sh, g.sw)
     if not in_place(g.h, g.w, g.ow, g.sh, g.sw):
         m.body.line(f"phase_planes = {m.empty((g.sh, g.sw, rows, width), dtype_name(node))}")
     if width != g.ow:
         m.body.line(f"window_out = {m.empty((g.oh * width,), dtype_name(node))}")
+    return offsets, masks
 
 
-def window_plane(m: KernelModule, g, plane: str, y: str, weights: str | None = None) -> None:
-    """The windows of one input ``plane`` (2-D) into ``y`` (flat) as vector code
-    (`window_tables` made the tables): with ``weights``, the channel's, a depthwise
+def window_plane(m: KernelModule, g, plane: str, y: str, tables: tuple[str, str],
+                 weights: str | None = None) -> None:
+    """The windows of one input ``plane`` (2-D) into ``y`` (flat) as vector code, with
+    the ``tables`` `window_tables` made: with ``weights``, the channel's, a depthwise
     convolution (`cpu_window.depthwise_vectors`); else max pooling (`max_vectors`).
     The plane first split by phase into ``phase_planes`` unless read in place; then
     `UNITS` vectors of the grid at a time, and those left; then, where the grid's
@@ -1186,7 +1189,7 @@ def window_plane(m: KernelModule, g, plane: str, y: str, weights: str | None = N
     whole = vectors - vectors % UNITS
     operands = "" if weights is None else f"{weights}, "
     out = y if width == g.ow else "window_out"
-    call = (f"{function}({{count}}, {g.kh * g.kw}, {plane}, {{v}}, tap_offsets, tap_masks, "
+    call = (f"{function}({{count}}, {g.kh * g.kw}, {plane}, {{v}}, {tables[0]}, {tables[1]}, "
             f"{operands}{out}, {g.oh * width})")
     if whole:
         v = m.fresh("v")

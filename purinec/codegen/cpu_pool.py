@@ -233,10 +233,11 @@ def render_max_pool2d(node: Node, m: KernelModule) -> None:
     g = _pool(node.inputs[0].type.shape, node.attrs)
     g, (x, y) = _plane_views(m, g, [(m.inputs[0], False), (m.outputs[0], True)])
     if vector_windows(m, node):
-        window_tables(m, node, g)
+        tables = window_tables(m, node, g)
         nc = _planes(m, g, window_copies(g, g.planes))
         with m.body.indent():
-            window_plane(m, g, f"{x}[{nc}]", f"{m.view(y, (g.counted, g.oh * g.ow))}[{nc}]")
+            window_plane(m, g, f"{x}[{nc}]", f"{m.view(y, (g.counted, g.oh * g.ow))}[{nc}]",
+                         tables)
         return
     b, flat = m.body, _flat_windows(g)
     p, q = m.fresh("p"), m.fresh("q")
