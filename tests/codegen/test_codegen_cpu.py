@@ -519,13 +519,20 @@ def test_depthwise_as_vector_code_agrees(x_shape, w_shape, attrs):
     the padding, kernel, stride, dilation or plane (one partial vector, or several and
     a remainder; odd sizes leave some phase planes a row or column short), output rows
     as wide as the input's (its phase planes'), narrower (computed as wide, then copied
-    out) or wider (planes made as wide)."""
+    out) or wider (planes made as wide). Batches of two are also split between threads
+    (a Numba compile each: not every case)."""
     attrs = {"stride": [1, 1], "groups": x_shape[1], "dilation": [1, 1], **attrs}
     rng = np.random.default_rng(13)
     x, w = random_array(rng, x_shape, DType.f32), random_array(rng, w_shape, DType.f32)
-    for options in (VECTOR_CODE, replace(BLOCKED, tiled_gemm=True)):
+    for options in _vector_code_options(x_shape):
         assert "depthwise_vectors(" in cpu.render(one_node("conv2d", [x, w], attrs), options)
         check("conv2d", [x, w], attrs, options)
+
+
+def _vector_code_options(shape) -> list[CpuOptions]:
+    """Vector code as one block, and for a batch of several images also split between
+    threads."""
+    return [VECTOR_CODE] + ([replace(BLOCKED, tiled_gemm=True)] if shape[0] > 1 else [])
 
 
 def test_depthwise_of_other_shapes_is_not_vector_code():
@@ -1001,13 +1008,14 @@ def test_max_pool_as_vector_code_agrees(shape, attrs):
     exactly, windows hanging out of the image (padding, ceil mode) never taking what
     lies outside, output rows narrower than the input's phase planes computed as wide
     and copied out; with ties, and with a NaN, which wins where it is a window's first
-    tap and only there, as in the loops' ``if v > best``."""
+    tap and only there, as in the loops' ``if v > best``. Batches of two are also split
+    between threads."""
     attrs = {"dilation": [1, 1], **attrs}
     rng = np.random.default_rng(6)
     x = random_array(rng, shape, DType.f32)
     node = one_node("max_pool2d", [x], attrs)
     assert "max_vectors(" in cpu.render(node, VECTOR_CODE)
-    for options in (VECTOR_CODE, replace(BLOCKED, tiled_gemm=True)):
+    for options in _vector_code_options(shape):
         check("max_pool2d", [x], attrs, options, exact=True)
     x[:, :, 1::2] = 0
     check("max_pool2d", [x], attrs, VECTOR_CODE, exact=True)
