@@ -74,6 +74,65 @@ def _splat(builder, vector_type, scalar):
     return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(I32, lanes), [0] * lanes))
 
 
+class VectorCode:
+    """The f32 vector type and the LLVM intrinsics of vector code written in LLVM IR
+    (`_TileCode`'s, `purinec.codegen.cpu_window`'s)."""
+
+    def __init__(self, builder):
+        self.builder = builder
+        self.vector = ir.VectorType(F32, VW)
+        self.mask = ir.VectorType(I1, VW)
+        self.zero = ir.Constant(self.vector, [0.0] * VW)
+        self._fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(self.vector, [self.vector] * 3),
+            f"llvm.fma.v{VW}f32")
+
+    def _masked(self, operation: str, vector):
+        """LLVM's masked load or store of ``vector``'s type."""
+        lanes, pointer = vector.count, vector.as_pointer()
+        mask = ir.VectorType(I1, lanes)
+        kind = (ir.FunctionType(vector, [pointer, I32, mask, vector]) if operation == "load"
+                else ir.FunctionType(ir.VoidType(), [vector, pointer, I32, mask]))
+        return cgutils.get_or_insert_function(self.builder.module, kind,
+                                              f"llvm.masked.{operation}.v{lanes}f32.p0")
+
+    def masked_load(self, pointer, lanes, vector=None, fill: float = 0.0):
+        """The vector (of `VW` lanes, or of ``vector``'s type) at ``pointer``, ``fill``
+        in the lanes ``lanes`` leaves out (which are not read: they may lie outside the
+        array)."""
+        vector = vector or self.vector
+        at = self.builder.bitcast(pointer, vector.as_pointer())
+        filled = ir.Constant(vector, [fill] * vector.count)
+        return self.builder.call(self._masked("load", vector),
+                                 [at, ir.Constant(I32, 4), lanes, filled])
+
+    def masked_store(self, value, pointer, lanes) -> None:
+        at = self.builder.bitcast(pointer, value.type.as_pointer())
+        self.builder.call(self._masked("store", value.type),
+                          [value, at, ir.Constant(I32, 4), lanes])
+
+    def lanes_below(self, count, lanes: int = VW):
+        """The mask of the first ``count`` of ``lanes`` lanes (none for ``count`` <= 0)."""
+        ids = ir.Constant(ir.VectorType(I64, lanes), list(range(lanes)))
+        return self.builder.icmp_signed("<", ids, _splat(
+            self.builder, ir.VectorType(I64, lanes), count))
+
+    def fma(self, a, b, c):
+        return self.builder.call(self._fma, [a, b, c])
+
+    def store(self, value, pointer, left) -> None:
+        """``value`` at ``pointer``, its first ``left`` lanes only where fewer than a
+        vector's (none for ``left`` <= 0)."""
+        builder = self.builder
+        whole = builder.icmp_signed(">=", left, ir.Constant(I64, VW))
+        with builder.if_else(whole, likely=True) as (then, otherwise):
+            with then:
+                builder.store(value, builder.bitcast(pointer, self.vector.as_pointer()),
+                              align=4)
+            with otherwise:
+                self.masked_store(value, pointer, self.lanes_below(left))
+
+
 class _TileCode:
     """LLVM IR of one tile: ``c[:rows, :cols] (+)= a[:rows, :depth] @ b[:depth, :cols]``
     for ``rows <= MR`` and ``cols <= nv * VW``; rows past ``rows`` repeat the last one
@@ -89,24 +148,13 @@ class _TileCode:
         self.a_taps = builder.inttoptr(a_taps, I64.as_pointer())
         self.offsets = builder.icmp_signed("!=", b_rows, ir.Constant(I64, 0))
         self.b_rows = builder.inttoptr(b_rows, I64.as_pointer())
-        self.vector = ir.VectorType(F32, VW)
-        self.zero = ir.Constant(self.vector, [0.0] * VW)
-        module, vp, mask = builder.module, self.vector.as_pointer(), ir.VectorType(I1, VW)
-        self.masked_load = cgutils.get_or_insert_function(
-            module, ir.FunctionType(self.vector, [vp, I32, mask, self.vector]),
-            f"llvm.masked.load.v{VW}f32.p0")
-        self.masked_store = cgutils.get_or_insert_function(
-            module, ir.FunctionType(ir.VoidType(), [self.vector, vp, I32, mask]),
-            f"llvm.masked.store.v{VW}f32.p0")
-        self.fma = cgutils.get_or_insert_function(
-            module, ir.FunctionType(self.vector, [self.vector] * 3), f"llvm.fma.v{VW}f32")
+        self.code = VectorCode(builder)
+        self.vector, self.zero = self.code.vector, self.code.zero
         self.prefetch = cgutils.get_or_insert_function(
-            module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]),
+            builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]),
             "llvm.prefetch.p0")
-        lanes = ir.Constant(ir.VectorType(I64, VW), list(range(VW)))
-        last = (nv - 1) * VW
-        self.last_mask = builder.icmp_signed("<", lanes, _splat(
-            builder, ir.VectorType(I64, VW), builder.sub(self.cols, ir.Constant(I64, last))))
+        self.last_mask = self.code.lanes_below(builder.sub(self.cols,
+                                                           ir.Constant(I64, (nv - 1) * VW)))
         self.row_offsets = builder.inttoptr(a_rows, I64.as_pointer())
 
     def a_row_pointers(self, a_offsets: bool) -> list:
@@ -161,8 +209,7 @@ class _TileCode:
     def load_b(self, row_pointer, v: int, masked: bool):
         pointer = self.vector_at(row_pointer, v)
         if masked and v == self.nv - 1:
-            return self.builder.call(self.masked_load, [pointer, ir.Constant(I32, 4),
-                                                        self.last_mask, self.zero])
+            return self.code.masked_load(pointer, self.last_mask)
         return self.builder.load(pointer, align=4)
 
     def k_loop(self, masked: bool, offsets: bool, a_offsets: bool) -> list:
@@ -189,7 +236,7 @@ class _TileCode:
         a_k = builder.load(builder.gep(self.a_taps, [k])) if a_offsets else k
         for i in range(MR):
             a_ik = _splat(builder, self.vector, builder.load(builder.gep(a_rows[i], [a_k])))
-            updated.append([builder.call(self.fma, [a_ik, b_vectors[v], sums[i][v]])
+            updated.append([self.code.fma(a_ik, b_vectors[v], sums[i][v])
                             for v in range(nv)])
         next_k, body_end = builder.add(k, ir.Constant(I64, 1)), builder.basic_block
         k.add_incoming(next_k, body_end)
@@ -246,14 +293,13 @@ class _TileCode:
     def load_c(self, pointer, lanes):
         if lanes is None:
             return self.builder.load(pointer, align=4)
-        return self.builder.call(self.masked_load, [pointer, ir.Constant(I32, 4), lanes,
-                                                    self.zero])
+        return self.code.masked_load(pointer, lanes)
 
     def store_vector(self, vector, pointer, lanes) -> None:
         if lanes is None:
             self.builder.store(vector, pointer, align=4)
         else:
-            self.builder.call(self.masked_store, [vector, pointer, ir.Constant(I32, 4), lanes])
+            self.code.masked_store(vector, pointer, lanes)
 
 
 @intrinsic

@@ -44,12 +44,11 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.core.extending import intrinsic
 
-from purinec.codegen.cpu_gemm import VW, _splat
+from purinec.codegen.cpu_gemm import VW, VectorCode, _splat
 
-I1, I32, I64, F32 = ir.IntType(1), ir.IntType(32), ir.IntType(64), ir.FloatType()
+I32, I64, F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
 MASK_DTYPE = np.dtype(f"uint{max(8, VW)}")
 
 # Vectors of a plane computed at a time, their sums in registers: 4 chains of
@@ -157,7 +156,7 @@ def _windows_codegen(combine, weighted: bool):
         x_ptr, offsets_ptr, masks_ptr, y_ptr = (arrays[at] for at in (2, 4, 5, len(args) - 2))
         weights = arrays[6] if weighted else None
         vector, pixels = args[3], args[-1]
-        code = _VectorCode(builder)
+        code = VectorCode(builder)
         first = builder.mul(vector, _i64(VW))
         lane_masks = builder.gep(masks_ptr, [builder.mul(vector, _i64(n_taps))])
         values = [code.zero] * units
@@ -200,7 +199,7 @@ def split_row(typingctx, stride, src, first, width, dst, at, plane):
         _, src_arr, first, width, dst_arr, at, plane = args
         src_ptr, dst_ptr = (make_array(ty)(context, builder, value).data for ty, value in
                             ((sig.args[1], src_arr), (sig.args[4], dst_arr)))
-        code = _VectorCode(builder)
+        code = VectorCode(builder)
         wide = ir.VectorType(F32, step * VW)
         start = builder.mul(first, _i64(step))
         inside = code.lanes_below(builder.sub(width, start), step * VW)
@@ -221,61 +220,3 @@ def split_row(typingctx, stride, src, first, width, dst, at, plane):
 
 def _i64(value: int) -> ir.Constant:
     return ir.Constant(I64, value)
-
-
-class _VectorCode:
-    """The vector type and the LLVM intrinsics the windows and `split_row` use."""
-
-    def __init__(self, builder):
-        self.builder = builder
-        self.vector = ir.VectorType(F32, VW)
-        self.mask = ir.VectorType(I1, VW)
-        self.zero = ir.Constant(self.vector, [0.0] * VW)
-        self._fma = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(self.vector, [self.vector] * 3),
-            f"llvm.fma.v{VW}f32")
-
-    def _masked(self, operation: str, vector):
-        """LLVM's masked load or store of ``vector``'s type."""
-        lanes, pointer = vector.count, vector.as_pointer()
-        mask = ir.VectorType(I1, lanes)
-        kind = (ir.FunctionType(vector, [pointer, I32, mask, vector]) if operation == "load"
-                else ir.FunctionType(ir.VoidType(), [vector, pointer, I32, mask]))
-        return cgutils.get_or_insert_function(self.builder.module, kind,
-                                              f"llvm.masked.{operation}.v{lanes}f32.p0")
-
-    def masked_load(self, pointer, lanes, vector=None, fill: float = 0.0):
-        """The vector (of `VW` lanes, or of ``vector``'s type) at ``pointer``, ``fill``
-        in the lanes ``lanes`` leaves out (which are not read: they may lie outside the
-        array)."""
-        vector = vector or self.vector
-        at = self.builder.bitcast(pointer, vector.as_pointer())
-        filled = ir.Constant(vector, [fill] * vector.count)
-        return self.builder.call(self._masked("load", vector),
-                                 [at, ir.Constant(I32, 4), lanes, filled])
-
-    def masked_store(self, value, pointer, lanes) -> None:
-        at = self.builder.bitcast(pointer, value.type.as_pointer())
-        self.builder.call(self._masked("store", value.type),
-                          [value, at, ir.Constant(I32, 4), lanes])
-
-    def lanes_below(self, count, lanes: int = VW):
-        """The mask of the first ``count`` of ``lanes`` lanes (none for ``count`` <= 0)."""
-        ids = ir.Constant(ir.VectorType(I64, lanes), list(range(lanes)))
-        return self.builder.icmp_signed("<", ids, _splat(
-            self.builder, ir.VectorType(I64, lanes), count))
-
-    def fma(self, a, b, c):
-        return self.builder.call(self._fma, [a, b, c])
-
-    def store(self, value, pointer, left) -> None:
-        """``value`` at ``pointer``, its first ``left`` lanes only where fewer than a
-        vector's (none for ``left`` <= 0)."""
-        builder = self.builder
-        whole = builder.icmp_signed(">=", left, _i64(VW))
-        with builder.if_else(whole, likely=True) as (then, otherwise):
-            with then:
-                builder.store(value, builder.bitcast(pointer, self.vector.as_pointer()),
-                              align=4)
-            with otherwise:
-                self.masked_store(value, pointer, self.lanes_below(left))
