@@ -351,12 +351,12 @@ def _tiled_sgemm(m, n, k, a, lda, a_rows, a_taps, b, ldb, b_rows, c, ldc, beta):
                 rows = min(MR, m - m0)
                 pc = c + 4 * (m0 * ldc + n0)
                 ahead = cols if m0 == 0 else 0  # the first row of tiles asks for the next
-                if a_taps:
-                    _tile(vectors, a, lda, a_rows + 8 * m0, a_taps + 8 * k0, pb, ldb,
-                          pass_rows, pc, ldc, rows, cols, depth, ahead, accumulate)
-                else:
-                    _tile(vectors, a + 4 * (m0 * lda + k0), lda, 0, 0, pb, ldb, pass_rows,
-                          pc, ldc, rows, cols, depth, ahead, accumulate)
+                # One call site: the tile's code is large, and each call is a copy of it.
+                pa = a if a_taps else a + 4 * (m0 * lda + k0)
+                tile_rows = a_rows + 8 * m0 if a_taps else 0
+                tile_taps = a_taps + 8 * k0 if a_taps else 0
+                _tile(vectors, pa, lda, tile_rows, tile_taps, pb, ldb, pass_rows, pc, ldc,
+                      rows, cols, depth, ahead, accumulate)
             n0 += cols
 
 
