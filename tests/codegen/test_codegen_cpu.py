@@ -651,6 +651,20 @@ def test_products_of_rows_by_rows_run_in_unpacked_tiles_and_agree(shape, blocked
     check("matmul", [a, b], attrs, options)
 
 
+def test_products_that_stream_their_weights_split_between_threads():
+    """A dense layer at batch 1 (512 -> 1000: 0.5M multiply-adds, fewer than a product
+    is split for, but 2 MB of weights to read) runs in blocks of its columns; mlp's
+    64 x 512 -> 10 layer (0.3M multiply-adds, 38K elements) stays whole."""
+    rng = np.random.default_rng(9)
+    attrs = {"trans_a": False, "trans_b": True}
+    x, w = random_array(rng, (1, 512), DType.f32), random_array(rng, (1000, 512), DType.f32)
+    gemv = one_node("matmul", [x, w], attrs)
+    assert cpu.render_module(gemv).parallel
+    check("matmul", [x, w], attrs)
+    h, w3 = random_array(rng, (64, 512), DType.f32), random_array(rng, (10, 512), DType.f32)
+    assert not cpu.render_module(one_node("matmul", [h, w3], attrs)).blocks
+
+
 @st.composite
 def conv_problems(draw):
     """(x shape, w shape, attrs) of a small valid convolution."""
