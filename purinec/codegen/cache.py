@@ -152,12 +152,14 @@ def one_compiler(source: str, target: str = "cpu", wait: bool = True) -> Iterato
     first epoch, 25 s not compiling twice). Yields whether this process holds the lock:
     with ``wait`` always (once the holder is done), without only if nobody held it, so
     the caller can compile another kernel meanwhile. The operating system releases the
-    lock of a process that dies."""
+    lock of a process that dies. ``source`` may also name a function the kernels link
+    (`purinec.codegen.cpu_gemm`'s): its lock is keyed by the name and the runtime."""
     if fcntl is None:  # not POSIX: every process compiles
         yield True
         return
     lock_path = kernel_path(source, target).with_suffix(".lock")
     try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
         lock = open(lock_path, "a")
     except OSError:  # a read-only cache: compile without taking turns
         yield True

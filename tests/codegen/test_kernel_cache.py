@@ -240,38 +240,58 @@ TOGETHER = textwrap.dedent("""
     import json, os, pathlib, sys, time
     sys.path.insert(0, {tests!r})
     from test_kernel_cache import small_graph
-    from purinec.codegen import cache, cpu
+    from purinec.codegen import cache, cpu, cpu_gemm
     pathlib.Path({ready!r}).touch()
     while not os.path.exists({go!r}):
         time.sleep(0.001)
-    cpu.compile_kernels(small_graph(4))
-    print(json.dumps(cache.STATS.as_dict()))
+    {work}
 """)
+COMPILE_KERNELS = ("cpu.compile_kernels(small_graph(4)); "
+                   "print(json.dumps(cache.STATS.as_dict()))")
+# Whether this process found the GEMM's C function in Numba's cache (or compiled it).
+READY_GEMM = "print(json.dumps({'loaded': cpu_gemm._compiled('tiled_sgemm').cache_hits}))"
 
 
-def test_processes_compiling_the_same_kernels_at_once_compile_each_once(cache_dir):
-    """One compiles each kernel; the other loads it from Numba's cache (without the
-    lock both would compile both kernels: 4 compiles)."""
-    env = dict(os.environ, PURINEC_CACHE_DIR=str(cache_dir))
+def run_together(cache_dir, work: str, env: dict) -> list[dict]:
+    """What two processes that start ``work`` at the same moment print last, as JSON."""
     go = cache_dir / "go"
     children, ready = [], []
     for k in range(2):
         ready.append(cache_dir / f"ready{k}")
         code = TOGETHER.format(tests=os.path.dirname(__file__), ready=str(ready[k]),
-                               go=str(go))
+                               go=str(go), work=work)
         children.append(subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     deadline = time.monotonic() + 120
     while not all(path.exists() for path in ready) and time.monotonic() < deadline:
         time.sleep(0.01)
     go.touch()
-    stats = []
+    results = []
     for child in children:
         out, err = child.communicate(timeout=300)
         assert child.returncode == 0, err
-        stats.append(json.loads(out.strip().splitlines()[-1]))
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def test_processes_compiling_the_same_kernels_at_once_compile_each_once(cache_dir):
+    """One compiles each kernel; the other loads it from Numba's cache (without the
+    lock both would compile both kernels: 4 compiles)."""
+    env = dict(os.environ, PURINEC_CACHE_DIR=str(cache_dir))
+    stats = run_together(cache_dir, COMPILE_KERNELS, env)
     assert sum(s["compiles"] for s in stats) == 2
     assert sum(s["loads"] for s in stats) == 2
+
+
+def test_processes_needing_the_gemm_at_once_compile_it_once(cache_dir, tmp_path):
+    """The GEMM's C function, which kernels link, is compiled by one of two processes
+    that need it at once (a compile helper and its main process); the other loads it.
+    Numba's cache starts empty (in a folder of its own) and the kernel cache's folder
+    does not exist yet."""
+    env = dict(os.environ, PURINEC_CACHE_DIR=str(cache_dir / "fresh"),
+               NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    loaded = sorted(r["loaded"] for r in run_together(cache_dir, READY_GEMM, env))
+    assert loaded == [0, 1]
 
 
 def test_hits_and_misses_are_logged(cache_dir, caplog):
