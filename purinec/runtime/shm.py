@@ -60,6 +60,7 @@ from purinec.errors import PurinecError
 from purinec.ir.graph import Node
 from purinec.ir.ops import broadcast_types
 from purinec.ir.types import Device
+from purinec.runtime import sums
 from purinec.runtime.atomics import compare_and_swap, fence, fetch_add, ready as ready_atomics
 from purinec.runtime.collectives import (Copies, Packing, PerArrays, broadcast_copies,
                                          reducer, summand_types)
@@ -517,12 +518,13 @@ class SharedAllreduce(_Sum):
         pairs = [(y, x) for x, y in zip(inputs, outputs) if x.ctypes.data != y.ctypes.data]
         return Copies(pairs) if pairs else _nothing
 
+    def bind(self, control: int, claims: int, staging: np.ndarray) -> None:
+        super().bind(control, claims, staging)
+        for dtype in {t.dtype.numpy for t in self.types}:
+            sums.ready(dtype, len(self.controls))
+
     def _combine(self, copies: list[np.ndarray]) -> None:
-        total = copies[0]
-        for other in copies[1:]:
-            np.add(total, other, out=total)
-        for other in copies[1:]:
-            np.copyto(other, total)
+        sums.sum_into_each(copies)
 
 
 class SharedReduce(_Sum):
