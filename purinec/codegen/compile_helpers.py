@@ -7,8 +7,10 @@ takes 11.5 s in one process on a 2-core machine, 6.7 s with a helper. So
 when several kernels are not in Numba's disk cache yet, and hands them the list. Every
 process walks the list in order and takes the next kernel nobody is compiling
 (`cache.one_compiler` without waiting); a helper compiles it into Numba's disk cache,
-the compiling process for its own use. The compiling process then waits for the
-kernels a helper held and loads them from the cache.
+the compiling process for its own use. A kernel that links a C function another
+process is compiling now (`cpu_gemm.compiling_elsewhere`) would wait for it: it is
+taken after the others. The compiling process then waits for the kernels a helper held
+and loads them from the cache.
 
 Helpers only ever save time: one that fails, dies or is slow to start leaves its
 kernels to the compiling process (the operating system releases a dead process's
@@ -140,18 +142,33 @@ def _start(listing: Path) -> subprocess.Popen | None:
 
 def work_through(jobs: Sequence[Job]) -> None:
     """A helper's work: compile, into Numba's disk cache, each job nobody else has
-    compiled or is compiling. A job that fails is left to the compiling process, which
-    reports it."""
+    compiled or is compiling; those that link a C function another process is
+    compiling now (`cpu_gemm.compiling_elsewhere`) after the others."""
+    # (cpu_gemm starts Numba through this module: imported here, not at its top)
+    from purinec.codegen.cpu_gemm import compiling_elsewhere
+
+    later = []
     for job in jobs:
-        if job.compiled_on_disk():
-            continue
-        with cache.one_compiler(job.source, wait=False) as mine:
-            if not mine or job.compiled_on_disk():
-                continue
-            try:
-                getattr(cache.load_module(job.source), job.function).compile(job.signature())
-            except Exception as err:  # noqa: BLE001  (the compiling process reports it)
-                log.debug("helper: %s failed: %s", job.function, err)
+        if compiling_elsewhere(job.source):
+            later.append(job)
+        else:
+            _take(job)
+    for job in later:
+        _take(job)
+
+
+def _take(job: Job) -> None:
+    """Compile ``job`` into Numba's disk cache unless it is there or another process is
+    compiling it. A job that fails is left to the compiling process, which reports it."""
+    if job.compiled_on_disk():
+        return
+    with cache.one_compiler(job.source, wait=False) as mine:
+        if not mine or job.compiled_on_disk():
+            return
+        try:
+            getattr(cache.load_module(job.source), job.function).compile(job.signature())
+        except Exception as err:  # noqa: BLE001  (the compiling process reports it)
+            log.debug("helper: %s failed: %s", job.function, err)
 
 
 class _HideSciPyLinalg(importlib.abc.MetaPathFinder):

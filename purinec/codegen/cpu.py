@@ -42,6 +42,7 @@ from purinec.codegen import cache
 from purinec.codegen.compile_helpers import (Job, helping, start_numba_without_scipy,
                                               uncompiled)
 from purinec.codegen import cpu_conv, cpu_fused, cpu_ops, cpu_pool  # noqa: F401  (renderers)
+from purinec.codegen.cpu_gemm import compiling_elsewhere
 from purinec.codegen.cpu_runtime import (SMALL_GEMM_MACS, Blocked, limit_blas_threads,
                                          set_threads, tiled_gemm_wanted)
 from purinec.codegen.cpu_module import RENDERERS, CpuOptions, KernelModule
@@ -223,7 +224,7 @@ def _compile_all(graph: Graph, parts: dict[Node, list[Part]], jobs: list[Job],
     with kernel_counter(len(order), graph.name, len(jobs), cached) as bar, helping(todo):
         for wait in (False, True):
             for part in order:
-                if part not in kernels:
+                if part not in kernels and (wait or not compiling_elsewhere(part.source)):
                     kernel = compile_module(part.module, compiled, wait, part.source)
                     if kernel is not None:
                         kernels[part] = kernel

@@ -36,6 +36,7 @@ The kernel cache keys kernels by this file's text too (`purinec.codegen.cache`).
 from __future__ import annotations
 
 import functools
+import re
 import threading
 from typing import Callable
 
@@ -537,6 +538,23 @@ def _compile(function: CFunc, symbol: str) -> None:
     start_numba_without_scipy()
     with cache.one_compiler(symbol):
         function.compile()
+
+
+# How a kernel's module imports one of these C functions (`cpu_conv`'s import lines).
+_IMPORTED = re.compile(r"^from purinec\.codegen\.cpu_gemm import (\w+)$", re.MULTILINE)
+
+
+def compiling_elsewhere(source: str) -> bool:
+    """Whether the kernel module ``source`` links a C function of this module that
+    another process is compiling now (holding its lock, `_compile`): importing the
+    module would wait for it. Compiling processes take such kernels last, and others
+    meanwhile: a cold compile's helper had sat out the GEMM's 1.8 s."""
+    for name in _IMPORTED.findall(source):
+        if name in _FUNCTIONS and name not in _compiled_code:
+            with cache.one_compiler(_FUNCTIONS[name][0], wait=False) as free:
+                if not free:
+                    return True
+    return False
 
 
 def __getattr__(name: str):

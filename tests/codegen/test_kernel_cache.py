@@ -687,6 +687,43 @@ def test_a_helper_compiles_its_jobs_into_numbas_cache_for_later_processes(cache_
     assert cache.STATS.compiles == 0 and cache.STATS.loads == 3 and len(kernels) == 6
 
 
+GEMM_IMPORT = "from purinec.codegen.cpu_gemm import tiled_sgemm"
+
+
+def test_a_kernel_linking_the_gemm_another_process_compiles_is_known_to_wait(
+        cache_dir, monkeypatch):
+    """While another process holds the GEMM's lock (compiling it), a kernel module that
+    imports it would wait; one that does not, or once the lock is free, would not."""
+    from purinec.codegen import cpu_gemm
+
+    monkeypatch.setattr(cpu_gemm, "_compiled_code", {})  # as in a process that lacks it
+    (cache_dir / "symbol").write_text("purinec_tiled_sgemm")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(cache_dir / "symbol")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        assert cpu_gemm.compiling_elsewhere(f"import numpy as np\n{GEMM_IMPORT}\n")
+        assert not cpu_gemm.compiling_elsewhere("import numpy as np\n")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not cpu_gemm.compiling_elsewhere(f"{GEMM_IMPORT}\n")
+
+
+def test_a_helper_takes_kernels_waiting_on_the_gemm_after_the_others(monkeypatch):
+    """Not sitting out the GEMM's compile in another process: a helper compiles the
+    kernels that do not link it first."""
+    from purinec.codegen import cpu_gemm
+
+    jobs = [compile_helpers.Job(f"{GEMM_IMPORT}\n# {k}" if k in (0, 2) else f"# {k}",
+                                f"kernel{k}", (), False) for k in range(4)]
+    taken = []
+    monkeypatch.setattr(cpu_gemm, "compiling_elsewhere", lambda source: GEMM_IMPORT in source)
+    monkeypatch.setattr(compile_helpers, "_take", lambda job: taken.append(job.function))
+    compile_helpers.work_through(jobs)
+    assert taken == ["kernel1", "kernel3", "kernel0", "kernel2"]
+
+
 def test_helpers_share_the_compiling_and_are_gone_when_it_ends(cache_dir, monkeypatch):
     monkeypatch.setenv(compile_helpers.JOBS_VAR, "3")
     started = []
