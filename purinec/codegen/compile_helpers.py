@@ -8,8 +8,8 @@ when several kernels are not in Numba's disk cache yet, and hands them the list.
 process walks the list in order and takes the next kernel nobody is compiling
 (`cache.one_compiler` without waiting); a helper compiles it into Numba's disk cache,
 the compiling process for its own use. A kernel that links a C function another
-process is compiling now (`cpu_gemm.compiling_elsewhere`) would wait for it: it is
-taken after the others. The compiling process then waits for the kernels a helper held
+process is compiling now (`compiling_elsewhere`) would wait for it: it is taken after
+the others. The compiling process then waits for the kernels a helper held
 and loads them from the cache.
 
 Helpers only ever save time: one that fails, dies or is slow to start leaves its
@@ -66,6 +66,7 @@ class Job:
     function: str
     arrays: tuple[tuple[str, int], ...]
     blocked: bool
+    links: tuple[str, ...] = ()  # the C functions it links (`cpu_gemm.linked`)
 
     def signature(self) -> tuple:
         arrays = tuple(types.Array(from_dtype(np.dtype(dtype)), rank, "C")
@@ -106,8 +107,8 @@ def helping(todo: Sequence[Job]) -> Iterator[None]:
         return
     with tempfile.TemporaryDirectory(prefix="purinec-compile-") as folder:
         listing = Path(folder) / "jobs.json"
-        listing.write_text(json.dumps([[job.source, job.function, job.arrays, job.blocked]
-                                       for job in todo]))
+        listing.write_text(json.dumps([[job.source, job.function, job.arrays, job.blocked,
+                                        job.links] for job in todo]))
         helpers = [helper for helper in (_start(listing) for _ in range(count)) if helper]
         log.debug("%d compile helper(s) for %d kernels", len(helpers), len(todo))
         try:
@@ -140,16 +141,25 @@ def _start(listing: Path) -> subprocess.Popen | None:
         return None
 
 
+def compiling_elsewhere(links: Sequence[str]) -> bool:
+    """Whether another process is compiling one of the C functions ``links`` names
+    (holding its lock: `purinec.codegen.cpu_gemm`'s): a kernel that links it would wait
+    for it. Compiling processes take such kernels after the others: a cold compile's
+    helper had sat out the GEMM's 1.8 s."""
+    for symbol in links:
+        with cache.one_compiler(symbol, wait=False) as free:
+            if not free:
+                return True
+    return False
+
+
 def work_through(jobs: Sequence[Job]) -> None:
     """A helper's work: compile, into Numba's disk cache, each job nobody else has
     compiled or is compiling; those that link a C function another process is
-    compiling now (`cpu_gemm.compiling_elsewhere`) after the others."""
-    # (cpu_gemm starts Numba through this module: imported here, not at its top)
-    from purinec.codegen.cpu_gemm import compiling_elsewhere
-
+    compiling now (`compiling_elsewhere`) after the others."""
     later = []
     for job in jobs:
-        if compiling_elsewhere(job.source):
+        if compiling_elsewhere(job.links):
             later.append(job)
         else:
             _take(job)
@@ -205,8 +215,9 @@ def start_numba_without_scipy() -> None:
 
 def main(listing: str) -> None:
     start_numba_without_scipy()  # as the compiling process does: 0.3 s sooner at work
-    jobs = [Job(source, function, tuple(map(tuple, arrays)), blocked)
-            for source, function, arrays, blocked in json.loads(Path(listing).read_text())]
+    jobs = [Job(source, function, tuple(map(tuple, arrays)), blocked, tuple(links))
+            for source, function, arrays, blocked, links
+            in json.loads(Path(listing).read_text())]
     work_through(jobs)
 
 

@@ -39,10 +39,10 @@ from numba.core.dispatcher import Dispatcher
 
 from purinec import jitcache
 from purinec.codegen import cache
-from purinec.codegen.compile_helpers import (Job, helping, start_numba_without_scipy,
-                                              uncompiled)
+from purinec.codegen.compile_helpers import (Job, compiling_elsewhere, helping,
+                                              start_numba_without_scipy, uncompiled)
 from purinec.codegen import cpu_conv, cpu_fused, cpu_ops, cpu_pool  # noqa: F401  (renderers)
-from purinec.codegen.cpu_gemm import compiling_elsewhere
+from purinec.codegen.cpu_gemm import linked
 from purinec.codegen.cpu_runtime import (SMALL_GEMM_MACS, Blocked, limit_blas_threads,
                                          set_threads, tiled_gemm_wanted)
 from purinec.codegen.cpu_module import RENDERERS, CpuOptions, KernelModule
@@ -224,7 +224,8 @@ def _compile_all(graph: Graph, parts: dict[Node, list[Part]], jobs: list[Job],
     with kernel_counter(len(order), graph.name, len(jobs), cached) as bar, helping(todo):
         for wait in (False, True):
             for part in order:
-                if part not in kernels and (wait or not compiling_elsewhere(part.source)):
+                if part not in kernels and (wait or not compiling_elsewhere(
+                        linked(part.source))):
                     kernel = compile_module(part.module, compiled, wait, part.source)
                     if kernel is not None:
                         kernels[part] = kernel
@@ -367,5 +368,6 @@ class WithScratch:
 
 def _job(module: KernelModule, source: str | None = None) -> Job:
     """What compiling ``module``'s entry function takes, in a form a helper can read."""
-    return Job(source or module.text(), module.function, module.argument_types(),
-               module.blocks is not None)
+    source = source or module.text()
+    return Job(source, module.function, module.argument_types(), module.blocks is not None,
+               linked(source))

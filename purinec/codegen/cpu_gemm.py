@@ -544,17 +544,12 @@ def _compile(function: CFunc, symbol: str) -> None:
 _IMPORTED = re.compile(r"^from purinec\.codegen\.cpu_gemm import (\w+)$", re.MULTILINE)
 
 
-def compiling_elsewhere(source: str) -> bool:
-    """Whether the kernel module ``source`` links a C function of this module that
-    another process is compiling now (holding its lock, `_compile`): importing the
-    module would wait for it. Compiling processes take such kernels last, and others
-    meanwhile: a cold compile's helper had sat out the GEMM's 1.8 s."""
-    for name in _IMPORTED.findall(source):
-        if name in _FUNCTIONS and name not in _compiled_code:
-            with cache.one_compiler(_FUNCTIONS[name][0], wait=False) as free:
-                if not free:
-                    return True
-    return False
+def linked(source: str) -> tuple[str, ...]:
+    """The symbols of the C functions here that the kernel module ``source`` imports:
+    the names of their locks (`_compile`), which compiling processes test before taking
+    the kernel (`purinec.codegen.compile_helpers.compiling_elsewhere`)."""
+    return tuple(_FUNCTIONS[name][0] for name in _IMPORTED.findall(source)
+                 if name in _FUNCTIONS)
 
 
 def __getattr__(name: str):

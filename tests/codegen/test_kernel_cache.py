@@ -677,7 +677,7 @@ def test_a_helper_compiles_its_jobs_into_numbas_cache_for_later_processes(cache_
     jobs = {cache.code_of(job.source): job for job in map(cpu._job, modules)}
     assert len(jobs) == 3
     listing = cache_dir / "jobs.json"
-    listing.write_text(json.dumps([[j.source, j.function, j.arrays, j.blocked]
+    listing.write_text(json.dumps([[j.source, j.function, j.arrays, j.blocked, j.links]
                                    for j in jobs.values()]))
     done = subprocess.run([sys.executable, "-m", compile_helpers.__name__, str(listing)],
                           capture_output=True, text=True, timeout=300)
@@ -687,38 +687,34 @@ def test_a_helper_compiles_its_jobs_into_numbas_cache_for_later_processes(cache_
     assert cache.STATS.compiles == 0 and cache.STATS.loads == 3 and len(kernels) == 6
 
 
-GEMM_IMPORT = "from purinec.codegen.cpu_gemm import tiled_sgemm"
-
-
-def test_a_kernel_linking_the_gemm_another_process_compiles_is_known_to_wait(
-        cache_dir, monkeypatch):
+def test_a_kernel_linking_the_gemm_another_process_compiles_is_known_to_wait(cache_dir):
     """While another process holds the GEMM's lock (compiling it), a kernel module that
     imports it would wait; one that does not, or once the lock is free, would not."""
-    from purinec.codegen import cpu_gemm
+    from purinec.codegen.cpu_gemm import linked
 
-    monkeypatch.setattr(cpu_gemm, "_compiled_code", {})  # as in a process that lacks it
-    (cache_dir / "symbol").write_text("purinec_tiled_sgemm")
+    gemm = linked("import numpy as np\nfrom purinec.codegen.cpu_gemm import tiled_sgemm\n")
+    assert gemm == ("purinec_tiled_sgemm",) and linked("import numpy as np\n") == ()
+    (cache_dir / "symbol").write_text(gemm[0])
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(cache_dir / "symbol")],
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "holding"
-        assert cpu_gemm.compiling_elsewhere(f"import numpy as np\n{GEMM_IMPORT}\n")
-        assert not cpu_gemm.compiling_elsewhere("import numpy as np\n")
+        assert compile_helpers.compiling_elsewhere(gemm)
+        assert not compile_helpers.compiling_elsewhere(())
     finally:
         holder.kill()
         holder.wait()
-    assert not cpu_gemm.compiling_elsewhere(f"{GEMM_IMPORT}\n")
+    assert not compile_helpers.compiling_elsewhere(gemm)
 
 
 def test_a_helper_takes_kernels_waiting_on_the_gemm_after_the_others(monkeypatch):
     """Not sitting out the GEMM's compile in another process: a helper compiles the
     kernels that do not link it first."""
-    from purinec.codegen import cpu_gemm
-
-    jobs = [compile_helpers.Job(f"{GEMM_IMPORT}\n# {k}" if k in (0, 2) else f"# {k}",
-                                f"kernel{k}", (), False) for k in range(4)]
+    jobs = [compile_helpers.Job(f"# {k}", f"kernel{k}", (), False,
+                                ("purinec_tiled_sgemm",) if k in (0, 2) else ())
+            for k in range(4)]
     taken = []
-    monkeypatch.setattr(cpu_gemm, "compiling_elsewhere", lambda source: GEMM_IMPORT in source)
+    monkeypatch.setattr(compile_helpers, "compiling_elsewhere", lambda links: bool(links))
     monkeypatch.setattr(compile_helpers, "_take", lambda job: taken.append(job.function))
     compile_helpers.work_through(jobs)
     assert taken == ["kernel1", "kernel3", "kernel0", "kernel2"]
