@@ -32,8 +32,8 @@ from purinec.ir.types import DType
 # Threads per block of a reduction: a power of two, as the tree halves it. 128 keeps the
 # tree at 7 steps (each behind a barrier) while a row of 1,000 classes still gives each
 # thread 8 elements. Numba's simulator runs one Python thread per thread and makes each
-# barrier wait for all of them (seconds a launch): there the same code runs with 32.
-REDUCE_THREADS = 32 if simulated() else 128
+# barrier wait for all of them (seconds a launch): there the same code runs with 8.
+REDUCE_THREADS = 8 if simulated() else 128
 assert REDUCE_THREADS & (REDUCE_THREADS - 1) == 0
 
 
