@@ -221,11 +221,12 @@ def _compile_all(graph: Graph, parts: dict[Node, list[Part]], jobs: list[Job],
     todo = sorted(todo, key=lambda job: -length[job.source])
     order = sorted((part for node_parts in parts.values() for part in node_parts),
                    key=lambda part: -length[part.source])
+    links = {source: linked(source) for source in length}
     with kernel_counter(len(order), graph.name, len(jobs), cached) as bar, helping(todo):
         for wait in (False, True):
             for part in order:
                 if part not in kernels and (wait or not compiling_elsewhere(
-                        linked(part.source))):
+                        links[part.source])):
                     kernel = compile_module(part.module, compiled, wait, part.source)
                     if kernel is not None:
                         kernels[part] = kernel

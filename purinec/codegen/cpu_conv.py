@@ -1155,7 +1155,13 @@ def window_copies(g, planes: int) -> int:
     """The elements that vector windows (`window_plane`) over ``planes`` planes of
     ``g`` copy into phase planes (none where they read in place): work besides their
     taps', when threads split them."""
-    return 0 if in_place(g.h, g.w, g.ow, g.sh, g.sw) else planes * g.h * g.w
+    return 0 if _window_grid(g)[2] else planes * g.h * g.w
+
+
+def _window_grid(g) -> tuple[int, int, bool]:
+    """The rows and columns of the grid the windows of ``g`` are computed over
+    (`cpu_window.grid_shape`), and whether they read their input in place."""
+    return (*grid_shape(g.h, g.w, g.ow, g.sh, g.sw), in_place(g.h, g.w, g.ow, g.sh, g.sw))
 
 
 def window_tables(m: KernelModule, node: Node, g) -> tuple[str, str]:
@@ -1168,8 +1174,8 @@ def window_tables(m: KernelModule, node: Node, g) -> tuple[str, str]:
     sizes = (g.h, g.w, g.oh, g.ow, g.kh, g.kw, g.sh, g.sw, g.dh, g.dw, g.pt, g.pl)
     offsets, masks = m.computed_constants(["tap_offsets", "tap_masks"],
                                           f"window_tables({', '.join(map(str, sizes))})")
-    rows, width = grid_shape(g.h, g.w, g.ow, g.sh, g.sw)
-    if not in_place(g.h, g.w, g.ow, g.sh, g.sw):
+    rows, width, reads_in_place = _window_grid(g)
+    if not reads_in_place:
         m.body.line(f"phase_planes = {m.empty((g.sh, g.sw, rows, width), dtype_name(node))}")
     if width != g.ow:
         m.body.line(f"window_out = {m.empty((g.oh * width,), dtype_name(node))}")
@@ -1185,8 +1191,8 @@ def window_plane(m: KernelModule, g, plane: str, y: str, tables: tuple[str, str]
     `UNITS` vectors of the grid at a time, and those left; then, where the grid's
     rows are wider than the output's, each row's pixels copied out."""
     b = m.body
-    rows, width = grid_shape(g.h, g.w, g.ow, g.sh, g.sw)
-    if not in_place(g.h, g.w, g.ow, g.sh, g.sw):
+    rows, width, reads_in_place = _window_grid(g)
+    if not reads_in_place:
         m.import_line("from purinec.codegen.cpu_window import split_row")
         h, q = m.fresh("h"), m.fresh("q")
         with b.block(f"for {h} in range({g.h}):"):

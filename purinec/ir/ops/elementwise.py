@@ -22,7 +22,9 @@ E, B = FusionKind.elementwise, FusionKind.broadcast
 
 
 def _sigmoid(x):
-    return 1.0 / (1.0 + np.exp(-x))
+    # exp(-x) overflows to inf below x = -88 (f32), and 1 / inf is the limit, 0.
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-x))
 
 
 def _relu_expr(node, args):
