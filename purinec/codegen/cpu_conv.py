@@ -924,18 +924,26 @@ def _output_chunk_rows(m: KernelModule, node: Node, g: _Conv, implicit: bool) ->
     if not (implicit or (g.pointwise and _tiled(m, node))):
         return None
     width = _plane_shape(g)[1] if implicit else g.ow
-    return _chunk_rows(m, g, g.og * width * 4, -(-OUT_CHUNK_MIN_COLUMNS // width))
+    return _chunk_rows(m, g, g.og * width * 4, -(-OUT_CHUNK_MIN_COLUMNS // width), width)
 
 
-def _chunk_rows(m: KernelModule, g: _Conv, row_bytes, least: int = 1) -> str | None:
+def _chunk_rows(m: KernelModule, g: _Conv, row_bytes, least: int = 1,
+                fit_width: int | None = None) -> str | None:
     """The local holding how many output rows of ``row_bytes`` each a convolution's
-    product computes at a time: `OUT_CHUNK_BYTES` of them, ``least`` rows or more; None
-    where that is every row (a pixel-major convolution's sums: its rows are pixels,
-    its filters fill the tiles' lanes, so no least)."""
+    product computes at a time: about `OUT_CHUNK_BYTES` of them, ``least`` rows or
+    more; with ``fit_width``, the product's columns a row, the count that its tiles'
+    lanes fit best (`cpu_gemm.fitted_rows`). None where that is every row (a
+    pixel-major convolution's sums: its rows are pixels, its filters fill the tiles'
+    lanes, so no least)."""
     if g.oh * row_bytes <= OUT_CHUNK_BYTES or least >= g.oh:
         return None
     local = m.fresh("rows_at_once")
-    m.body.line(f"{local} = max({least}, {OUT_CHUNK_BYTES} // ({row_bytes}))")
+    rows = f"{OUT_CHUNK_BYTES} // ({row_bytes})"
+    if fit_width is None:
+        m.body.line(f"{local} = max({least}, {rows})")
+    else:
+        m.import_line("from purinec.codegen.cpu_gemm import fitted_rows")
+        m.body.line(f"{local} = fitted_rows({rows}, {least}, {fit_width})")
     return local
 
 

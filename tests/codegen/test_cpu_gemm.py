@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -16,7 +17,8 @@ from numba import njit
 from numba.core.errors import TypingError
 
 from purinec.codegen import cpu, cpu_conv, cpu_runtime
-from purinec.codegen.cpu_gemm import KC, MR, NW, VW, tiled_sgemm, transpose
+from purinec.codegen.cpu_gemm import (KC, MR, NW, VW, fitted_rows, lanes, tiled_sgemm,
+                                      transpose)
 from purinec.codegen.cpu_module import CpuOptions
 from purinec.errors import PurinecError
 from purinec.ir.types import DType
@@ -305,15 +307,40 @@ def test_convolutions_in_chunks_of_output_rows(options, kernel, epilogue, monkey
     assert ("offsets, sums," in source) == (kernel == 3)
 
 
-@pytest.mark.parametrize("size, chunk", [(28, "rows_at_once = max(10, "), (13, None)])
+@pytest.mark.parametrize("size, chunk", [(28, r"rows_at_once = fitted_rows\(.*, 10, 28\)"),
+                                         (13, None)])
 def test_chunks_of_output_rows_fill_their_tiles(size, chunk):
     """A chunk of output rows has `cpu_conv.OUT_CHUNK_MIN_COLUMNS` columns or more,
     however many filters its bytes allow (512 filters of 28x28: 4 rows by bytes, 10
-    by columns); where that is every row, the product is one."""
+    by columns), as many as fill its tiles best (`fitted_rows`); where that is every
+    row, the product is one."""
     x = np.zeros((1, 16, size, size), np.float32)
     w = np.zeros((512, 16, 1, 1), np.float32)
     source = cpu.render(one_node("conv2d", [x, w], {}), TILED)
-    assert (chunk in source) if chunk else "rows_at_once" not in source
+    assert re.search(chunk, source) if chunk else "rows_at_once" not in source
+
+
+def _masked_share(rows: int, width: int) -> float:
+    return (lanes(rows * width) - rows * width) / (rows * width)
+
+
+@given(st.integers(1, 64), st.integers(1, 20), st.integers(1, 300))
+def test_fitted_rows_waste_no_more_lanes_than_the_rows_bytes_allow(rows, least, width):
+    """`fitted_rows` stays near the rows the bytes allow (``least`` or more), and its
+    chunks' tiles mask no larger share of their lanes than those rows' would."""
+    fitted = fitted_rows(rows, least, width)
+    plain = max(least, rows)
+    assert max(least, rows * 3 // 4) <= fitted <= plain * 3 // 2
+    assert _masked_share(fitted, width) <= _masked_share(plain, width) + 1e-12
+
+
+def test_fitted_rows_of_googlenets_56x56_layer():
+    """192 filters over phase planes 58 columns wide: 5 rows by bytes, 290 columns in
+    304 lanes; 6 rows fill 352 with 348 (with AVX2's tiles, 5 rows take 296 lanes and
+    7 rows, 406 columns, 408)."""
+    fitted = fitted_rows(5, 5, 58)
+    assert fitted == (6 if VW == 16 else 7)
+    assert _masked_share(fitted, 58) < _masked_share(5, 58) / 3
 
 
 @pytest.mark.slow  # a Numba compile per case
