@@ -345,7 +345,6 @@ def _assert_every_device_gets_the_servers_weights(program: purinec.Program, feed
     finally:
         distributed.physical = original
         getattr(run, "close", lambda: None)()
-    devices = set(program.devices)
     sent = [x.name for n in copies for x in n.inputs]
     assert sorted(sent) == sorted(f"{name}.next" for name in program.params)
     assert len(copies) < len(sent)  # the small ones bucketed

@@ -297,7 +297,7 @@ def test_a_value_returned_twice_is_returned_as_two_arrays():
     graph = Graph("twice")
     x = graph.add_input("x", T44)
     w = graph.add_input("w", T44, role="param")
-    v = graph.add_input("v", T44, role="param")
+    graph.add_input("v", T44, role="param")  # updated to the same value as w
     both = graph.add_node("add", [w, x]).outputs[0]
     graph.set_outputs([("w", both), ("v", both), ("y", both)])
     exe = Executable(graph, reference_kernels(graph))
