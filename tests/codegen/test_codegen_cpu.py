@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from numba import njit
 from numba.core.errors import TypingError
 
-from purinec.codegen import CodegenError, cpu
+from purinec.codegen import CodegenError, cpu, cpu_conv
 from purinec.codegen.cpu_module import RENDERERS, CpuOptions, KernelModule
 from purinec.codegen.cpu_runtime import Blocked, copy_run, empty, opaque, set_threads, view
 from purinec.errors import ShapeError
@@ -836,6 +836,54 @@ def test_conv_by_kernel_rows_agrees(x_shape, w_shape, attrs, options):
     assert "w_rows" in cpu.render(one_node("conv2d", [x, w], attrs), options)
     check("conv2d", [x, w], attrs, options)
     check_conv_gradients(rng, x_shape, w_shape, attrs, DType.f32, options)
+
+@given(size=st.tuples(st.integers(1, 12), st.integers(1, 12)),
+       kernel=st.tuples(st.integers(1, 5), st.integers(1, 5)),
+       stride=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+       dilation=st.tuples(st.integers(1, 2), st.integers(1, 2)),
+       pad=st.tuples(*[st.integers(0, 3)] * 4), seed=seeds)
+def test_phase_planes_read_every_tap_as_one_run(size, kernel, stride, dilation, pad, seed):
+    """The flat phase planes (`cpu_conv._plane_shape`), filled as the kernels fill
+    them, give every output pixel's every tap its padded image's value at one offset
+    from the pixel, rows read past their end included (into the next row's border);
+    the columns computed for nothing stay inside the planes; and a plane is never
+    wider than the padded image's phase."""
+    (h, w), (kh, kw), (sh, sw), (dh, dw), (pt, pl, pb, pr) = size, kernel, stride, dilation, pad
+    assume(conv_output_size(h, kh, sh, pt, pb, dh) >= 1)
+    assume(conv_output_size(w, kw, sw, pl, pr, dw) >= 1)
+    x = np.random.default_rng(seed).uniform(1, 2, (h, w))
+    node = one_node("conv2d", [np.zeros((1, 1, h, w), np.float32),
+                               np.zeros((1, 1, kh, kw), np.float32)],
+                    {"stride": [sh, sw], "pad": [pt, pl, pb, pr], "dilation": [dh, dw],
+                     "groups": 1})
+    g = cpu_conv.node_conv(node)
+    rows, width = cpu_conv._plane_shape(g)
+    padded = np.pad(x, ((pt, pb), (pl, pr)))
+    planes = np.zeros((sh, sw, rows, width))
+    for row in range(pt, pt + h):
+        for column in range(pl, pl + w):
+            planes[row % sh, column % sw, row // sh, column // sw] = padded[row, column]
+    flat = planes.reshape(sh, sw, rows * width)
+    assert width <= -(-(w + pl + pr) // sw)
+    for i in range(kh):
+        for j in range(kw):
+            row_phase, column_phase, offset = cpu_conv.tap_in_phases(i, j, (sh, sw),
+                                                                     (dh, dw), width)
+            run = flat[row_phase, column_phase, offset:offset + g.oh * width]
+            assert run.size == g.oh * width  # the columns for nothing, inside
+            np.testing.assert_array_equal(
+                run.reshape(g.oh, width)[:, :g.ow],
+                padded[i * dh::sh][:g.oh, j * dw::sw][:, :g.ow])
+
+
+def test_phase_planes_share_a_border_between_rows():
+    """A 3x3 window padded by 1 reads its rows' right border from the next row's left:
+    rows of 57 for 56 pixels."""
+    node = one_node("conv2d", [np.zeros((1, 64, 56, 56), np.float32),
+                               np.zeros((64, 64, 3, 3), np.float32)],
+                    {"stride": [1, 1], "pad": [1, 1], "dilation": [1, 1], "groups": 1})
+    assert cpu_conv._plane_shape(cpu_conv.node_conv(node)) == (59, 57)
+
 
 @pytest.mark.slow  # a Numba compile per case
 @pytest.mark.parametrize("x_shape, w_shape, attrs", [
