@@ -5,6 +5,7 @@ graphs computed pixel by filter, from weights rearranged into panels of filters
 from __future__ import annotations
 
 from purinec.codegen.cpu_conv import pixel_major_gain
+from purinec.codegen.cpu_gemm import VW
 from purinec.codegen.cpu_runtime import tiled_gemm_wanted
 from purinec.ir.graph import Graph, Node, Value, updated_variables
 from purinec.ir.types import DType
@@ -13,12 +14,25 @@ from purinec.ir.types import DType
 # width (`cpu_gemm.NW`; four tiles with AVX2), or the widest tile's (`cpu_gemm.NV_LAST`
 # vectors), or three vectors. The same on every machine, so that an artifact's IR is.
 PANEL_WIDTHS = (64, 80, 48)
-# A convolution turns pixel-major where that uses this much more of its tiles' lanes
-# (`pixel_major_gain`), less what transposing each block's sums into the output costs
-# (2-4% of the product): 7x7, 14x14 and 28x28 maps gain 1.3, 1.14 and 1.07 with a 3x3
-# kernel; 56x56 1.04. resnet18's 3x3 layers of 28x28 took 0.90-0.94 of their time
-# pixel by filter at batch 1 and 32 (alternating traces); googlenet's level.
+# A 1x1 convolution turns pixel-major where that uses this much more of its tiles'
+# lanes (`pixel_major_gain`), less what transposing each block's sums into the output
+# costs (2-4% of the product): both ways the product reads the image in place.
+# Kernels alone, 2 threads, filter by pixel against pixel by filter (us, b1): 48 ->
+# 192 filters of 13x13 (gain 1.02) 18 / 20, 64 -> 256 of 56x56 (1.0) 465 / 517, 512
+# -> 1024 of 7x7 (1.23) 297 / 250.
 PIXEL_MAJOR_MIN_GAIN = 1.05
+# A window's product filter by pixel also copies the image into phase planes (or an
+# im2col matrix) and each row of its output out of the planes' wider rows, which pixel
+# by filter does not: it turns pixel-major where that uses its lanes no worse. The same
+# kernels, 3x3 unless said: 128 -> 128 of 28x28 (gain 1.04) 2239 / 2113, 64 -> 192 of
+# 56x56 (1.02) 4078 / 4061, 64 -> 128 of 112x112 at stride 2 (1.02) 2353 / 2236, 32
+# -> 128 of 27x27 (1.05) 271 / 257, 32 -> 128 5x5 of 56x56 (1.04) 2941 / 2872, 16 ->
+# 128 of 56x56 (1.02) 535 / 541; at batch 32 the same or better (0.90-0.99). With
+# AVX2's tiles (6 pixels by 16 filters against 4 by 64) pixel by filter lost where it
+# gained little (AVX2 emulated on the same cores, gain 1.04: 32 -> 128 of 27x27 336 /
+# 377, 96 -> 128 of 28x28 at batch 32 26.5 / 28.8 ms), so there windows keep the
+# rule of 1x1 products.
+PIXEL_MAJOR_MIN_GAIN_WINDOWS = 1.0 if VW == 16 else PIXEL_MAJOR_MIN_GAIN
 # ... and has this many input channels: with fewer its taps are few, the layer cheap.
 PIXEL_MAJOR_MIN_CHANNELS = 16
 
@@ -55,7 +69,12 @@ def _pixel_major(node: Node) -> bool:
     filters, channels = w.type.shape[:2]
     return (node.attrs["groups"] == 1 and x.type.dtype is DType.f32
             and panel_width(filters) is not None and channels >= PIXEL_MAJOR_MIN_CHANNELS
-            and pixel_major_gain(node) >= PIXEL_MAJOR_MIN_GAIN)
+            and pixel_major_gain(node) >= _least_gain(w.type.shape[2:]))
+
+
+def _least_gain(kernel: tuple[int, ...]) -> float:
+    """The gain (`pixel_major_gain`) a convolution with this kernel turns pixel-major at."""
+    return PIXEL_MAJOR_MIN_GAIN if tuple(kernel) == (1, 1) else PIXEL_MAJOR_MIN_GAIN_WINDOWS
 
 
 def panel_width(filters: int) -> int | None:
