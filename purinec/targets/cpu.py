@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 from purinec.ir.graph import Graph
+from purinec.passes.batch_slices import in_slices, slice_count
 from purinec.passes.fuse import fuse
 from purinec.passes.pipeline import Pass
 from purinec.runtime.host import kernel_nodes
@@ -25,7 +26,8 @@ class CpuTarget(Target):
             return fusion
         from purinec.codegen.cpu_layout import filters_in_panels
 
-        return [Pass("panels", filters_in_panels,
+        return [Pass("slices", _in_slices, "a batch in slices whose values fit the cache"),
+                Pass("panels", filters_in_panels,
                      "small maps' convolutions pixel by filter, weights in panels"), *fusion]
 
     def generated(self, graph: Graph) -> dict:
@@ -62,3 +64,11 @@ def _computed(graph: Graph) -> Graph:
     elided = concats_in_place(graph)
     kept.nodes = [node for node in kept.nodes if node not in elided]
     return kept
+
+
+def _in_slices(graph: Graph) -> Graph:
+    """An inference batch computed a slice at a time (`purinec.passes.batch_slices`),
+    each slice's values within `cpu_runtime.slice_budget`."""
+    from purinec.codegen.cpu_runtime import slice_budget
+
+    return in_slices(graph, slice_count(graph, slice_budget()))
