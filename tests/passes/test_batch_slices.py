@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import purinec
+from purinec.errors import PurinecError
 from purinec.compiler import lowered
 from purinec.ir.graph import Graph
 from purinec.ir.types import CPU0, Device, DType, TensorType
@@ -121,6 +122,19 @@ def test_slices_are_as_many_as_the_budget_needs_and_only_where_they_pay():
     # 2 GFLOP a batch for 1 MB of traffic an image: slices would save little time
     compute_bound = _pointwise(1024, 1024, 4)
     assert slice_count(compute_bound, 1024 * 16 * 4) == 1
+
+
+def test_the_slices_budget_is_two_fifths_of_the_cache_unless_set(monkeypatch):
+    from purinec.codegen import cpu_runtime
+
+    monkeypatch.delenv("PURINEC_SLICE_BYTES", raising=False)
+    assert cpu_runtime.slice_budget() == cpu_runtime.last_level_cache() * 2 // 5 > 0
+    monkeypatch.setenv("PURINEC_SLICE_BYTES", "0")
+    assert cpu_runtime.slice_budget() == 0
+    monkeypatch.setenv("PURINEC_SLICE_BYTES", "12MB")
+    with pytest.raises(PurinecError, match="PURINEC_SLICE_BYTES='12MB': give a number of "
+                                           "bytes"):
+        cpu_runtime.slice_budget()
 
 
 @pytest.mark.slow  # compiles kernels
