@@ -781,8 +781,9 @@ def _direct_by_groups(m: KernelModule, node: Node, g: _Conv, x: str, w_mat: str,
 # j*dw]`` over the output pixels ``(p, q)`` is one run of ``planes`` (flat) from the
 # tap's offset on, if the product computes ``Wq`` columns per output row (``Wq - ow``
 # of them for nothing: those read into the next row, or the plane's spare row of
-# zeros, and are dropped when the rows are copied out). Kernels alone, one image, 2 threads, both variants in one process, caches
-# flushed, im2col (or kernel rows) against implicit (us, best of 30): 3x3 layers of
+# zeros, and are dropped when the rows are copied out). Kernels alone, one image, 2
+# threads, both variants in one process, caches flushed, im2col (or kernel rows)
+# against implicit (us, best of 30): 3x3 layers of
 # resnet18, 64 channels of 56x56 1524 / 1315, 128 of 28x28 1274 / 1206, 256 of 14x14
 # 1379 / 1247, 512 of 7x7 1527 / 1502, 128 -> 256 at stride 2 824 / 790; its 7x7
 # stride-2 first layer 1430 / 1360.

@@ -380,7 +380,7 @@ def fitted_rows(rows: int, least: int, width: int) -> int:
     (from three quarters of it to half again, ``least`` or more): the count whose
     columns the tiles cover with the fewest masked lanes per column (`lanes`), the one
     nearest ``rows`` among equals. googlenet's 3x3 layer of 192 filters over rows of
-    58 columns took 5 rows (290 columns in 304 lanes); 6 fill 352 with 348."""
+    57 columns took 5 rows (285 columns in 288 lanes); 7 fill 400 with 399."""
     best, best_waste = max(least, rows), 1.0
     for count in range(max(least, rows * 3 // 4), max(least, rows) * 3 // 2 + 1):
         columns = count * width

@@ -36,8 +36,8 @@ helper). The BLAS kernels call is made single-threaded (`limit_blas_threads`).
 from __future__ import annotations
 
 import ctypes
-import glob
 import functools
+import glob
 import os
 import platform
 import sys
@@ -298,6 +298,7 @@ def tiled_gemm_wanted() -> bool:
 SLICE_ENV = "PURINEC_SLICE_BYTES"  # overrides `slice_budget`; 0: never in slices
 # Where the machine does not say how big its last-level cache is, this is assumed.
 ASSUMED_LAST_LEVEL_CACHE = 8 << 20
+_SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}  # sysfs's cache sizes: 32768K
 
 
 def last_level_cache() -> int:
@@ -310,10 +311,9 @@ def last_level_cache() -> int:
                 text = f.read().strip()
         except OSError:
             continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
         digits = text.rstrip("KMG")
         if digits.isdigit():
-            sizes.append(int(digits) * units.get(text[len(digits):], 1))
+            sizes.append(int(digits) * _SIZE_UNITS.get(text[len(digits):], 1))
     return max(sizes, default=ASSUMED_LAST_LEVEL_CACHE)
 
 

@@ -28,13 +28,13 @@ from purinec.errors import PurinecError
 from purinec.ir.graph import Graph, Node, Value, stable_topological_order
 from purinec.ir.ops import FusionKind, Trait, get_op, op_has
 from purinec.passes.cost import FLOPS_PER_BYTE, node_flops
-from purinec.passes.parallel import microbatch
+from purinec.passes.parallel.pipeline import batch_sizes, microbatch
 from purinec.passes.simplify import dce
 
 
 def batch(graph: Graph) -> int | None:
     """The batch of ``graph``'s data inputs: the leading size they share, or None."""
-    sizes = {v.type.shape[0] for v in graph.inputs_with_role("data") if v.type.rank}
+    sizes = batch_sizes(graph)
     return sizes.pop() if len(sizes) == 1 else None
 
 

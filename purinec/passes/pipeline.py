@@ -72,10 +72,9 @@ def run_passes(graph: Graph, passes: Iterable[Pass], after: StageHook | None = N
 # Every stage a dump can show, in pipeline order. "lower" is the graph as the front end
 # produced it (for a .pir file: as parsed). autodiff and optimizer run only for training,
 # on_gpus and local_collectives only for the cuda target, slices and panels only for the
-# cpu target,
-# fuse only for targets that fuse (cpu, cuda). With several devices, "parallel"
-# (distributions and boxing) ends the logical pipeline and "partition" starts each rank's
-# physical one.
+# cpu target, fuse only for targets that fuse (cpu, cuda). With several devices,
+# "parallel" (distributions and boxing) ends the logical pipeline and "partition" starts
+# each rank's physical one.
 STAGES = ("lower", "infer_shapes", "verify", "stages", "autodiff", "optimizer", "dce", "cse",
           "microbatch", "parallel", "partition", "on_gpus", "local_collectives", "slices",
           "panels", "fuse")

@@ -74,11 +74,16 @@ def default_micro_batches(stages: int, batch: int) -> int:
     return max(1, min(2 * stages, batch))
 
 
+def batch_sizes(graph: Graph) -> set[int]:
+    """The leading sizes of ``graph``'s data inputs: its batch, where there is one."""
+    return {v.type.shape[0] for v in graph.inputs_with_role("data") if v.type.rank}
+
+
 def microbatch(graph: Graph, count: int) -> Graph:
     """``graph`` with its batch-dependent part unrolled over ``count`` micro-batches."""
     from purinec.passes.parallel.distribute import Parallel, Distributor
 
-    batch = {v.type.shape[0] for v in graph.inputs_with_role("data") if v.type.rank}
+    batch = batch_sizes(graph)
     if len(batch) != 1 or count > min(batch):
         raise PurinecError(f"graph {graph.name}: cannot cut a batch of "
                            f"{' or '.join(map(str, sorted(batch))) or 'nothing'} into "
